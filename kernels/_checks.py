@@ -1,0 +1,67 @@
+"""Input checks shared by the kernel host wrappers.
+
+Every wrapper validates shapes, dtypes, devices and index ranges here before it
+launches anything: an out-of-range block id in a kernel reads wild memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Literal
+
+import torch
+
+from paged_kv.errors import InvalidArgumentError, OutOfRangeError, describe
+
+Backend = Literal["auto", "triton", "torch"]
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
+CACHE_DTYPES = FLOAT_DTYPES + QUANT_DTYPES
+
+
+def use_triton(backend: Backend, *tensors: torch.Tensor) -> bool:
+    """Pick the Triton path: 'auto' means CUDA tensors run Triton, CPU tensors run torch."""
+    if backend not in ("auto", "triton", "torch"):
+        raise InvalidArgumentError(describe("backend", backend, "'auto', 'triton' or 'torch'"))
+    if backend == "auto":
+        return all(t.is_cuda for t in tensors)
+    return backend == "triton"
+
+
+def check_tensor(
+    name: str,
+    t: object,
+    *,
+    ndim: int | None = None,
+    dtypes: Iterable[torch.dtype] | None = None,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """Check that ``t`` is a tensor of the given rank, dtype family and device."""
+    if not isinstance(t, torch.Tensor):
+        raise InvalidArgumentError(describe(name, type(t).__name__, "a torch.Tensor"))
+    if ndim is not None and t.dim() != ndim:
+        raise InvalidArgumentError(describe(f"{name}.shape", tuple(t.shape), f"{ndim} dimensions"))
+    if dtypes is not None:
+        dtypes = tuple(dtypes)
+        if t.dtype not in dtypes:
+            raise InvalidArgumentError(describe(f"{name}.dtype", t.dtype, f"one of {dtypes}"))
+    if device is not None and t.device != device:
+        raise InvalidArgumentError(describe(f"{name}.device", t.device, f"{device}"))
+    return t
+
+
+def check_shape(name: str, t: torch.Tensor, expected: tuple[int, ...]) -> None:
+    """Check an exact shape."""
+    if tuple(t.shape) != tuple(expected):
+        raise InvalidArgumentError(describe(f"{name}.shape", tuple(t.shape), f"{tuple(expected)}"))
+
+
+def check_range(name: str, t: torch.Tensor, low: int, high: int) -> None:
+    """Check every element of an integer tensor lies in ``[low, high)`` (one host sync)."""
+    if t.numel() == 0:
+        return
+    lo, hi = int(t.min()), int(t.max())
+    if lo < low or hi >= high:
+        bad = lo if lo < low else hi
+        raise OutOfRangeError(describe(name, bad, f"values in [{low}, {high})"))
