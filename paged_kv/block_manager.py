@@ -1,0 +1,389 @@
+"""The block manager: block tables of sequences over a shared, copy-on-write block pool.
+
+A sequence's block table maps its logical blocks to physical blocks of the GPU
+pool (or, while swapped out, of the CPU pool). Full blocks are content-hashed
+and shared through the prefix cache; ``fork`` shares every block of a parent.
+A write into a block whose refcount is > 1 gets a fresh block and returns the
+(src, dst) copy it owes, which the caller runs on the device before the write.
+
+Every method that raises leaves the manager exactly as it was: each one first
+computes what it needs, checks it, and only then mutates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+from paged_kv.block_hash import BlockHash, hash_blocks, root_hash
+from paged_kv.block_pool import BlockId, BlockPool, InvariantError
+from paged_kv.config import BlockManagerConfig
+from paged_kv.errors import (
+    DuplicateSequenceError,
+    InvalidArgumentError,
+    OutOfBlocksError,
+    SequenceStateError,
+    UnknownSequenceError,
+    check_int,
+    describe,
+)
+from paged_kv.stats import BlockManagerStats, HitCounter
+from paged_kv.tokens import Tokens, as_token_list
+
+SeqId = Hashable
+CopyOp = tuple[BlockId, BlockId]  # (src, dst)
+
+
+@dataclass(slots=True)
+class _Seq:
+    """Per-sequence state. ``full``/``hashes`` describe full blocks while ``cacheable``."""
+
+    blocks: list[BlockId]
+    num_tokens: int
+    root: BlockHash
+    cacheable: bool
+    full: list[tuple[int, ...]] = field(default_factory=list)
+    hashes: list[BlockHash] = field(default_factory=list)
+    tail: list[int] = field(default_factory=list)
+    swapped: bool = False
+
+
+class BlockManager:
+    """Allocates, grows, forks, swaps and frees the block tables of sequences."""
+
+    def __init__(self, config: BlockManagerConfig) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self.gpu = BlockPool(config.num_blocks, "gpu")
+        self.cpu = BlockPool(config.num_cpu_blocks, "cpu")
+        self._seqs: dict[SeqId, _Seq] = {}
+        self._hits = HitCounter()
+        self.num_cow_copies = 0
+
+    # -- queries ----------------------------------------------------------
+    def __contains__(self, seq_id: SeqId) -> bool:
+        return seq_id in self._seqs
+
+    def block_table(self, seq_id: SeqId) -> list[BlockId]:
+        """The physical blocks of a sequence, in logical order (a copy)."""
+        return list(self._get(seq_id).blocks)
+
+    def num_tokens(self, seq_id: SeqId) -> int:
+        """Tokens whose slots the sequence holds (lookahead slots not counted)."""
+        return self._get(seq_id).num_tokens
+
+    def is_swapped(self, seq_id: SeqId) -> bool:
+        """Whether the sequence's blocks currently live in the CPU pool."""
+        return self._get(seq_id).swapped
+
+    def seq_ids(self) -> list[SeqId]:
+        """Every sequence the manager holds."""
+        return list(self._seqs)
+
+    # -- allocate ---------------------------------------------------------
+    def num_cached_tokens(self, token_ids: Tokens, *, cache_salt: str | None = None) -> int:
+        """Leading tokens a fresh allocation of ``token_ids`` would find in the prefix cache."""
+        tokens = as_token_list("token_ids", token_ids)
+        return len(self._lookup(tokens, self._root(cache_salt))) * self.block_size
+
+    def can_allocate(self, token_ids: Tokens, *, cache_salt: str | None = None, num_lookahead_slots: int = 0) -> bool:
+        """Whether ``allocate`` would succeed and leave the watermark of free blocks intact."""
+        tokens = as_token_list("token_ids", token_ids)
+        hits = self._lookup(tokens, self._root(cache_salt))
+        need = self._blocks_for(len(tokens) + num_lookahead_slots) - len(hits)
+        need += sum(self.gpu.is_evictable(b) for b in hits)
+        return self.gpu.num_free - need >= self.config.watermark_blocks
+
+    def allocate(
+        self, seq_id: SeqId, token_ids: Tokens, *, cache_salt: str | None = None, num_lookahead_slots: int = 0
+    ) -> int:
+        """Give a new sequence blocks for its prompt; return how many leading tokens were cached.
+
+        ``token_ids`` is a list of ids (hashed for prefix caching) or a count of
+        anonymous tokens (never cached). A hit never covers the last token, so
+        at least one token is always left to compute. Raises OutOfBlocksError
+        (nothing changed) when the blocks do not fit.
+        """
+        if seq_id in self._seqs:
+            raise DuplicateSequenceError(describe("seq_id", seq_id, "an id not already allocated"))
+        check_int("num_lookahead_slots", num_lookahead_slots, low=0, high=1 << 20)
+        tokens = as_token_list("token_ids", token_ids)
+        root = self._root(cache_salt)
+        hashes = self._hash_tokens(tokens, root)
+        hits = self._lookup(tokens, root, hashes)
+        num_new = self._blocks_for(len(tokens) + num_lookahead_slots) - len(hits)
+        num_revived = sum(self.gpu.is_evictable(b) for b in hits)
+        if num_new + num_revived > self.gpu.num_free:
+            raise OutOfBlocksError(
+                f"token_ids (len {len(tokens)}): needs {num_new + num_revived} blocks, "
+                f"expected at most {self.gpu.num_free} free"
+            )
+        for b in hits:
+            self.gpu.touch(b)
+        cacheable = tokens is not None and self.config.enable_prefix_caching
+        seq = _Seq(hits + self.gpu.take(num_new), 0, root, cacheable)
+        self._seqs[seq_id] = seq
+        self._extend(seq, tokens if tokens is not None else len_of(token_ids), hashes)
+        if tokens is not None:
+            self._hits.record(len(tokens), len(hits) * self.block_size)
+        return len(hits) * self.block_size
+
+    # -- append -----------------------------------------------------------
+    def can_append(self, seq_id: SeqId, num_new_tokens: int = 1, *, num_lookahead_slots: int = 0) -> bool:
+        """Whether ``append`` of ``num_new_tokens`` (plus lookahead) would find enough free blocks."""
+        seq = self._get_resident(seq_id)
+        check_int("num_new_tokens", num_new_tokens, low=0)
+        cow, new = self._append_cost(seq, num_new_tokens, num_lookahead_slots)
+        return len(cow) + new <= self.gpu.num_free
+
+    def append(self, seq_id: SeqId, token_ids: Tokens, *, num_lookahead_slots: int = 0) -> list[CopyOp]:
+        """Grow a sequence by new tokens; return the copy-on-write copies owed before writing them.
+
+        Blocks the new tokens land in that are shared (refcount > 1) are
+        replaced by fresh blocks; the returned (src, dst) pairs must be copied
+        on the device before the new KV is written.
+        """
+        seq = self._get_resident(seq_id)
+        check_int("num_lookahead_slots", num_lookahead_slots, low=0, high=1 << 20)
+        tokens = as_token_list("token_ids", token_ids)
+        n = len(tokens) if tokens is not None else len_of(token_ids)
+        cow, num_new = self._append_cost(seq, n, num_lookahead_slots)
+        if len(cow) + num_new > self.gpu.num_free:
+            raise OutOfBlocksError(
+                f"token_ids (len {n}): needs {len(cow) + num_new} blocks for seq_id={seq_id!r}, "
+                f"expected at most {self.gpu.num_free} free"
+            )
+        copies = self._copy_on_write(seq, cow)
+        seq.blocks += self.gpu.take(num_new)
+        if tokens is None:
+            seq.cacheable = False
+        self._extend(seq, tokens if tokens is not None else n, None)
+        return copies
+
+    def _append_cost(self, seq: _Seq, n: int, lookahead: int) -> tuple[list[int], int]:
+        """Logical indices of shared blocks the write lands in, and new blocks needed."""
+        first, end = seq.num_tokens // self.block_size, self._blocks_for(seq.num_tokens + n)
+        touched = range(first, min(end, len(seq.blocks))) if n else range(0)
+        cow = [i for i in touched if self.gpu.ref_counts[seq.blocks[i]] > 1]
+        new = max(0, self._blocks_for(seq.num_tokens + n + lookahead) - len(seq.blocks))
+        return cow, new
+
+    def _copy_on_write(self, seq: _Seq, cow: list[int]) -> list[CopyOp]:
+        """Swap each shared block at the given logical indices for a private copy."""
+        fresh = self.gpu.take(len(cow))
+        copies = []
+        for i, dst in zip(cow, fresh):
+            src = seq.blocks[i]
+            self.gpu.release((src,))
+            seq.blocks[i] = dst
+            copies.append((src, dst))
+        self.num_cow_copies += len(copies)
+        return copies
+
+    def _extend(self, seq: _Seq, tokens: list[int] | int, hashes: list[BlockHash] | None) -> None:
+        """Record new tokens; register blocks they fill. Pre: blocks exist and are private."""
+        bs = self.block_size
+        first_partial = seq.num_tokens // bs
+        n = tokens if isinstance(tokens, int) else len(tokens)
+        self._unhash_written(seq, first_partial, n)
+        if isinstance(tokens, int) or not seq.cacheable:
+            seq.num_tokens += n
+            return
+        pending = seq.tail + tokens
+        if hashes is None:
+            hashes = hash_blocks(seq.hashes[-1] if seq.hashes else seq.root, pending, bs)
+        else:
+            hashes = hashes[first_partial:]
+        for k, h in enumerate(hashes):
+            block_tokens = tuple(pending[k * bs : (k + 1) * bs])
+            parent = seq.hashes[-1] if seq.hashes else seq.root
+            self.gpu.register(seq.blocks[len(seq.hashes)], h, parent, block_tokens)
+            seq.full.append(block_tokens)
+            seq.hashes.append(h)
+        seq.tail = pending[len(hashes) * bs :]
+        seq.num_tokens += len(tokens)
+
+    def _unhash_written(self, seq: _Seq, first: int, n: int) -> None:
+        """A private block about to be written in place loses its cached identity."""
+        if n and first < len(seq.blocks) and seq.num_tokens % self.block_size:
+            self.gpu.unregister(seq.blocks[first])
+
+    # -- fork / free / truncate -------------------------------------------
+    def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
+        """Make ``child_id`` share every block of ``parent_id`` (O(blocks), no data copied)."""
+        parent = self._get_resident(parent_id)
+        if child_id in self._seqs:
+            raise DuplicateSequenceError(describe("child_id", child_id, "an id not already allocated"))
+        for b in parent.blocks:
+            self.gpu.touch(b)
+        self._seqs[child_id] = _Seq(
+            list(parent.blocks), parent.num_tokens, parent.root, parent.cacheable,
+            list(parent.full), list(parent.hashes), list(parent.tail),
+        )
+
+    def free(self, seq_id: SeqId) -> None:
+        """Release every block of a sequence; cached full blocks stay reusable until evicted."""
+        seq = self._get(seq_id)
+        pool = self.cpu if seq.swapped else self.gpu
+        pool.release(reversed(seq.blocks))  # tail blocks become the first to evict
+        del self._seqs[seq_id]
+
+    def truncate(self, seq_id: SeqId, num_tokens: int) -> None:
+        """Shrink a sequence to its first ``num_tokens`` tokens; whole blocks past them are freed."""
+        seq = self._get_resident(seq_id)
+        check_int("num_tokens", num_tokens, low=0, high=seq.num_tokens)
+        keep = self._blocks_for(num_tokens)
+        self.gpu.release(reversed(seq.blocks[keep:]))
+        del seq.blocks[keep:]
+        if seq.cacheable:
+            nfull, rest = divmod(num_tokens, self.block_size)
+            partial = seq.full[nfull] if nfull < len(seq.full) else seq.tail
+            seq.tail = list(partial[:rest])
+            del seq.full[nfull:], seq.hashes[nfull:]
+        seq.num_tokens = num_tokens
+
+    # -- swap -------------------------------------------------------------
+    def can_swap_out(self, seq_id: SeqId) -> bool:
+        """Whether the CPU pool has room for the sequence's blocks."""
+        return len(self._get_resident(seq_id).blocks) <= self.cpu.num_free
+
+    def swap_out(self, seq_id: SeqId) -> list[CopyOp]:
+        """Move a sequence to the CPU pool; return the (gpu, cpu) block copies to run first."""
+        return self._swap(self._get_resident(seq_id), self.gpu, self.cpu, to_cpu=True)
+
+    def can_swap_in(self, seq_id: SeqId) -> bool:
+        """Whether the GPU pool has room (above the watermark) for a swapped-out sequence."""
+        seq = self._get(seq_id)
+        return seq.swapped and self.gpu.num_free - len(seq.blocks) >= self.config.watermark_blocks
+
+    def swap_in(self, seq_id: SeqId) -> list[CopyOp]:
+        """Bring a swapped-out sequence back; return the (cpu, gpu) block copies to run first."""
+        seq = self._get(seq_id)
+        if not seq.swapped:
+            raise SequenceStateError(describe("seq_id", seq_id, "a swapped-out sequence"))
+        mapping = self._swap(seq, self.cpu, self.gpu, to_cpu=False)
+        self._register_full(seq)
+        return mapping
+
+    def _swap(self, seq: _Seq, src: BlockPool, dst: BlockPool, *, to_cpu: bool) -> list[CopyOp]:
+        if len(seq.blocks) > dst.num_free:
+            raise OutOfBlocksError(
+                f"seq blocks={len(seq.blocks)}: expected at most {dst.num_free} free {dst.name} blocks"
+            )
+        new = dst.take(len(seq.blocks))
+        mapping = list(zip(seq.blocks, new))
+        src.release(reversed(seq.blocks))
+        seq.blocks, seq.swapped = new, to_cpu
+        return mapping
+
+    def _register_full(self, seq: _Seq) -> None:
+        """Offer a swapped-in sequence's full blocks to the prefix cache again."""
+        parent = seq.root
+        for b, h, toks in zip(seq.blocks, seq.hashes, seq.full):
+            self.gpu.register(b, h, parent, toks)
+            parent = h
+
+    # -- prefix cache -----------------------------------------------------
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block hash and restart the since-reset hit rate."""
+        self.gpu.reset_cache()
+        self._hits.reset()
+
+    def _root(self, cache_salt: str | None) -> BlockHash:
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise InvalidArgumentError(describe("cache_salt", cache_salt, "a str or None"))
+        return _root_cached(cache_salt)
+
+    def _hash_tokens(self, tokens: list[int] | None, root: BlockHash) -> list[BlockHash] | None:
+        if tokens is None or not self.config.enable_prefix_caching:
+            return None
+        return hash_blocks(root, tokens, self.block_size)
+
+    def _lookup(
+        self, tokens: list[int] | None, root: BlockHash, hashes: list[BlockHash] | None = None
+    ) -> list[BlockId]:
+        """Cached blocks matching the longest prefix of full blocks, never covering the last token."""
+        if tokens is None or not self.config.enable_prefix_caching or not tokens:
+            return []
+        bs = self.block_size
+        max_blocks = (len(tokens) - 1) // bs
+        if hashes is None:
+            hashes = hash_blocks(root, tokens[: max_blocks * bs], bs)
+        hits, parent = [], root
+        for i in range(max_blocks):
+            b = self.gpu.lookup(hashes[i], parent, tuple(tokens[i * bs : (i + 1) * bs]))
+            if b is None:
+                break
+            hits.append(b)
+            parent = hashes[i]
+        return hits
+
+    # -- introspection ----------------------------------------------------
+    def stats(self) -> BlockManagerStats:
+        """A snapshot of pool occupancy, prefix-cache hit rates and fragmentation."""
+        gpu = self.gpu
+        return BlockManagerStats(
+            num_blocks=gpu.num_blocks, num_free=gpu.num_free, num_used=gpu.num_used,
+            num_cached=gpu.num_cached, num_evictable=gpu.num_evictable,
+            num_cpu_used=self.cpu.num_used, num_sequences=len(self._seqs),
+            hit_rate=self._hits.lifetime_rate(), hit_rate_since_reset=self._hits.rate(),
+            fragmentation=self._fragmentation(), num_cow_copies=self.num_cow_copies,
+            num_evictions=gpu.num_evictions,
+        )
+
+    def _fragmentation(self) -> float:
+        """Fraction of slots in used GPU blocks that hold no token."""
+        fill: dict[BlockId, int] = {}
+        for seq in self._seqs.values():
+            if seq.swapped:
+                continue
+            for i, b in enumerate(seq.blocks):
+                n = min(self.block_size, max(0, seq.num_tokens - i * self.block_size))
+                fill[b] = max(fill.get(b, 0), n)
+        slots = len(fill) * self.block_size
+        return 0.0 if not slots else 1.0 - sum(fill.values()) / slots
+
+    def check(self) -> None:
+        """Verify every invariant of the manager and its pools (debug; O(total blocks))."""
+        refs = {"gpu": [0] * self.gpu.num_blocks, "cpu": [0] * self.cpu.num_blocks}
+        for seq_id, seq in self._seqs.items():
+            table = refs["cpu" if seq.swapped else "gpu"]
+            for b in seq.blocks:
+                table[b] += 1
+            if len(seq.blocks) < self._blocks_for(seq.num_tokens):
+                raise InvariantError(f"seq {seq_id!r}: {len(seq.blocks)} blocks for {seq.num_tokens} tokens")
+            if seq.cacheable and len(seq.hashes) != seq.num_tokens // self.block_size:
+                raise InvariantError(f"seq {seq_id!r}: {len(seq.hashes)} hashes for {seq.num_tokens} tokens")
+        self.gpu.check(refs["gpu"])
+        self.cpu.check(refs["cpu"])
+
+    # -- helpers ----------------------------------------------------------
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _get(self, seq_id: SeqId) -> _Seq:
+        try:
+            return self._seqs[seq_id]
+        except (KeyError, TypeError):
+            raise UnknownSequenceError(describe("seq_id", seq_id, "an allocated sequence")) from None
+
+    def _get_resident(self, seq_id: SeqId) -> _Seq:
+        seq = self._get(seq_id)
+        if seq.swapped:
+            raise SequenceStateError(describe("seq_id", seq_id, "a sequence resident on the GPU (it is swapped out)"))
+        return seq
+
+
+def len_of(token_ids: Tokens) -> int:
+    """Number of tokens in a token spec (a list of ids or a count)."""
+    return token_ids if isinstance(token_ids, int) else len(token_ids)
+
+
+_ROOTS: dict[str | None, BlockHash] = {}
+
+
+def _root_cached(cache_salt: str | None) -> BlockHash:
+    root = _ROOTS.get(cache_salt)
+    if root is None:
+        root = _ROOTS[cache_salt] = root_hash(cache_salt)
+    return root

@@ -1,0 +1,164 @@
+"""A fixed pool of KV blocks: reference counts, free blocks and the prefix cache.
+
+Invariants (verified by :meth:`BlockPool.check`):
+- every block is exactly one of: free (ref 0, no hash), cached-evictable
+  (ref 0, has a hash) or in use (ref > 0);
+- ``_cached[h] == b`` if and only if ``_hash[b] == h``.
+Every operation is O(1) per block: the free blocks form a stack, the evictable
+ones an ``OrderedDict`` in LRU order (oldest first).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+
+from paged_kv.block_hash import BlockHash
+from paged_kv.errors import OutOfBlocksError, PagedKVError
+
+BlockId = int
+
+
+class BlockPool:
+    """Hands out block ids, counts references and keeps freed full blocks cached for reuse."""
+
+    def __init__(self, num_blocks: int, name: str = "gpu") -> None:
+        self.num_blocks = num_blocks
+        self.name = name
+        self.ref_counts = [0] * num_blocks
+        self._hash: list[BlockHash | None] = [None] * num_blocks
+        self._parent: list[BlockHash | None] = [None] * num_blocks
+        self._tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self._free: list[BlockId] = list(range(num_blocks - 1, -1, -1))  # pop() yields 0 first
+        self._evictable: OrderedDict[BlockId, None] = OrderedDict()
+        self._cached: dict[BlockHash, BlockId] = {}
+        self.num_evictions = 0
+
+    # -- counts -----------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        """Blocks that can be handed out now: never-cached free plus cached-evictable."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_used(self) -> int:
+        """Blocks referenced by at least one sequence."""
+        return self.num_blocks - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks registered in the prefix cache (in use or evictable)."""
+        return len(self._cached)
+
+    @property
+    def num_evictable(self) -> int:
+        """Cached blocks with no reference, kept until their slot is needed."""
+        return len(self._evictable)
+
+    def is_evictable(self, block: BlockId) -> bool:
+        """Whether ``block`` is free but still holds cached content."""
+        return block in self._evictable
+
+    # -- allocation -------------------------------------------------------
+    def take(self, n: int) -> list[BlockId]:
+        """Hand out ``n`` blocks with refcount 1: uncached ones first, then evict LRU cached ones."""
+        if n > self.num_free:
+            raise OutOfBlocksError(
+                f"num_blocks={n}: expected at most {self.num_free} free {self.name} blocks"
+            )
+        k = min(n, len(self._free))
+        blocks = self._free[len(self._free) - k :]
+        blocks.reverse()  # lowest ids first, for readable tables
+        del self._free[len(self._free) - k :]
+        for _ in range(n - k):
+            blocks.append(self._evict_oldest())
+        refs = self.ref_counts
+        for b in blocks:
+            refs[b] = 1
+        return blocks
+
+    def _evict_oldest(self) -> BlockId:
+        """Drop the least recently freed cached block from the cache and return it."""
+        block, _ = self._evictable.popitem(last=False)
+        self._drop_hash(block)
+        self.num_evictions += 1
+        return block
+
+    def touch(self, block: BlockId) -> None:
+        """Add a reference; a cached-evictable block comes back into use."""
+        if self.ref_counts[block] == 0:
+            del self._evictable[block]
+        self.ref_counts[block] += 1
+
+    def release(self, blocks: Iterable[BlockId]) -> None:
+        """Drop one reference each; at zero a cached block becomes evictable (most recent last)."""
+        refs = self.ref_counts
+        for b in blocks:
+            refs[b] -= 1
+            if refs[b] == 0:
+                if self._hash[b] is None:
+                    self._free.append(b)
+                else:
+                    self._evictable[b] = None
+
+    # -- prefix cache -----------------------------------------------------
+    def lookup(self, h: BlockHash, parent: BlockHash, tokens: tuple[int, ...]) -> BlockId | None:
+        """The cached block with this hash, only if its parent hash and token ids match too."""
+        block = self._cached.get(h)
+        if block is None or self._parent[block] != parent or self._tokens[block] != tokens:
+            return None
+        return block
+
+    def register(self, block: BlockId, h: BlockHash, parent: BlockHash, tokens: tuple[int, ...]) -> None:
+        """Record a full in-use block under its hash unless that content is already cached."""
+        if h in self._cached or self._hash[block] is not None:
+            return
+        self._cached[h] = block
+        self._hash[block] = h
+        self._parent[block] = parent
+        self._tokens[block] = tokens
+
+    def unregister(self, block: BlockId) -> None:
+        """Forget the content of an in-use block about to be overwritten in place."""
+        if self._hash[block] is not None:
+            self._drop_hash(block)
+
+    def _drop_hash(self, block: BlockId) -> None:
+        del self._cached[self._hash[block]]
+        self._hash[block] = self._parent[block] = self._tokens[block] = None
+
+    def reset_cache(self) -> None:
+        """Forget every cached hash; evictable blocks become plain free blocks."""
+        for block in list(self._cached.values()):
+            self._drop_hash(block)
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+
+    def block_hash(self, block: BlockId) -> BlockHash | None:
+        """The hash a block is cached under, or None."""
+        return self._hash[block]
+
+    # -- invariants -------------------------------------------------------
+    def check(self, expected_refs: list[int]) -> None:
+        """Verify the invariants against reference counts recomputed from the block tables."""
+        _require(expected_refs == self.ref_counts, f"{self.name}: refcounts differ from block tables")
+        free, evictable = set(self._free), set(self._evictable)
+        _require(len(free) == len(self._free), f"{self.name}: a block is twice in the free list")
+        _require(not free & evictable, f"{self.name}: a block is both free and evictable")
+        for b in range(self.num_blocks):
+            in_use = self.ref_counts[b] > 0
+            _require(in_use + (b in free) + (b in evictable) == 1, f"{self.name}: block {b} state")
+            _require((b in free) == (self._hash[b] is None and not in_use), f"{self.name}: free block {b} hashed")
+            if self._hash[b] is not None:
+                _require(self._cached.get(self._hash[b]) == b, f"{self.name}: hash of block {b} unmapped")
+        _require(len(self._cached) == sum(h is not None for h in self._hash), f"{self.name}: stale hash map")
+        _require(self.num_free + sum(r > 0 for r in self.ref_counts) == self.num_blocks, "free + used != total")
+
+
+class InvariantError(PagedKVError, AssertionError):
+    """Raised by ``check()`` when an internal invariant is broken (a bug, not bad input)."""
+
+
+def _require(cond: bool, what: str) -> None:
+    if not cond:
+        raise InvariantError(what)

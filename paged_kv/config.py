@@ -1,0 +1,33 @@
+"""Configuration dataclasses, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from paged_kv.errors import InvalidArgumentError, check_int, describe
+
+MAX_BLOCKS = 1 << 26  # 64M blocks: any larger count is a unit mistake, not a real pool
+MAX_BLOCK_SIZE = 1 << 12
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockManagerConfig:
+    """Sizes and policies of a :class:`~paged_kv.block_manager.BlockManager`."""
+
+    num_blocks: int
+    block_size: int = 16
+    num_cpu_blocks: int = 0
+    watermark: float = 0.01
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        check_int("num_blocks", self.num_blocks, low=1, high=MAX_BLOCKS)
+        check_int("block_size", self.block_size, low=1, high=MAX_BLOCK_SIZE)
+        check_int("num_cpu_blocks", self.num_cpu_blocks, low=0, high=MAX_BLOCKS)
+        if not isinstance(self.watermark, (int, float)) or not 0.0 <= self.watermark < 1.0:
+            raise InvalidArgumentError(describe("watermark", self.watermark, "a fraction in [0, 1)"))
+
+    @property
+    def watermark_blocks(self) -> int:
+        """Free blocks that ``can_allocate`` keeps in reserve for running sequences."""
+        return int(self.watermark * self.num_blocks)

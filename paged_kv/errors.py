@@ -1,0 +1,61 @@
+"""The one exception hierarchy of paged-kv.
+
+Every error raised on bad input derives from :class:`PagedKVError`. The concrete
+classes also derive from the matching built-in (``ValueError``, ``IndexError``,
+``KeyError``, ``MemoryError``) so callers that catch built-ins keep working.
+A call that raises leaves every object it touched exactly as it was.
+"""
+
+from __future__ import annotations
+
+import operator
+
+
+class PagedKVError(Exception):
+    """Base class of every error paged-kv raises on bad input or exhausted resources."""
+
+
+class InvalidArgumentError(PagedKVError, ValueError):
+    """An argument has a wrong value, type, shape or dtype."""
+
+
+class OutOfRangeError(PagedKVError, IndexError):
+    """An index (layer, position, block id, slot) lies outside its valid range."""
+
+
+class UnknownSequenceError(PagedKVError, KeyError):
+    """A sequence id is not known to the block manager."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class DuplicateSequenceError(PagedKVError, ValueError):
+    """A sequence id is already in use."""
+
+
+class SequenceStateError(PagedKVError, ValueError):
+    """The operation does not fit the sequence's state (e.g. appending to a swapped-out sequence)."""
+
+
+class OutOfBlocksError(PagedKVError, MemoryError):
+    """Not enough free blocks for the request; nothing was allocated."""
+
+
+def describe(name: str, value: object, expected: str) -> str:
+    """Format the standard message: argument name, the value given, what was expected."""
+    return f"{name}={value!r}: expected {expected}"
+
+
+def check_int(name: str, value: object, *, low: int = 0, high: int | None = None) -> int:
+    """Return ``value`` if it is an int in ``[low, high]``, else raise a typed error naming it."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        try:
+            value = operator.index(value)  # numpy / torch integer scalars
+        except TypeError:
+            raise InvalidArgumentError(describe(name, value, "an integer")) from None
+    if value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        err = OutOfRangeError if high is not None else InvalidArgumentError
+        raise err(describe(name, value, f"an integer {bound}"))
+    return value

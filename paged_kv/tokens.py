@@ -1,0 +1,42 @@
+"""Token specs: a list of token ids, or a count of anonymous tokens."""
+
+from __future__ import annotations
+
+import operator
+from array import array
+from collections.abc import Sequence
+
+from paged_kv.errors import InvalidArgumentError, describe
+
+Tokens = Sequence[int] | int
+MAX_TOKENS_PER_CALL = 1 << 24
+
+
+def as_token_list(name: str, token_ids: Tokens) -> list[int] | None:
+    """Validate a token spec; return the ids as a list, or None for an anonymous count."""
+    if isinstance(token_ids, int) and not isinstance(token_ids, bool):
+        if not 0 <= token_ids <= MAX_TOKENS_PER_CALL:
+            raise InvalidArgumentError(describe(name, token_ids, f"a count in [0, {MAX_TOKENS_PER_CALL}]"))
+        return None
+    if hasattr(token_ids, "tolist"):  # numpy arrays, torch tensors
+        token_ids = token_ids.tolist()
+    if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
+        raise InvalidArgumentError(describe(name, type(token_ids).__name__, "a sequence of token ids or a count"))
+    tokens = list(token_ids)
+    if len(tokens) > MAX_TOKENS_PER_CALL:
+        raise InvalidArgumentError(describe(f"len({name})", len(tokens), f"at most {MAX_TOKENS_PER_CALL}"))
+    try:
+        array("q", tokens)
+    except (TypeError, OverflowError):
+        bad = next((t for t in tokens if not _is_int64(t)), None)
+        raise InvalidArgumentError(describe(name, bad, "token ids as int64 integers")) from None
+    if tokens and min(tokens) < 0:
+        raise InvalidArgumentError(describe(name, min(tokens), "non-negative token ids"))
+    return tokens
+
+
+def _is_int64(t: object) -> bool:
+    try:
+        return -(1 << 63) <= operator.index(t) < (1 << 63)
+    except TypeError:
+        return False
