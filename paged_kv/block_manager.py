@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from paged_kv.block_hash import BlockHash, hash_blocks, root_hash
 from paged_kv.block_pool import BlockId, BlockPool, InvariantError
-from paged_kv.config import BlockManagerConfig
+from paged_kv.config import MAX_BLOCKS, BlockManagerConfig
 from paged_kv.errors import (
     DuplicateSequenceError,
     InvalidArgumentError,
@@ -90,7 +90,7 @@ class BlockManager:
         """Whether ``allocate`` would succeed and leave the watermark of free blocks intact."""
         tokens = as_token_list("token_ids", token_ids)
         hits = self._lookup(tokens, self._root(cache_salt))
-        need = self._blocks_for(len(tokens) + num_lookahead_slots) - len(hits)
+        need = self._blocks_for(len_of(token_ids) + num_lookahead_slots) - len(hits)
         need += sum(self.gpu.is_evictable(b) for b in hits)
         return self.gpu.num_free - need >= self.config.watermark_blocks
 
@@ -111,11 +111,12 @@ class BlockManager:
         root = self._root(cache_salt)
         hashes = self._hash_tokens(tokens, root)
         hits = self._lookup(tokens, root, hashes)
-        num_new = self._blocks_for(len(tokens) + num_lookahead_slots) - len(hits)
+        n = len_of(token_ids)
+        num_new = self._blocks_for(n + num_lookahead_slots) - len(hits)
         num_revived = sum(self.gpu.is_evictable(b) for b in hits)
         if num_new + num_revived > self.gpu.num_free:
             raise OutOfBlocksError(
-                f"token_ids (len {len(tokens)}): needs {num_new + num_revived} blocks, "
+                f"token_ids (len {n}): needs {num_new + num_revived} blocks, "
                 f"expected at most {self.gpu.num_free} free"
             )
         for b in hits:
@@ -123,9 +124,9 @@ class BlockManager:
         cacheable = tokens is not None and self.config.enable_prefix_caching
         seq = _Seq(hits + self.gpu.take(num_new), 0, root, cacheable)
         self._seqs[seq_id] = seq
-        self._extend(seq, tokens if tokens is not None else len_of(token_ids), hashes)
+        self._extend(seq, tokens if tokens is not None else n, hashes)
         if tokens is not None:
-            self._hits.record(len(tokens), len(hits) * self.block_size)
+            self._hits.record(n, len(hits) * self.block_size)
         return len(hits) * self.block_size
 
     # -- append -----------------------------------------------------------
@@ -207,6 +208,39 @@ class BlockManager:
         """A private block about to be written in place loses its cached identity."""
         if n and first < len(seq.blocks) and seq.num_tokens % self.block_size:
             self.gpu.unregister(seq.blocks[first])
+
+    def can_prepare_write(self, seq_id: SeqId, start: int, end: int) -> bool:
+        """Whether ``prepare_write`` over ``[start, end)`` would find enough free blocks."""
+        return len(self._shared_in(self._get_resident(seq_id), start, end)) <= self.gpu.num_free
+
+    def prepare_write(self, seq_id: SeqId, start: int, end: int) -> list[CopyOp]:
+        """Make the blocks holding positions ``[start, end)`` private before an in-place overwrite.
+
+        Shared blocks are copied (the returned (src, dst) pairs are owed to the
+        device); private cached blocks leave the prefix cache, since their
+        content is about to change.
+        """
+        seq = self._get_resident(seq_id)
+        cow = self._shared_in(seq, start, end)
+        if len(cow) > self.gpu.num_free:
+            raise OutOfBlocksError(f"end={end}: needs {len(cow)} blocks, expected at most {self.gpu.num_free} free")
+        copies = self._copy_on_write(seq, cow)
+        for i in range(start // self.block_size, self._blocks_for(end)):
+            self.gpu.unregister(seq.blocks[i])
+        if seq.cacheable and start < len(seq.hashes) * self.block_size:
+            seq.cacheable = False  # the content no longer matches the hashed token ids
+        return copies
+
+    def _shared_in(self, seq: _Seq, start: int, end: int) -> list[int]:
+        check_int("end", end, low=0, high=len(seq.blocks) * self.block_size)
+        check_int("start", start, low=0, high=end)
+        blocks = range(start // self.block_size, self._blocks_for(end)) if end > start else range(0)
+        return [i for i in blocks if self.gpu.ref_counts[seq.blocks[i]] > 1]
+
+    def add_blocks(self, num_blocks: int) -> None:
+        """Grow the GPU pool by ``num_blocks`` free blocks (the storage must grow alike)."""
+        check_int("num_blocks", num_blocks, low=0, high=MAX_BLOCKS - self.gpu.num_blocks)
+        self.gpu.grow(num_blocks)
 
     # -- fork / free / truncate -------------------------------------------
     def fork(self, parent_id: SeqId, child_id: SeqId) -> None:

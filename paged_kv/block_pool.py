@@ -34,6 +34,16 @@ class BlockPool:
         self._cached: dict[BlockHash, BlockId] = {}
         self.num_evictions = 0
 
+    def grow(self, n: int) -> None:
+        """Add ``n`` free blocks with the next ids (existing ids stay valid)."""
+        start = self.num_blocks
+        self.num_blocks += n
+        self.ref_counts += [0] * n
+        self._hash += [None] * n
+        self._parent += [None] * n
+        self._tokens += [None] * n
+        self._free[:0] = range(start + n - 1, start - 1, -1)  # older free ids still pop first
+
     # -- counts -----------------------------------------------------------
     @property
     def num_free(self) -> int:
