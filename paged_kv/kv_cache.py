@@ -1,0 +1,184 @@
+"""Paged KV storage: the device tensors the kernels read and write.
+
+Layout (the one every kernel reads), per layer::
+
+    k, v:             [num_blocks, block_size, num_kv_heads, head_dim]   storage dtype
+    k_scale, v_scale: [num_blocks, block_size, num_kv_heads]             float32, quantized only
+
+A token at logical position ``p`` of a sequence with block table ``t`` lives
+in slot ``t[p // block_size] * block_size + p % block_size``. Storage dtypes
+are any float dtype, or int8 / float8_e4m3fn / float8_e5m2 with one float32
+scale per (token, head) (dequantized value = code * scale).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from kernels.copy_blocks import copy_blocks, swap_blocks
+from kernels.quant import is_quantized
+from kernels.write_kv import check_slots, write_kv
+from paged_kv.config import MAX_BLOCK_SIZE, MAX_BLOCKS
+from paged_kv.errors import InvalidArgumentError, OutOfRangeError, check_int, describe
+
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
+RAW_DTYPES = (torch.float64, torch.uint8)  # stored as given, no kernel: float64 facades, packed codes
+STORAGE_DTYPES = KERNEL_DTYPES + RAW_DTYPES
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVCacheSpec:
+    """Shape and storage dtype of the paged KV tensors of one model."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int = 16
+    dtype: torch.dtype = torch.float16
+
+    def __post_init__(self) -> None:
+        check_int("num_layers", self.num_layers, low=1, high=1 << 12)
+        check_int("num_kv_heads", self.num_kv_heads, low=1, high=1 << 12)
+        check_int("head_dim", self.head_dim, low=1, high=1 << 14)
+        check_int("block_size", self.block_size, low=1, high=MAX_BLOCK_SIZE)
+        if self.dtype not in STORAGE_DTYPES:
+            raise InvalidArgumentError(describe("dtype", self.dtype, f"one of {STORAGE_DTYPES}"))
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the storage holds int8/fp8 codes with float32 scales."""
+        return is_quantized(self.dtype)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block takes over all layers, K and V, scales included."""
+        slots = self.block_size * self.num_kv_heads
+        per_layer = slots * self.head_dim * self.dtype.itemsize + (slots * 4 if self.quantized else 0)
+        return 2 * self.num_layers * per_layer
+
+    def num_blocks_for_bytes(self, budget_bytes: int) -> int:
+        """How many blocks fit in a byte budget."""
+        check_int("budget_bytes", budget_bytes, low=self.bytes_per_block)
+        return min(budget_bytes // self.bytes_per_block, MAX_BLOCKS)
+
+
+class LayerKV(NamedTuple):
+    """The four tensors of one layer (scales are None for float storage)."""
+
+    k: torch.Tensor  # [N, B, H, D]
+    v: torch.Tensor  # [N, B, H, D]
+    k_scale: torch.Tensor | None  # [N, B, H] float32
+    v_scale: torch.Tensor | None  # [N, B, H] float32
+
+
+class PagedKVCache:
+    """Owns the per-layer paged K/V tensors and applies writes, copies and swaps to them."""
+
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: str | torch.device = "cpu") -> None:
+        check_int("num_blocks", num_blocks, low=1, high=MAX_BLOCKS)
+        self.spec = spec
+        self.num_blocks = num_blocks
+        self.device = torch.device(device)
+        shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        self.layers = [self._make_layer(shape) for _ in range(spec.num_layers)]
+
+    @classmethod
+    def from_bytes(cls, spec: KVCacheSpec, budget_bytes: int, device: str | torch.device = "cpu") -> PagedKVCache:
+        """A cache with as many blocks as fit in ``budget_bytes``."""
+        return cls(spec, spec.num_blocks_for_bytes(budget_bytes), device)
+
+    def _make_layer(self, shape: tuple[int, ...]) -> LayerKV:
+        make = lambda s, dt: torch.zeros(s, dtype=dt, device=self.device)  # noqa: E731
+        scales = (make(shape[:3], torch.float32), make(shape[:3], torch.float32)) if self.spec.quantized else (None, None)
+        return LayerKV(make(shape, self.spec.dtype), make(shape, self.spec.dtype), *scales)
+
+    def grow(self, num_blocks: int) -> None:
+        """Append ``num_blocks`` zeroed blocks to every tensor (existing block ids keep their data)."""
+        check_int("num_blocks", num_blocks, low=0, high=MAX_BLOCKS - self.num_blocks)
+        grown = lambda t: torch.cat([t, t.new_zeros((num_blocks, *t.shape[1:]))])  # noqa: E731
+        self.layers = [LayerKV(*(None if t is None else grown(t) for t in layer)) for layer in self.layers]
+        self.num_blocks += num_blocks
+
+    @property
+    def block_size(self) -> int:
+        """Token slots per block."""
+        return self.spec.block_size
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by every tensor of the cache."""
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor with a leading block dimension (K, V and scales of every layer)."""
+        return [t for layer in self.layers for t in layer if t is not None]
+
+    def layer(self, index: int) -> LayerKV:
+        """The tensors of one layer."""
+        check_int("layer", index, low=0, high=self.spec.num_layers - 1)
+        return self.layers[index]
+
+    # -- writes -----------------------------------------------------------
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Scatter new tokens' K/V ``[T, H, D]`` into their slots (quantizing if needed)."""
+        lk = self.layer(layer)
+        if self.spec.dtype in RAW_DTYPES:
+            self._write_raw(lk, key, value, slot_mapping)
+        else:
+            write_kv(key, value, lk.k, lk.v, slot_mapping, k_scale=lk.k_scale, v_scale=lk.v_scale)
+
+    def _write_raw(self, lk: LayerKV, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+        """Store values as given (float64 or raw bytes) into distinct, in-range slots."""
+        shape = (slots.shape[0], *lk.k.shape[2:])
+        for name, t in (("key", key), ("value", value)):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != self.spec.dtype:
+                got = (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise InvalidArgumentError(describe(name, got, f"a {self.spec.dtype} tensor of shape {shape}"))
+        check_slots(slots, self.num_blocks * self.block_size)
+        keep = slots >= 0
+        for cache, t in ((lk.k, key), (lk.v, value)):
+            cache.view(-1, *cache.shape[2:])[slots[keep]] = t[keep].to(cache.device)
+
+    def copy_blocks(self, mapping: Sequence[tuple[int, int]]) -> None:
+        """Run the (src, dst) block copies a block manager owes (copy-on-write) in one batch."""
+        if mapping:
+            copy_blocks(self.tensors(), mapping)
+
+    def swap_from(self, other: PagedKVCache, mapping: Sequence[tuple[int, int]]) -> None:
+        """Copy blocks ``other[src] -> self[dst]`` between pools (CPU <-> GPU swapping)."""
+        if other.spec != self.spec:
+            raise InvalidArgumentError(describe("other.spec", other.spec, f"{self.spec}"))
+        if mapping:
+            swap_blocks(other.tensors(), self.tensors(), mapping)
+
+    # -- reads ------------------------------------------------------------
+    def gather(
+        self, layer: int, block_table: Sequence[int], start: int, end: int, dtype: torch.dtype | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Read K/V of positions ``[start, end)`` of a sequence as ``[T, H, D]`` (dequantized)."""
+        lk = self.layer(layer)
+        slots = self.slots(block_table, start, end)
+        out_dtype = dtype or (torch.float32 if self.spec.quantized else self.spec.dtype)
+        return tuple(self._read(t, s, slots, out_dtype) for t, s in ((lk.k, lk.k_scale), (lk.v, lk.v_scale)))
+
+    def _read(self, t: torch.Tensor, scale: torch.Tensor | None, slots: torch.Tensor, dtype: torch.dtype):
+        flat = t.view(-1, *t.shape[2:])[slots]  # [T, H, D]
+        if scale is None:
+            return flat.to(dtype)
+        return (flat.to(torch.float32) * scale.view(-1, scale.shape[-1])[slots].unsqueeze(-1)).to(dtype)
+
+    def slots(self, block_table: Sequence[int], start: int, end: int) -> torch.Tensor:
+        """Slot ids of logical positions ``[start, end)`` of a sequence, checked against the table."""
+        bs = self.block_size
+        check_int("end", end, low=0, high=len(block_table) * bs)
+        check_int("start", start, low=0, high=end)
+        table = torch.as_tensor(list(block_table), dtype=torch.int64)
+        if table.numel() and (int(table.min()) < 0 or int(table.max()) >= self.num_blocks):
+            bad = int(table.min()) if int(table.min()) < 0 else int(table.max())
+            raise OutOfRangeError(describe("block_table", bad, f"block ids in [0, {self.num_blocks})"))
+        pos = torch.arange(start, end, dtype=torch.int64)
+        return (table[pos // bs] * bs + pos % bs).to(self.device)
