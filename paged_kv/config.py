@@ -26,6 +26,8 @@ class BlockManagerConfig:
         check_int("num_cpu_blocks", self.num_cpu_blocks, low=0, high=MAX_BLOCKS)
         if not isinstance(self.watermark, (int, float)) or not 0.0 <= self.watermark < 1.0:
             raise InvalidArgumentError(describe("watermark", self.watermark, "a fraction in [0, 1)"))
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise InvalidArgumentError(describe("enable_prefix_caching", self.enable_prefix_caching, "a bool"))
 
     @property
     def watermark_blocks(self) -> int:
