@@ -1,0 +1,94 @@
+"""The exception hierarchy and the shared argument checks of paged_kv.errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from paged_kv.errors import (
+    DuplicateSequenceError,
+    InvalidArgumentError,
+    OutOfBlocksError,
+    OutOfRangeError,
+    PagedKVError,
+    SequenceStateError,
+    UnknownSequenceError,
+    check_int,
+    describe,
+)
+
+
+@pytest.mark.parametrize(
+    ("cls", "builtin"),
+    [
+        (InvalidArgumentError, ValueError),
+        (OutOfRangeError, IndexError),
+        (UnknownSequenceError, KeyError),
+        (DuplicateSequenceError, ValueError),
+        (SequenceStateError, ValueError),
+        (OutOfBlocksError, MemoryError),
+    ],
+)
+def test_every_error_is_a_paged_kv_error_and_its_builtin(cls, builtin):
+    err = cls("x")
+    assert isinstance(err, PagedKVError)
+    assert isinstance(err, builtin)
+    with pytest.raises(builtin):
+        raise err
+
+
+def test_unknown_sequence_error_str_is_the_plain_message():
+    # KeyError.__str__ would repr() the message and wrap it in quotes
+    assert str(UnknownSequenceError("seq_id=3: expected x")) == "seq_id=3: expected x"
+    assert str(UnknownSequenceError()) == ""
+
+
+def test_describe_names_argument_value_and_expectation():
+    assert describe("block_size", -3, "an integer >= 1") == "block_size=-3: expected an integer >= 1"
+    assert describe("name", "a", "b") == "name='a': expected b"
+
+
+class _Index:
+    def __index__(self) -> int:
+        return 7
+
+
+@pytest.mark.parametrize("value", [0, 5, 10, np.int64(5), np.int32(3), _Index()])
+def test_check_int_accepts_integers_and_index_types(value):
+    out = check_int("n", value, low=0, high=10)
+    assert type(out) is int
+    assert out == int(value.__index__())
+
+
+@pytest.mark.parametrize("value", [1.0, 1.5, "3", None, [1], np.float64(2.0)])
+def test_check_int_rejects_non_integers(value):
+    with pytest.raises(InvalidArgumentError, match=r"^count=.*: expected an integer$"):
+        check_int("count", value)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG in errors.check_int (file not owned here): a bool falls through to operator.index(True) == 1",
+)
+@pytest.mark.parametrize("value", [True, False])
+def test_check_int_rejects_bools(value):
+    with pytest.raises(InvalidArgumentError, match=r"^count=.*: expected an integer$"):
+        check_int("count", value)
+
+
+def test_check_int_below_low_without_high_is_invalid_argument():
+    with pytest.raises(InvalidArgumentError, match=r"^n=-1: expected an integer >= 0$") as info:
+        check_int("n", -1)
+    assert not isinstance(info.value, OutOfRangeError)
+    with pytest.raises(InvalidArgumentError, match=r"^n=2: expected an integer >= 3$"):
+        check_int("n", 2, low=3)
+
+
+@pytest.mark.parametrize("value", [-1, 11, 1 << 70])
+def test_check_int_outside_bounds_is_out_of_range(value):
+    with pytest.raises(OutOfRangeError, match=rf"^idx={value}: expected an integer in \[0, 10\]$"):
+        check_int("idx", value, low=0, high=10)
+
+
+def test_check_int_bounds_are_inclusive():
+    assert check_int("i", 3, low=3, high=3) == 3
