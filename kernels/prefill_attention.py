@@ -1,0 +1,262 @@
+"""Paged prefill / extend attention over packed variable-length queries.
+
+q is packed ``[total_q, Hq, D]`` with ``cu_seqlens_q [num_seqs + 1]``; query j of sequence s
+sits at absolute position ``seq_lens[s] - q_len_s + j`` (its KV, like the cached prefix's,
+is already in the cache). Attention is causal within the new tokens and full over the
+cached prefix, optionally limited to a sliding window. Decode is the case q_len = 1.
+
+The Triton kernel is tiled over (query tile, kv head, sequence): one program packs
+``BLOCK_M // GROUP`` query tokens times the GROUP query heads of one KV head into the
+rows of its tile, so the K/V it reads through the block table serve every head of the group.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._checks import Backend, check_tensor, use_triton
+from kernels.decode_attention import (
+    INDEX_DTYPES,
+    _finish,
+    _kv_scale,
+    _kv_tile,
+    _scaled_logits,
+    _softmax_step,
+    _strides,
+    block_id_bounds,
+    check_block_ids,
+    check_cache,
+    check_options,
+    check_tables,
+    check_triton_device,
+    dense_attention,
+    dot_precision,
+    gather_kv,
+    logit_coefficients,
+    window_start,
+)
+from paged_kv.errors import InvalidArgumentError, OutOfRangeError, describe
+
+MAX_LOGITS = 1 << 25  # float32 elements of one reference logits chunk (128 MiB)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, cu_ptr, out_ptr, lse_ptr,
+    sq_t, sq_h, sq_d,
+    sk_b, sk_t, sk_h, sk_d, sv_b, sv_t, sv_h, sv_d,
+    sks_b, sks_t, sks_h, svs_b, svs_t, svs_h,
+    sbt_s, sbt_b, so_t, so_h, so_d, sl_t, sl_h,
+    qk_a, qk_b, window,
+    GROUP: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    QUANTIZED: tl.constexpr, SOFT_CAP: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Grid (query tile, kv head, seq): rows are (token, head-in-group) pairs, TOKENS tokens per tile."""
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    seq = tl.program_id(2)
+    q_start = tl.load(cu_ptr + seq).to(tl.int64)
+    q_len = (tl.load(cu_ptr + seq + 1) - q_start).to(tl.int32)
+    seq_len = tl.load(lens_ptr + seq).to(tl.int32)
+    ctx = seq_len - q_len  # cached prefix length
+    tok0 = tile * TOKENS
+
+    rows = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    offs_n = tl.arange(0, BLOCK_N)
+    d_mask = offs_d < HEAD_DIM
+    tok = tok0 + rows // GROUP  # [BLOCK_M] token index within the sequence
+    heads = kvh * GROUP + rows % GROUP
+    row_ok = (rows < TOKENS * GROUP) & (tok < q_len)
+    q_pos = ctx + tok  # absolute positions of the rows' queries
+    q_offs = (q_start + tok.to(tl.int64))[:, None] * sq_t + heads[:, None] * sq_h + offs_d[None, :] * sq_d
+    q = tl.load(q_ptr + q_offs, mask=row_ok[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+
+    kv_lo = 0
+    if WINDOW:
+        kv_lo = tl.maximum(ctx + tok0 - window + 1, 0)
+    kv_hi = ctx + tl.minimum(tok0 + TOKENS, q_len)  # one past the tile's last query position
+    kv_hi = tl.where(tok0 < q_len, kv_hi, kv_lo)  # tiles past q_len do no work
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    vs = tl.zeros([BLOCK_N], tl.float32)
+    for start in range((kv_lo // BLOCK_N) * BLOCK_N, kv_hi, BLOCK_N):
+        pos = start + offs_n  # [BLOCK_N]
+        valid = (pos >= kv_lo) & (pos < kv_hi)
+        blk = tl.load(bt_ptr + seq * sbt_s + (pos // BLOCK_SIZE) * sbt_b, mask=valid, other=0).to(tl.int64)
+        slot = pos % BLOCK_SIZE
+        k = _kv_tile(k_ptr, blk, slot, kvh, offs_d, valid, d_mask, sk_b, sk_t, sk_h, sk_d)  # [BLOCK_N, D_PAD]
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
+        if QUANTIZED:
+            s = s * _kv_scale(ks_ptr, blk, slot, kvh, valid, sks_b, sks_t, sks_h)[None, :]
+            vs = _kv_scale(vs_ptr, blk, slot, kvh, valid, svs_b, svs_t, svs_h)
+        allowed = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+        if WINDOW:
+            allowed = allowed & (pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(allowed, _scaled_logits(s, qk_a, qk_b, SOFT_CAP), float("-inf"))
+        v = _kv_tile(v_ptr, blk, slot, kvh, offs_d, valid, d_mask, sv_b, sv_t, sv_h, sv_d)
+        m_i, l_i, acc = _softmax_step(s, v, vs, m_i, l_i, acc, QUANTIZED, PRECISION)
+
+    out, lse = _finish(m_i, l_i, acc)
+    row_t = q_start + tok.to(tl.int64)
+    o_offs = row_t[:, None] * so_t + heads[:, None] * so_h + offs_d[None, :] * so_d
+    tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_mask[None, :])
+    tl.store(lse_ptr + row_t * sl_t + heads * sl_h, lse, mask=row_ok)
+
+
+def _prefill_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens, geo, opts, k_scale, v_scale, max_q):
+    """Launch the prefill kernel; returns (out ``[T, Hq, D]``, lse ``[T, Hq]``)."""
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    scale, window, soft_cap = opts
+    group = num_q_heads // geo.num_kv_heads
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    block_m = max(32 if d_pad > 128 else 64, triton.next_power_of_2(group))
+    tokens = block_m // group
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[0], num_q_heads, device=q.device, dtype=torch.float32)
+    qk_a, qk_b = logit_coefficients(scale, soft_cap)
+    grid = (triton.cdiv(max_q, tokens), geo.num_kv_heads, seq_lens.shape[0])
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, k_scale if geo.quantized else k_cache, v_scale if geo.quantized else v_cache,
+        block_tables, seq_lens, cu_seqlens, out, lse,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *_strides(k_scale, 3), *_strides(v_scale, 3),
+        *block_tables.stride(), *out.stride(), *lse.stride(),
+        qk_a, qk_b, window or 0,
+        GROUP=group, TOKENS=tokens, BLOCK_M=block_m, HEAD_DIM=head_dim, D_PAD=d_pad,
+        BLOCK_SIZE=geo.block_size, BLOCK_N=32 if d_pad > 128 else 64,
+        QUANTIZED=geo.quantized, SOFT_CAP=soft_cap is not None, WINDOW=window is not None,
+        PRECISION=dot_precision(q, k_cache), num_warps=8 if d_pad > 128 else 4,
+    )  # fmt: skip
+    return out, lse
+
+
+def _prefill_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens, opts, k_scale, v_scale, sizes):
+    """Batched torch path: pad queries to ``[S, max_q]``, gather dense K/V, attend in query chunks."""
+    scale, window, soft_cap = opts
+    max_q, max_len = sizes
+    q_lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()  # [S]
+    steps = torch.arange(max_q, device=q.device)
+    valid_q = steps[None, :] < q_lens[:, None]  # [S, max_q]
+    q_pad = q[torch.where(valid_q, cu_seqlens[:-1, None].long() + steps, 0)].float()  # [S, max_q, Hq, D]
+    q_pos = seq_lens.long()[:, None] - q_lens[:, None] + steps[None, :]  # [S, max_q]
+    kv_start = window_start(seq_lens, window, q_lens)
+    k = gather_kv(k_cache, k_scale, block_tables, seq_lens, kv_start, max_len)  # [S, L, Hkv, D]
+    v = gather_kv(v_cache, v_scale, block_tables, seq_lens, kv_start, max_len)
+    chunk = max(1, MAX_LOGITS // max(1, q.shape[1] * max_len * seq_lens.shape[0]))
+    outs, lses = [], []
+    for c in range(0, max_q, chunk):
+        out, lse = dense_attention(
+            q_pad[:, c : c + chunk], k, v, q_pos[:, c : c + chunk], seq_lens,
+            scale=scale, sliding_window=window, soft_cap=soft_cap,
+        )  # fmt: skip
+        outs.append(out)
+        lses.append(lse)
+    out, lse = torch.cat(outs, 1), torch.cat(lses, 1)  # [S, max_q, Hq, D], [S, max_q, Hq]
+    return out[valid_q].to(q.dtype), lse[valid_q]  # row-major mask order == packed order
+
+
+def _check_cu_seqlens(cu_seqlens, device: torch.device) -> int:
+    """Validate the dtype and rank of cu_seqlens_q; return num_seqs."""
+    check_tensor("cu_seqlens_q", cu_seqlens, ndim=1, dtypes=INDEX_DTYPES, device=device)
+    if cu_seqlens.shape[0] < 1:
+        raise InvalidArgumentError(describe("cu_seqlens_q.shape", tuple(cu_seqlens.shape), "at least 1 entry"))
+    return cu_seqlens.shape[0] - 1
+
+
+def _check_values(stats: list[int], total_q: int, capacity: int, num_blocks: int) -> None:
+    """Check the synced values: cu_seqlens monotone from 0 to total_q, q_len <= seq_len <= capacity, block ids."""
+    cu_first, cu_last, min_q_len, min_ctx, max_len, _, lo_blk, hi_blk = stats
+    if cu_first != 0 or cu_last != total_q or min_q_len < 0:
+        got = f"first={cu_first}, last={cu_last}, min step={min_q_len}"
+        raise InvalidArgumentError(describe("cu_seqlens_q", got, f"non-decreasing from 0 to total_q={total_q}"))
+    if min_ctx < 0:
+        raise OutOfRangeError(describe("seq_lens - q_lens", min_ctx, "values >= 0 (seq_lens include new tokens)"))
+    if max_len > capacity:
+        raise OutOfRangeError(describe("seq_lens", max_len, f"lengths <= {capacity} (max_blocks * block_size)"))
+    check_block_ids(lo_blk, hi_blk, num_blocks)
+
+
+def _validate_prefill(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens, k_scale, v_scale, options):
+    """Every check of the prefill contract, with one host sync; returns (geometry, options, (max_q, max_len))."""
+    geo = check_cache(q, k_cache, v_cache, k_scale, v_scale)
+    opts = check_options(geo.head_dim, *options)
+    num_seqs = _check_cu_seqlens(cu_seqlens, q.device)
+    check_tables(block_tables, seq_lens, num_seqs, q.device)
+    if num_seqs == 0:
+        if q.shape[0] != 0:
+            raise InvalidArgumentError(describe("q.shape[0]", q.shape[0], "0 for an empty batch"))
+        return geo, opts, (0, 0)
+    q_lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    ctx = seq_lens.long() - q_lens
+    bounds = block_id_bounds(block_tables, seq_lens, window_start(seq_lens, opts[1], q_lens), geo.block_size)
+    ends = [cu_seqlens[0].long(), cu_seqlens[-1].long(), q_lens.min(), ctx.min(), seq_lens.max().long(), q_lens.max()]
+    stats = torch.stack([*ends, *bounds]).tolist()
+    _check_values(stats, q.shape[0], block_tables.shape[1] * geo.block_size, geo.num_blocks)
+    return geo, opts, (stats[5], stats[4])  # (max_q, max_len)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    *,
+    scale: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    return_lse: bool = False,
+    backend: Backend = "auto",
+):
+    """Causal attention of packed new tokens over their paged KV: q ``[T, Hq, D]`` -> out ``[T, Hq, D]`` (q's dtype).
+
+    Query j of sequence s (rows ``cu_seqlens_q[s] + j``) sits at position ``p = seq_lens[s] - q_len_s + j``
+    and sees positions ``(p - sliding_window, p]`` (``[0, p]`` when None); scale, soft_cap and GQA as in
+    :func:`kernels.decode_attention.paged_decode_attention`. With ``return_lse`` also returns the
+    float32 natural-log logsumexp ``[T, Hq]``.
+    """
+    options = (scale, sliding_window, soft_cap)
+    geo, opts, sizes = _validate_prefill(
+        q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, k_scale, v_scale, options
+    )
+    run_triton = use_triton(backend, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q)
+    if q.shape[0] == 0:
+        out, lse = torch.empty_like(q), torch.empty(0, q.shape[1], device=q.device, dtype=torch.float32)
+    elif run_triton:
+        check_triton_device(q)
+        out, lse = _prefill_triton(
+            q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, geo, opts, k_scale, v_scale, sizes[0]
+        )
+    else:
+        out, lse = _prefill_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, opts, k_scale, v_scale, sizes)
+    return (out, lse) if return_lse else out
+
+
+def paged_prefill_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    *,
+    scale: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    return_lse: bool = False,
+):
+    """Torch reference of :func:`paged_prefill_attention`: same contract, always the batched torch path."""
+    return paged_prefill_attention(
+        q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale=scale, k_scale=k_scale,
+        v_scale=v_scale, sliding_window=sliding_window, soft_cap=soft_cap, return_lse=return_lse,
+        backend="torch",
+    )  # fmt: skip
