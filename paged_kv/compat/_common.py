@@ -1,0 +1,147 @@
+"""Argument checking and input conversion shared by the compatibility facades.
+
+Every helper raises a subclass of :class:`paged_kv.errors.PagedKVError` whose
+message names the argument, the value given and what was expected. Helpers
+that a facade may want to raise its own error class from take ``error=``; the
+class given must derive from ``PagedKVError`` (and usually from the matching
+project error, e.g. ``InvalidArgumentError`` for shapes).
+
+Inputs documented as ``&[f32]`` / ``ArrayD<f64>`` accept a (nested) sequence of
+numbers, a NumPy array or a torch tensor; booleans, complex numbers, strings
+and ragged nesting are rejected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from paged_kv.compat.pool import KVPool
+from paged_kv.errors import InvalidArgumentError, OutOfRangeError, PagedKVError, check_int, describe
+
+ErrorType = type[PagedKVError]
+Shape = Sequence[int | None]  # None matches any size
+
+_NUMPY_NUMERIC = "fiu"  # float, signed int, unsigned int
+
+
+def as_tensor(
+    name: str,
+    x: object,
+    *,
+    dtype: torch.dtype = torch.float32,
+    shape: Shape | None = None,
+    device: str | torch.device | None = None,
+    error: ErrorType = InvalidArgumentError,
+) -> torch.Tensor:
+    """Convert ``x`` (numbers, NumPy array or torch tensor) to a detached ``dtype`` tensor of ``shape``."""
+    t = _to_torch(name, x, error)
+    if shape is not None:
+        check_shape(name, t, shape, error=error)
+    return t.detach().to(device=device or t.device, dtype=dtype)
+
+
+def as_vector(
+    name: str,
+    x: object,
+    length: int,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device | None = None,
+    error: ErrorType = InvalidArgumentError,
+) -> torch.Tensor:
+    """Convert ``x`` to a 1-D ``dtype`` tensor of exactly ``length`` elements."""
+    return as_tensor(name, x, dtype=dtype, shape=(length,), device=device, error=error)
+
+
+def _to_torch(name: str, x: object, error: ErrorType) -> torch.Tensor:
+    """Any accepted input as a torch tensor of a real numeric dtype (no copy when possible)."""
+    if isinstance(x, torch.Tensor):
+        if x.dtype == torch.bool or x.is_complex():
+            raise error(describe(name, x.dtype, "a real-valued tensor"))
+        return x
+    try:
+        arr = np.asarray(x)
+    except (TypeError, ValueError) as exc:  # ragged nesting, unconvertible objects
+        raise error(describe(name, type(x).__name__, f"numbers, a NumPy array or a torch tensor ({exc})")) from None
+    if arr.dtype.kind not in _NUMPY_NUMERIC:
+        raise error(describe(name, f"{type(x).__name__} of {arr.dtype}", "real numbers"))
+    # torch cannot wrap every NumPy int width / byte order: ints and odd floats become float64.
+    # Copying also keeps the caller's (possibly read-only) array out of the cache.
+    native = arr.dtype.kind == "f" and arr.dtype.isnative and arr.dtype != np.float16
+    return torch.from_numpy(np.array(arr, dtype=arr.dtype if native else np.float64, order="C", copy=True))
+
+
+def check_shape(name: str, t: torch.Tensor, shape: Shape, *, error: ErrorType = InvalidArgumentError) -> None:
+    """Raise unless ``t`` has ``len(shape)`` dims matching ``shape`` (None matches any size)."""
+    got = tuple(t.shape)
+    ok = len(got) == len(shape) and all(want is None or g == want for g, want in zip(got, shape))
+    if not ok:
+        pretty = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise error(describe(f"{name}.shape", list(got), f"shape {pretty}"))
+
+
+def check_finite(name: str, t: torch.Tensor, *, error: ErrorType = InvalidArgumentError) -> None:
+    """Raise unless every element of ``t`` is finite (no NaN, no infinity)."""
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        bad = t[~torch.isfinite(t)].flatten()[0].item()
+        raise error(describe(name, f"an element {bad}", "finite values only"))
+
+
+def check_index(name: str, value: object, size: int, *, error: ErrorType = OutOfRangeError) -> int:
+    """Return ``value`` if it is an int in ``[0, size)``, else raise ``error`` naming it."""
+    try:
+        return check_int(name, value, low=0, high=size - 1)
+    except OutOfRangeError:
+        raise error(describe(name, value, f"an integer in [0, {size})")) from None
+    except InvalidArgumentError as exc:  # not an integer at all
+        raise (error if issubclass(error, InvalidArgumentError) else InvalidArgumentError)(str(exc)) from None
+
+
+def check_count(name: str, value: object, *, low: int = 0) -> int:
+    """Return ``value`` if it is an int ``>= low`` (sizes, lengths, amounts), else raise."""
+    return check_int(name, value, low=low)
+
+
+def to_numpy(t: torch.Tensor, dtype: np.dtype | type = np.float32) -> np.ndarray:
+    """A fresh, writable NumPy array of ``dtype`` holding ``t`` (moved to the CPU)."""
+    return t.detach().to("cpu").numpy().astype(dtype, copy=True)
+
+
+def readonly(arr: np.ndarray) -> np.ndarray:
+    """Mark ``arr`` read-only and return it (for views in a documented layout)."""
+    arr.flags.writeable = False
+    return arr
+
+
+def make_pool(
+    pool: KVPool | None,
+    *,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    block_size: int | None = None,
+    device: str | torch.device | None = None,
+) -> KVPool:
+    """A private growable pool of this geometry, or ``pool`` after checking it matches."""
+    if pool is None:
+        return KVPool(
+            num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
+            block_size=16 if block_size is None else block_size, device=device or "cpu",
+        )
+    if not isinstance(pool, KVPool):
+        raise InvalidArgumentError(describe("pool", type(pool).__name__, "a KVPool or None"))
+    pool.compatible(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
+    if block_size is not None:
+        pool.compatible(block_size=block_size)
+    if device is not None and not _same_device(torch.device(device), pool.storage.device):
+        raise InvalidArgumentError(describe("device", str(device), f"{pool.storage.device} to match the pool"))
+    return pool
+
+
+def _same_device(want: torch.device, have: torch.device) -> bool:
+    """Whether ``want`` names ``have`` ("cuda" matches "cuda:0" when that is the pool's)."""
+    return want.type == have.type and (want.index is None or want.index == have.index)
