@@ -39,7 +39,8 @@ def build_batch_metadata(
     new = torch.tensor(list(num_new), dtype=torch.int64)
     seq_lens = computed + new
     table = block_table_tensor(tables)
-    if table.shape[1] * block_size < int(seq_lens.max(initial=0)):
+    max_len = int(seq_lens.max()) if len(tables) else 0
+    if table.shape[1] * block_size < max_len:
         raise InvalidArgumentError(describe("tables", "too short", "a block for every token"))
     slots = slot_mapping(table, computed, new, block_size)
     cu = torch.zeros(len(tables) + 1, dtype=torch.int32)
@@ -47,7 +48,7 @@ def build_batch_metadata(
     return BatchMetadata(
         block_tables=table.to(device), seq_lens=seq_lens.to(torch.int32).to(device),
         cu_seqlens_q=cu.to(device), slot_mapping=slots.to(device),
-        max_seq_len=int(seq_lens.max(initial=0)), max_query_len=int(new.max(initial=0)),
+        max_seq_len=max_len, max_query_len=int(new.max()) if len(tables) else 0,
     )
 
 
