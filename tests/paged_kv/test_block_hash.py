@@ -1,0 +1,97 @@
+"""Block hashes: chained SHA-256, typed root keys, identical across processes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import subprocess
+import sys
+from array import array
+from pathlib import Path
+
+import pytest
+
+from paged_kv.block_hash import hash_block, hash_blocks, root_hash
+from paged_kv.errors import InvalidArgumentError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_root_hash_matches_the_documented_layout():
+    # domain tag, then one typed, length-prefixed field per key (None is just b"N")
+    assert root_hash() == hashlib.sha256(b"paged-kv/block/v1N").digest()
+    salt = "tenant-é".encode()
+    field = b"S" + len(salt).to_bytes(8, "little") + salt
+    assert root_hash("tenant-é") == hashlib.sha256(b"paged-kv/block/v1" + field).digest()
+
+
+def test_root_hash_separates_salts_types_and_key_boundaries():
+    roots = [
+        root_hash(None), root_hash(""), root_hash("a"), root_hash(b"a"), root_hash("1"),
+        root_hash(None, [1]), root_hash(None, ["1"]), root_hash(None, [b"1"]),
+        root_hash(None, ["ab"]), root_hash(None, ["a", "b"]), root_hash("a", ["b"]), root_hash(None, [None]),
+    ]
+    assert len(set(roots)) == len(roots)
+    assert all(len(r) == 32 for r in roots)
+
+
+@pytest.mark.parametrize("key", [1.5, [1], object()])
+def test_root_hash_rejects_other_key_types(key):
+    with pytest.raises(InvalidArgumentError, match="extra key"):
+        root_hash(None, [key])
+
+
+def test_hash_block_is_sha256_of_parent_and_int64_tokens():
+    parent = root_hash()
+    expected = hashlib.sha256(parent + array("q", [1, 2, 3]).tobytes()).digest()
+    assert hash_block(parent, [1, 2, 3]) == expected
+    assert hash_block(parent, (1, 2, 3)) == expected
+
+
+def test_hash_block_depends_on_parent_content_and_order():
+    a, b = root_hash("a"), root_hash("b")
+    assert hash_block(a, [1, 2]) != hash_block(b, [1, 2])
+    assert hash_block(a, [1, 2]) != hash_block(a, [2, 1])
+    assert hash_block(a, [1, 2]) != hash_block(a, [1, 3])
+    assert hash_block(a, [1 << 40]) != hash_block(a, [0])
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 4, 16])
+def test_hash_blocks_chains_hash_block_over_full_blocks_only(block_size):
+    rng = random.Random(block_size)
+    tokens = [rng.randrange(50_000) for _ in range(50)]
+    parent, expected = root_hash("s"), []
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = hash_block(parent, tokens[start : start + block_size])
+        expected.append(parent)
+    assert hash_blocks(root_hash("s"), tokens, block_size) == expected
+    assert len(expected) == len(tokens) // block_size
+
+
+def test_hash_blocks_of_too_few_tokens_is_empty():
+    assert hash_blocks(root_hash(), [], 4) == []
+    assert hash_blocks(root_hash(), [1, 2, 3], 4) == []
+
+
+def test_a_prefix_has_a_prefix_of_the_hashes():
+    tokens = list(range(40))
+    assert hash_blocks(root_hash(), tokens[:17], 8) == hash_blocks(root_hash(), tokens, 8)[:2]
+
+
+_CHILD = """
+import json
+from paged_kv.block_hash import hash_blocks, root_hash
+roots = [root_hash(), root_hash("tenant"), root_hash(b"x", ["k", 7])]
+print(json.dumps([[h.hex() for h in hash_blocks(r, list(range(1000, 1064)), 16)] + [r.hex()] for r in roots]))
+"""
+
+
+@pytest.mark.parametrize("seed", ["0", "12345"])
+def test_hashes_are_identical_across_processes(seed):
+    env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, check=True)
+    roots = [root_hash(), root_hash("tenant"), root_hash(b"x", ["k", 7])]
+    here = [[h.hex() for h in hash_blocks(r, list(range(1000, 1064)), 16)] + [r.hex()] for r in roots]
+    assert json.loads(out.stdout) == here
