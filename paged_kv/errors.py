@@ -49,7 +49,9 @@ def describe(name: str, value: object, expected: str) -> str:
 
 def check_int(name: str, value: object, *, low: int = 0, high: int | None = None) -> int:
     """Return ``value`` if it is an int in ``[low, high]``, else raise a typed error naming it."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool):
+        raise InvalidArgumentError(describe(name, value, "an integer"))
+    if not isinstance(value, int):
         try:
             value = operator.index(value)  # numpy / torch integer scalars
         except TypeError:

@@ -66,10 +66,6 @@ def test_check_int_rejects_non_integers(value):
         check_int("count", value)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG in errors.check_int (file not owned here): a bool falls through to operator.index(True) == 1",
-)
 @pytest.mark.parametrize("value", [True, False])
 def test_check_int_rejects_bools(value):
     with pytest.raises(InvalidArgumentError, match=r"^count=.*: expected an integer$"):
