@@ -65,3 +65,19 @@ def check_range(name: str, t: torch.Tensor, low: int, high: int) -> None:
     if lo < low or hi >= high:
         bad = lo if lo < low else hi
         raise OutOfRangeError(describe(name, bad, f"values in [{low}, {high})"))
+
+
+def check_contiguous(name: str, t: torch.Tensor) -> None:
+    """Check that a tensor is contiguous (kernels address it by flat offsets)."""
+    if not t.is_contiguous():
+        raise InvalidArgumentError(describe(f"{name}.stride", t.stride(), "a contiguous tensor"))
+
+
+def check_same_device(named: dict[str, torch.Tensor]) -> torch.device:
+    """Check that every tensor lives on one device; return it."""
+    items = list(named.items())
+    device = items[0][1].device
+    for name, t in items[1:]:
+        if t.device != device:
+            raise InvalidArgumentError(describe(f"{name}.device", t.device, f"{device} like {items[0][0]}"))
+    return device

@@ -81,3 +81,10 @@ def dequantize(
         raise InvalidArgumentError(describe("scales.shape", got, f"{tuple(codes.shape[:-1])}"))
     values = codes.to(torch.float32) * scales.to(torch.float32).unsqueeze(-1)  # [..., D]
     return values.to(out_dtype)
+
+
+def as_storage(t: torch.Tensor) -> torch.Tensor:
+    """View fp8 tensors as uint8 (same bytes): torch's CPU index_copy_/index_select lack fp8 kernels."""
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return t.view(torch.uint8)
+    return t
