@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from paged_kv.compat.pool import KVPool
+from paged_kv.compat.pool import KVPool, PagedSeq
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError, PagedKVError, check_int, describe
 
 ErrorType = type[PagedKVError]
@@ -145,3 +145,25 @@ def make_pool(
 def _same_device(want: torch.device, have: torch.device) -> bool:
     """Whether ``want`` names ``have`` ("cuda" matches "cuda:0" when that is the pool's)."""
     return want.type == have.type and (want.index is None or want.index == have.index)
+
+
+def zero_pages(pool: KVPool, blocks: Sequence[int]) -> None:
+    """Zero every slot of ``blocks`` in every layer (K, V and scales) of ``pool``.
+
+    Pages come back from the pool holding whatever their last owner wrote; a
+    facade that can expose slots it never wrote zeroes them first, so caches
+    sharing a pool never see each other's data. Only call it on pages no other
+    sequence references (freshly taken ones).
+    """
+    if blocks:
+        index = torch.as_tensor(list(blocks), dtype=torch.int64, device=pool.storage.device)
+        for t in pool.storage.tensors():  # each [num_blocks, block_size, ...]
+            t.index_fill_(0, index, 0)
+
+
+def extend_zeroed(seq: PagedSeq, n: int) -> int:
+    """``seq.extend(n)``, zeroing the pages it takes; returns the first new position."""
+    held = seq.num_pages
+    start = seq.extend(n)
+    zero_pages(seq.pool, seq.block_table()[held:])
+    return start
