@@ -90,14 +90,21 @@ def check_finite(name: str, t: torch.Tensor, *, error: ErrorType = InvalidArgume
         raise error(describe(name, f"an element {bad}", "finite values only"))
 
 
-def check_index(name: str, value: object, size: int, *, error: ErrorType = OutOfRangeError) -> int:
-    """Return ``value`` if it is an int in ``[0, size)``, else raise ``error`` naming it."""
+def check_index(
+    name: str,
+    value: object,
+    size: int,
+    *,
+    error: ErrorType = OutOfRangeError,
+    type_error: ErrorType = InvalidArgumentError,
+) -> int:
+    """Return ``value`` if it is an int in ``[0, size)``; raise ``error`` if out of range, ``type_error`` if no int."""
     try:
         return check_int(name, value, low=0, high=size - 1)
     except OutOfRangeError:
         raise error(describe(name, value, f"an integer in [0, {size})")) from None
     except InvalidArgumentError as exc:  # not an integer at all
-        raise (error if issubclass(error, InvalidArgumentError) else InvalidArgumentError)(str(exc)) from None
+        raise type_error(str(exc)) from None
 
 
 def check_count(name: str, value: object, *, low: int = 0) -> int:
@@ -127,6 +134,8 @@ def make_pool(
     device: str | torch.device | None = None,
 ) -> KVPool:
     """A private growable pool of this geometry, or ``pool`` after checking it matches."""
+    for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+        check_int(name, value, low=1)
     if pool is None:
         return KVPool(
             num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
