@@ -6,6 +6,7 @@ launches anything: an out-of-range block id in a kernel reads wild memory.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import Literal
 
@@ -81,3 +82,10 @@ def check_same_device(named: dict[str, torch.Tensor]) -> torch.device:
         if t.device != device:
             raise InvalidArgumentError(describe(f"{name}.device", t.device, f"{device} like {items[0][0]}"))
     return device
+
+
+def check_triton_device(*tensors: torch.Tensor) -> None:
+    """Triton needs CUDA tensors, or the interpreter (TRITON_INTERPRET=1) for CPU tensors."""
+    if all(t.is_cuda for t in tensors) or os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    raise InvalidArgumentError(describe("backend", "triton", "CUDA tensors (or TRITON_INTERPRET=1 on CPU)"))

@@ -27,6 +27,7 @@ from kernels._checks import (
     check_same_device,
     check_shape,
     check_tensor,
+    check_triton_device,
     use_triton,
 )
 from kernels.quant import as_storage, is_quantized, quant_max, quantize_per_token_head
@@ -52,6 +53,8 @@ def write_kv(
     """Write key/value [num_tokens, num_kv_heads, head_dim] into the cache slots (negative slot = skip)."""
     triton_path = use_triton(backend, key, value, k_cache, v_cache, slot_mapping)
     _validate(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    if triton_path:
+        check_triton_device(key)
     if key.shape[0] == 0:
         return
     if triton_path:

@@ -100,7 +100,7 @@ def random_slots(num_tokens: int, num_slots: int, seed: int, dtype=torch.int64) 
 CONFIGS = [(1, 8, 4, 3), (4, 12, 8, 2), (2, 64, 16, 2)]
 
 
-@pytest.mark.parametrize("dtype", CACHE_DTYPES)
+@pytest.mark.parametrize("dtype", CACHE_DTYPES, ids=str)
 @pytest.mark.parametrize("config", CONFIGS)
 def test_triton_matches_reference_and_naive(dtype: torch.dtype, config: tuple[int, int, int, int]) -> None:
     heads, head_dim, block_size, num_blocks = config
@@ -245,6 +245,16 @@ def test_bad_input_raises_typed_error_and_writes_nothing(backend: str, case) -> 
     with pytest.raises(error):
         write_kv(args["key"], args["value"], args["k_cache"], args["v_cache"], args["slots"],
                  k_scale=args["k_scale"], v_scale=args["v_scale"], backend=args["backend"])  # fmt: skip
+    assert all(torch.equal(raw(t), b) for t, b in zip(cache.tensors(), before))
+
+
+def test_triton_backend_needs_cuda_or_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    key, value = sample(2, 1, 8, torch.float32, seed=5)
+    cache = make_cache(1, 4, 1, 8, torch.float32)
+    before = cache.snapshot()
+    with pytest.raises(InvalidArgumentError, match="backend"):
+        run(cache, key, value, torch.tensor([0, 1]), "triton")
     assert all(torch.equal(raw(t), b) for t, b in zip(cache.tensors(), before))
 
 
