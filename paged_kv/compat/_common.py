@@ -167,7 +167,8 @@ def zero_pages(pool: KVPool, blocks: Sequence[int]) -> None:
     if blocks:
         index = torch.as_tensor(list(blocks), dtype=torch.int64, device=pool.storage.device)
         for t in pool.storage.tensors():  # each [num_blocks, block_size, ...]
-            t.index_fill_(0, index, 0)
+            bits = t.view(torch.uint8) if t.element_size() == 1 else t  # fp8 has no index_fill on CPU
+            bits.index_fill_(0, index, 0)  # all-zero bits: 0 for every dtype
 
 
 def extend_zeroed(seq: PagedSeq, n: int) -> int:
