@@ -174,6 +174,7 @@ class KvCache(KvCacheAccess):
             raise InvalidArgumentError(describe("num_kv_heads", heads, f"a divisor of kv_dim={kv_dim}"))
         self._pool = make_pool(pool, num_layers=num_layers, num_kv_heads=heads, head_dim=kv_dim // heads,
                                dtype=torch.float32, block_size=block_size, device=device)
+        self._num_layers = num_layers
         self._seq = self._pool.new_seq()
         self._len = 0  # invariant: self._seq.length is _len, or _len + 1 once the current position is stored
 
@@ -229,7 +230,7 @@ class KvCache(KvCacheAccess):
 
     def num_layers(self) -> int:
         """The number of layers."""
-        return self._pool.spec.num_layers
+        return self._num_layers
 
     def truncate(self, n: int) -> None:
         """Keep the first ``min(n, seq_len())`` tokens (never extends); whole pages past them go back."""
@@ -275,8 +276,8 @@ class KvCache(KvCacheAccess):
     # -- copying -------------------------------------------------------------------
     def copy(self) -> KvCache:
         """An independent cache sharing this one's pages copy-on-write (no data copied)."""
-        twin = object.__new__(KvCache)
-        twin._max_seq_len, twin._kv_dim, twin._pool, twin._len = self._max_seq_len, self._kv_dim, self._pool, self._len
+        twin = object.__new__(type(self))
+        twin.__dict__.update(self.__dict__)
         twin._seq = self._seq.fork()
         return twin
 

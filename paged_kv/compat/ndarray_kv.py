@@ -140,9 +140,9 @@ class KvCache:
     # -- copying -------------------------------------------------------------
     def copy(self) -> KvCache:
         """An independent cache sharing this one's pages copy-on-write (no data copied)."""
-        twin = object.__new__(KvCache)
-        twin._max_seq_len, twin._pool, twin._lens = self._max_seq_len, self._pool, list(self._lens)
-        twin._seq = self._seq.fork()
+        twin = object.__new__(type(self))
+        twin.__dict__.update(self.__dict__)
+        twin._lens, twin._seq = list(self._lens), self._seq.fork()
         return twin
 
     __copy__ = copy

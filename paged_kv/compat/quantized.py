@@ -171,6 +171,7 @@ class QuantizedKVCache:
         self._max_seq_len = check_count("max_seq_len", max_seq_len)
         self._pool = make_pool(pool, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                dtype=self._format.dtype, block_size=block_size, device=device)
+        self._num_layers = num_layers
         self._pages = _Pages(self._pool)
         self._len = 0
 
@@ -203,7 +204,7 @@ class QuantizedKVCache:
     @property
     def num_layers(self) -> int:
         """Number of layers."""
-        return self._pool.spec.num_layers
+        return self._num_layers
 
     @property
     def pool(self) -> KVPool:
@@ -317,8 +318,8 @@ class QuantizedKVCache:
     # -- copying -------------------------------------------------------------------
     def copy(self) -> QuantizedKVCache:
         """An independent cache sharing this one's pages copy-on-write (no data copied)."""
-        twin = object.__new__(QuantizedKVCache)
-        twin._format, twin._max_seq_len, twin._pool, twin._len = self._format, self._max_seq_len, self._pool, self._len
+        twin = object.__new__(type(self))
+        twin.__dict__.update(self.__dict__)
         twin._pages = self._pages.fork()
         return twin
 
