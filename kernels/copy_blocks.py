@@ -2,10 +2,11 @@
 
 ``copy_blocks`` copies every (src, dst) pair in every tensor given (each
 layer's K, V and scale tensors) in ONE Triton launch: the grid runs over
-(pair, tensor); each tensor is passed as its raw address plus its bytes per
-block, and a program copies the block as machine words (the widest of 8/4/2/1
-bytes that divides every block size and address). Tensors may differ in dtype
-and per-block size but share ``num_blocks`` (dim 0) and one device.
+(pair, tensor, chunk); each tensor is passed as its raw address plus its words
+per block, and a program copies one 1024-word chunk of one block, as machine
+words (the widest of 8/4/2/1 bytes that divides every block size and address).
+Tensors may differ in dtype and per-block size but share ``num_blocks`` (dim 0)
+and one device.
 
 A batch must be order-independent: dst ids are distinct and no id is both a
 src and a dst. A src may feed several dsts (one block forked many times).
@@ -97,7 +98,8 @@ def mapping_to_pairs(block_mapping: BlockMapping) -> torch.Tensor:
             raise InvalidArgumentError(describe("block_mapping.shape", tuple(block_mapping.shape), "[num_pairs, 2]"))
         return block_mapping.to("cpu", torch.int64)
     if isinstance(block_mapping, (str, bytes)) or not isinstance(block_mapping, Sequence):
-        raise InvalidArgumentError(describe("block_mapping", type(block_mapping).__name__, "a tensor or (src, dst) pairs"))
+        got = type(block_mapping).__name__
+        raise InvalidArgumentError(describe("block_mapping", got, "a tensor or (src, dst) pairs"))
     rows = [_pair(i, p) for i, p in enumerate(block_mapping)]
     return torch.tensor(rows, dtype=torch.int64).reshape(-1, 2)
 

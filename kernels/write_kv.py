@@ -51,8 +51,8 @@ def write_kv(
     backend: Backend = "auto",
 ) -> None:
     """Write key/value [num_tokens, num_kv_heads, head_dim] into the cache slots (negative slot = skip)."""
-    triton_path = use_triton(backend, key, value, k_cache, v_cache, slot_mapping)
     _validate(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    triton_path = use_triton(backend, key, value, k_cache, v_cache, slot_mapping)
     if triton_path:
         check_triton_device(key)
     if key.shape[0] == 0:

@@ -132,7 +132,7 @@ def _copy_error_cases():
     ]
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("backend", ["triton", "torch", "auto"])
 @pytest.mark.parametrize("case", _copy_error_cases(), ids=lambda c: c[0])
 def test_copy_rejects_bad_input_and_writes_nothing(backend: str, case) -> None:
     _, extra, mapping, error = case
@@ -227,3 +227,49 @@ def test_swap_rejects_bad_input_and_writes_nothing(case) -> None:
     with pytest.raises(error):
         swap_blocks(*args)
     assert all(torch.equal(raw(t), b) for t, b in zip(src + dst, before))
+
+
+def test_all_tensors_and_pairs_copied_in_one_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    launches = []
+    kernel = copy_module._copy_blocks_kernel
+
+    class CountingKernel:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(copy_module, "_copy_blocks_kernel", CountingKernel())
+    tensors = layer_tensors(seed=12, extra=EXTRAS["words1-3chunks"])
+    expected = naive_copy(tensors, PAIRS)
+    copy_blocks(tensors, PAIRS, backend="triton")
+    assert launches == [(len(PAIRS), len(tensors), 3)]
+    assert all(torch.equal(raw(t), w) for t, w in zip(tensors, expected))
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_copy_matches_reference() -> None:
+    on_gpu = [t.cuda() for t in layer_tensors(seed=13, extra=EXTRAS["words8-2chunks"])]
+    reference = [t.clone() for t in on_gpu]
+    copy_blocks(on_gpu, torch.tensor(PAIRS, device="cuda"))  # auto: Triton
+    copy_blocks_reference(reference, PAIRS)
+    assert all(torch.equal(raw(a), raw(b)) for a, b in zip(on_gpu, reference))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("pinned", [True, False])
+def test_cuda_swap_out_and_in(pinned: bool) -> None:
+    cpu_pool = [t.pin_memory() if pinned else t for t in pool(3, seed=6)]
+    gpu_pool = [t.cuda() for t in pool(9, seed=7)]
+    original = [raw(t).cpu().view(9, -1).clone() for t in gpu_pool]
+    swap_blocks(gpu_pool, cpu_pool, [(4, 0), (7, 2)])  # out
+    for c, o in zip(cpu_pool, original):
+        assert torch.equal(raw(c).view(3, -1)[[0, 2]], o[[4, 7]])
+    swap_blocks(cpu_pool, gpu_pool, [(0, 1), (2, 8)])  # back in, elsewhere
+    torch.cuda.synchronize()
+    for g, o in zip(gpu_pool, original):
+        assert torch.equal(raw(g).cpu().view(9, -1)[[1, 8]], o[[4, 7]])

@@ -52,7 +52,9 @@ def make_cache(num_blocks: int, block_size: int, heads: int, head_dim: int, dtyp
     v = filled(num_blocks, block_size, heads, head_dim, dt=dtype)
     if not is_quantized(dtype):
         return Cache(k, v, None, None)
-    return Cache(k, v, filled(num_blocks, block_size, heads, dt=torch.float32), filled(num_blocks, block_size, heads, dt=torch.float32))
+    k_scale = filled(num_blocks, block_size, heads, dt=torch.float32)
+    v_scale = filled(num_blocks, block_size, heads, dt=torch.float32)
+    return Cache(k, v, k_scale, v_scale)
 
 
 def run(cache: Cache, key, value, slots, backend: str) -> None:
@@ -122,7 +124,8 @@ def test_input_dtype_differs_from_cache(key_dtype: torch.dtype, cache_dtype: tor
     caches = [make_cache(2, 8, 2, 16, cache_dtype) for _ in range(2)]
     expected = naive_expectation(caches[0], key, value, slots)
     run(caches[0], key, value, slots, "triton")
-    write_kv_reference(key, value, caches[1].k, caches[1].v, slots, k_scale=caches[1].k_scale, v_scale=caches[1].v_scale)
+    ref = caches[1]
+    write_kv_reference(key, value, ref.k, ref.v, slots, k_scale=ref.k_scale, v_scale=ref.v_scale)
     for cache in caches:
         assert all(torch.equal(raw(g), w) for g, w in zip(cache.tensors(), expected))
 
@@ -212,7 +215,7 @@ def test_auto_backend_runs_torch_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None
 
 def _error_cases():
     """(description, kwargs overrides, expected error) for write_kv's validation."""
-    f32 = torch.float32
+    f32, i8 = torch.float32, torch.int8
     return [
         ("slot past the end", dict(slots=torch.tensor([0, 16, 1])), OutOfRangeError),
         ("duplicate slot", dict(slots=torch.tensor([5, -1, 5])), InvalidArgumentError),
@@ -223,7 +226,7 @@ def _error_cases():
         ("integer key", dict(key=torch.zeros(3, 2, 8, dtype=torch.int32)), InvalidArgumentError),
         ("key not a tensor", dict(key=[[0.0]]), InvalidArgumentError),
         ("cache dtypes differ", dict(v_cache=torch.zeros(2, 8, 2, 8, dtype=torch.float8_e5m2)), InvalidArgumentError),
-        ("cache not contiguous", dict(k_cache=torch.zeros(2, 8, 8, 2).to(torch.int8).transpose(2, 3)), InvalidArgumentError),
+        ("cache not contiguous", dict(k_cache=torch.zeros(2, 8, 8, 2, dtype=i8).transpose(2, 3)), InvalidArgumentError),
         ("missing scale", dict(k_scale=None), InvalidArgumentError),
         ("scale shape", dict(v_scale=torch.zeros(2, 8, 1, dtype=f32)), InvalidArgumentError),
         ("scale dtype", dict(v_scale=torch.zeros(2, 8, 2, dtype=torch.float16)), InvalidArgumentError),
@@ -232,7 +235,7 @@ def _error_cases():
     ]
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("backend", ["triton", "torch", "auto"])
 @pytest.mark.parametrize("case", _error_cases(), ids=lambda c: c[0])
 def test_bad_input_raises_typed_error_and_writes_nothing(backend: str, case) -> None:
     _, overrides, error = case
@@ -265,3 +268,16 @@ def test_scales_forbidden_for_float_cache() -> None:
     with pytest.raises(InvalidArgumentError, match="k_scale"):
         write_kv(key, value, cache.k, cache.v, torch.tensor([0, 1]), k_scale=torch.zeros(1, 4, 1), backend="triton")
     assert all(torch.equal(raw(t), b) for t, b in zip(cache.tensors(), before))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", CACHE_DTYPES, ids=str)
+def test_cuda_triton_matches_cpu_reference(dtype: torch.dtype) -> None:
+    key, value = sample(33, 8, 128, torch.bfloat16, seed=11)
+    slots = random_slots(33, 4 * 16, seed=12)
+    cpu = make_cache(4, 16, 8, 128, dtype)
+    gpu = Cache(*[None if t is None else t.cuda() for t in (cpu.k, cpu.v, cpu.k_scale, cpu.v_scale)])
+    run(cpu, key, value, slots, "torch")
+    run(gpu, key.cuda(), value.cuda(), slots.cuda(), "auto")
+    assert all(torch.equal(raw(g).cpu(), raw(c)) for g, c in zip(gpu.tensors(), cpu.tensors()))
