@@ -1,11 +1,11 @@
 """Merge two partial attention states (output, natural-log lse) over disjoint key sets.
 
 If ``out_a, lse_a`` is softmax attention over key set A and ``out_b, lse_b`` over a
-disjoint set B, the merge is the attention over A u B:
+disjoint set B, the merge is the attention over A ∪ B:
 ``lse = log(exp(lse_a) + exp(lse_b))`` and ``out = w_a * out_a + w_b * out_b`` with
-``w_x = exp(lse_x - lse)``. An empty part has lse = -inf and weight 0; when both are
-empty the result is 0 with lse -inf. Typical use: attend a shared prefix once for many
-sequences, attend each sequence's own suffix, merge.
+``w_x = exp(lse_x - lse)``. An empty part has lse = -inf and weight 0 (its output, even
+NaN, is ignored); when both are empty the result is 0 with lse -inf. Typical use: attend a
+shared prefix once for many sequences, attend each sequence's own suffix, merge.
 """
 
 from __future__ import annotations
@@ -45,7 +45,9 @@ def _merge_kernel(
     d = offs_d[None, :]
     oa = tl.load(oa_ptr + n[:, None] * soa_n + h[:, None] * soa_h + d * soa_d, mask=mask, other=0.0).to(tl.float32)
     ob = tl.load(ob_ptr + n[:, None] * sob_n + h[:, None] * sob_h + d * sob_d, mask=mask, other=0.0).to(tl.float32)
-    out = oa * (w_a * inv)[:, None] + ob * (w_b * inv)[:, None]  # [ROWS, D_PAD]
+    oa = tl.where((w_a > 0)[:, None], oa * (w_a * inv)[:, None], 0.0)  # an empty part's output never leaks
+    ob = tl.where((w_b > 0)[:, None], ob * (w_b * inv)[:, None], 0.0)
+    out = oa + ob  # [ROWS, D_PAD]
     tl.store(out_ptr + n[:, None] * so_n + h[:, None] * so_h + d * so_d, out.to(out_ptr.dtype.element_ty), mask=mask)
     lse = tl.where(total > 0, m_use + tl.log2(tl.where(total > 0, total, 1.0)) * 0.6931471805599453, float("-inf"))
     tl.store(lse_ptr + n * sl_n + h * sl_h, lse, mask=r_mask)
@@ -69,7 +71,9 @@ def _merge_torch(out_a, lse_a, out_b, lse_b) -> tuple[torch.Tensor, torch.Tensor
     w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)
     total = w_a + w_b
     safe = torch.where(total > 0, total, 1.0)
-    out = out_a.float() * (w_a / safe)[..., None] + out_b.float() * (w_b / safe)[..., None]
+    part_a = torch.where((w_a > 0)[..., None], out_a.float() * (w_a / safe)[..., None], 0.0)
+    part_b = torch.where((w_b > 0)[..., None], out_b.float() * (w_b / safe)[..., None], 0.0)
+    out = part_a + part_b  # an empty part's output (even NaN) never leaks
     lse = torch.where(total > 0, m + torch.log(safe), float("-inf"))
     return out.to(out_a.dtype), lse
 

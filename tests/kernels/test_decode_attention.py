@@ -1,0 +1,323 @@
+"""Paged decode attention: Triton kernel (interpreter on CPU) and torch reference vs a dense float64 softmax.
+
+The paged caches built here put sequences in shuffled physical blocks, share prefix
+blocks between sequences, and fill every slot no sequence owns, every unused block
+and every padding table entry's block with NaN, so any stale read shows up as NaN.
+The builder and the naive attention are imported by the prefill tests too.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import kernels.decode_attention as dec
+from kernels.decode_attention import choose_num_splits, paged_decode_attention, paged_decode_attention_reference
+from kernels.quant import quantize_per_token_head
+from paged_kv.errors import InvalidArgumentError, OutOfRangeError, PagedKVError
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+I8, E4M3, E5M2 = torch.int8, torch.float8_e4m3fn, torch.float8_e5m2
+TOL = {F32: 2e-5, F16: 2e-3, BF16: 1.6e-2}  # output rounding of q's dtype, on outputs of size ~1
+
+
+@dataclass
+class Paged:
+    """A paged K/V cache plus the dense float64 truth it encodes."""
+
+    k_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor
+    k_scale: torch.Tensor | None  # [num_blocks, block_size, Hkv] for quantized caches
+    v_scale: torch.Tensor | None
+    block_tables: torch.Tensor  # [S, max_blocks] int32
+    seq_lens: torch.Tensor  # [S] int32
+    dense_k: list[torch.Tensor]  # per sequence [L, Hkv, D] float64 (dequantized values)
+    dense_v: list[torch.Tensor]
+    exact_k: list[torch.Tensor]  # per sequence, the float values before quantization
+    exact_v: list[torch.Tensor]
+    nan_block: int  # a NaN-filled block id that no sequence owns
+
+
+def _fill_value(dtype: torch.dtype) -> float:
+    """Stale-slot filler: NaN where the dtype has one, else the largest int8 code (its scale is NaN)."""
+    return 127 if dtype == I8 else math.nan
+
+
+def _store(cache, scale, table, data, dtype):
+    """Write ``data`` [L, Hkv, D] (float) into the blocks of ``table``; returns the dequantized float64 copy."""
+    if scale is not None:
+        codes, scales = quantize_per_token_head(data, dtype)
+        dense = codes.double() * scales.double()[..., None]
+    else:
+        codes, scales, dense = data.to(dtype), None, data.to(dtype).double()
+    block_size = cache.shape[1]
+    for pos in range(data.shape[0]):
+        blk, slot = table[pos // block_size], pos % block_size
+        cache[blk, slot] = codes[pos]
+        if scale is not None:
+            scale[blk, slot] = scales[pos]
+    return dense
+
+
+def build_paged(
+    seq_lens, *, block_size, num_kv_heads, head_dim, dtype=F32, seed=0, shared_blocks=0, pad_blocks=2
+) -> Paged:
+    """Random paged caches: shuffled block ids, sequence 1 shares its first ``shared_blocks`` blocks with sequence 0."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = [-(-n // block_size) for n in seq_lens]
+    shared = min(shared_blocks, *(n // block_size for n in seq_lens[:2])) if len(seq_lens) > 1 else 0
+    num_blocks = sum(counts) - shared + 3
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    nan_block, tables, used = perm.pop(), [], 0
+    for i, count in enumerate(counts):
+        own = count - (shared if i == 1 else 0)
+        tables.append((tables[0][:shared] if i == 1 else []) + perm[used : used + own])
+        used += own
+    quantized = dtype in (I8, E4M3, E5M2)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    storage = F32 if quantized else dtype
+    caches = [torch.full(shape, _fill_value(dtype), dtype=storage).to(dtype) for _ in range(2)]
+    scales = [torch.full(shape[:3], math.nan) if quantized else None for _ in range(2)]
+    truth = {"dense_k": [], "dense_v": [], "exact_k": [], "exact_v": []}
+    for i, (n, table) in enumerate(zip(seq_lens, tables)):
+        for name, cache, scale in (("k", caches[0], scales[0]), ("v", caches[1], scales[1])):
+            data = torch.randn(n, num_kv_heads, head_dim, generator=gen)
+            if i == 1 and shared:
+                data[: shared * block_size] = truth[f"exact_{name}"][0][: shared * block_size].float()
+            truth[f"dense_{name}"].append(_store(cache, scale, table, data, dtype))
+            truth[f"exact_{name}"].append(data.double())
+    max_blocks = max(counts) + pad_blocks
+    rows = [t + [nan_block] * (max_blocks - len(t)) for t in tables]  # padding points at NaN
+    block_tables = torch.tensor(rows, dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    return Paged(caches[0], caches[1], scales[0], scales[1], block_tables, lens, nan_block=nan_block, **truth)
+
+
+def naive_attention(q, k, v, q_pos, *, scale, sliding_window=None, soft_cap=None):
+    """Dense float64 softmax attention: q [M, Hq, D] at positions q_pos over k/v [L, Hkv, D] -> (out, lse)."""
+    q, k, v = q.double(), k.double(), v.double()
+    group = q.shape[1] // k.shape[1]
+    out, lse = torch.zeros(q.shape, dtype=torch.float64), torch.zeros(q.shape[:2], dtype=torch.float64)
+    kpos = torch.arange(k.shape[0])
+    for h in range(q.shape[1]):
+        logits = q[:, h] @ k[:, h // group].T * scale  # [M, L]
+        if soft_cap is not None:
+            logits = soft_cap * torch.tanh(logits / soft_cap)
+        pos = torch.as_tensor(q_pos)[:, None]
+        allowed = kpos[None] <= pos
+        if sliding_window is not None:
+            allowed &= kpos[None] > pos - sliding_window
+        logits = logits.masked_fill(~allowed, -math.inf)
+        lse[:, h] = torch.logsumexp(logits, -1)
+        out[:, h] = torch.softmax(logits, -1) @ v[:, h // group]
+    return out, lse
+
+
+def naive_decode(q, paged: Paged, *, exact=False, scale=None, **opts):
+    """Naive decode over the dense truth: q [S, Hq, D] -> (out [S, Hq, D], lse [S, Hq]) float64."""
+    ks, vs = (paged.exact_k, paged.exact_v) if exact else (paged.dense_k, paged.dense_v)
+    scale = 1 / math.sqrt(q.shape[2]) if scale is None else scale
+    outs = [naive_attention(q[s : s + 1], ks[s], vs[s], [ks[s].shape[0] - 1], scale=scale, **opts) for s in range(len(ks))]
+    return torch.cat([o for o, _ in outs]), torch.cat([lse for _, lse in outs])
+
+
+def run_decode(q, paged: Paged, **kwargs):
+    """Call paged_decode_attention on a Paged bundle."""
+    return paged_decode_attention(
+        q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens,
+        k_scale=paged.k_scale, v_scale=paged.v_scale, **kwargs,
+    )  # fmt: skip
+
+
+def assert_close(actual, expected, tol):
+    """Elementwise |a - e| <= tol * (1 + |e|), no NaN anywhere."""
+    actual = actual.double()
+    assert not torch.isnan(actual).any()
+    torch.testing.assert_close(actual, expected.double(), atol=tol, rtol=tol)
+
+
+# (q dtype, cache dtype, Hq, Hkv, head_dim, block_size, seq_lens, shared blocks)
+DECODE_CASES = [
+    pytest.param(F32, F32, 4, 4, 64, 16, [1, 16, 45, 64], 1, id="mha-f32-bs16"),
+    pytest.param(F16, F16, 8, 2, 80, 8, [17, 40, 1], 2, id="gqa-f16-d80-bs8"),
+    pytest.param(BF16, BF16, 6, 1, 64, 32, [70, 5], 1, id="mqa-bf16-group6-bs32"),
+    pytest.param(F32, F16, 4, 2, 96, 12, [25, 36], 1, id="gqa-q32-kv16-d96-bs12"),
+    pytest.param(BF16, BF16, 4, 2, 256, 128, [130, 3], 1, id="gqa-bf16-d256-bs128"),
+    pytest.param(F16, F32, 2, 2, 128, 64, [64, 9], 0, id="mha-q16-kv32-d128-bs64"),
+]
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("q_dtype,cache_dtype,hq,hkv,head_dim,block_size,lens,shared", DECODE_CASES)
+def test_decode_matches_naive(backend, q_dtype, cache_dtype, hq, hkv, head_dim, block_size, lens, shared):
+    paged = build_paged(
+        lens, block_size=block_size, num_kv_heads=hkv, head_dim=head_dim, dtype=cache_dtype, seed=1, shared_blocks=shared
+    )
+    q = torch.randn(len(lens), hq, head_dim, generator=torch.Generator().manual_seed(2)).to(q_dtype)
+    out, lse = run_decode(q, paged, return_lse=True, backend=backend)
+    expected, expected_lse = naive_decode(q, paged)
+    assert out.dtype == q_dtype and out.shape == q.shape and lse.dtype == F32
+    assert_close(out, expected, TOL[q_dtype])
+    assert_close(lse, expected_lse, TOL[q_dtype])
+
+
+# Error bound of the output vs attention over the unquantized values, per format: absmax scaling
+# leaves a relative code error of 1/254 (int8), 2^-4 (e4m3: 3 mantissa bits), 2^-3 (e5m2).
+QUANT_BOUND = {I8: 0.03, E4M3: 0.2, E5M2: 0.4}  # worst seen over 5 seeds: 0.013, 0.12, 0.22
+
+
+@pytest.mark.parametrize("cache_dtype,q_dtype", [(I8, F16), (E4M3, BF16), (E5M2, F32)])
+def test_decode_quantized_cache(cache_dtype, q_dtype):
+    paged = build_paged([1, 50, 33], block_size=16, num_kv_heads=2, head_dim=64, dtype=cache_dtype, seed=3, shared_blocks=1)
+    q = torch.randn(3, 4, 64, generator=torch.Generator().manual_seed(4)).to(q_dtype)
+    out = run_decode(q, paged, backend="triton", num_splits=2)
+    ref = run_decode(q, paged, backend="torch")
+    assert_close(out, naive_decode(q, paged)[0], TOL[q_dtype])  # exact dequantized values
+    assert_close(ref, naive_decode(q, paged)[0], TOL[q_dtype])
+    err = (out.double() - naive_decode(q, paged, exact=True)[0]).abs().max().item()
+    assert err < QUANT_BOUND[cache_dtype]
+
+
+def test_split_kv_gives_same_result():
+    # 8 splits of 200 tokens leave splits with no work (lse -inf) for the merge to skip.
+    paged = build_paged([200, 1, 130], block_size=16, num_kv_heads=2, head_dim=64, seed=5, shared_blocks=3)
+    q = torch.randn(3, 8, 64, generator=torch.Generator().manual_seed(6))
+    base, base_lse = run_decode(q, paged, backend="triton", num_splits=1, return_lse=True)
+    for splits in (3, 8):
+        out, lse = run_decode(q, paged, backend="triton", num_splits=splits, return_lse=True)
+        torch.testing.assert_close(out, base, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse, base_lse, atol=1e-5, rtol=1e-5)
+    assert_close(base, naive_decode(q, paged)[0], TOL[F32])
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_sliding_window_and_soft_cap(backend):
+    paged = build_paged([90, 7, 40], block_size=8, num_kv_heads=2, head_dim=64, dtype=F16, seed=7)
+    paged.block_tables[0, :5] = paged.nan_block  # blocks 0..4 (positions < 40) lie before the window of 50
+    q = (3 * torch.randn(3, 4, 64, generator=torch.Generator().manual_seed(8))).to(F16)  # large logits: cap bites
+    opts = dict(sliding_window=50, soft_cap=4.0, scale=0.3)
+    out, lse = run_decode(q, paged, backend=backend, num_splits=2, return_lse=True, **opts)
+    expected, expected_lse = naive_decode(q, paged, **opts)
+    assert_close(out, expected, TOL[F16])
+    assert_close(lse, expected_lse, TOL[F16])
+    uncapped = naive_decode(q, paged, scale=0.3, sliding_window=50)[0]
+    assert (uncapped - expected).abs().max() > 0.05  # the cap changes the result
+
+
+def test_auto_backend_on_cpu_runs_torch(monkeypatch):
+    paged = build_paged([20, 3], block_size=8, num_kv_heads=1, head_dim=64, seed=9)
+    q = torch.randn(2, 2, 64, generator=torch.Generator().manual_seed(10))
+    expected = run_decode(q, paged, backend="torch")
+    monkeypatch.setattr(dec, "_decode_triton", _fail)
+    torch.testing.assert_close(run_decode(q, paged), expected, atol=0, rtol=0)
+    torch.testing.assert_close(paged_decode_attention_reference(
+        q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens), expected, atol=0, rtol=0)
+
+
+def test_empty_batch():
+    paged = build_paged([5], block_size=8, num_kv_heads=1, head_dim=64)
+    out, lse = paged_decode_attention(
+        torch.zeros(0, 2, 64), paged.k_cache, paged.v_cache, paged.block_tables[:0], paged.seq_lens[:0],
+        backend="triton", return_lse=True,
+    )  # fmt: skip
+    assert out.shape == (0, 2, 64) and lse.shape == (0, 2)
+
+
+def test_choose_num_splits(monkeypatch):
+    cpu = torch.device("cpu")
+    assert choose_num_splits(4, 8, 100, cpu) == 1
+    assert choose_num_splits(4, 8, 100_000, cpu) == 2
+    props = SimpleNamespace(multi_processor_count=132)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    cuda = torch.device("cuda", 0)
+    assert choose_num_splits(1, 8, 8192, cuda) == 32  # few programs, long context: split widely
+    assert choose_num_splits(1, 8, 1024, cuda) == 4  # capped by >= 256 tokens per split
+    assert choose_num_splits(64, 8, 8192, cuda) == 1  # 512 programs already fill 132 SMs
+
+
+def _fail(*args, **kwargs):
+    raise AssertionError("launched despite invalid input")
+
+
+def _valid_inputs():
+    paged = build_paged([20, 9], block_size=8, num_kv_heads=2, head_dim=64, seed=11)
+    q = torch.randn(2, 4, 64)
+    return dict(q=q, k_cache=paged.k_cache, v_cache=paged.v_cache, block_tables=paged.block_tables, seq_lens=paged.seq_lens)
+
+
+def _quantized_inputs():
+    paged = build_paged([20, 9], block_size=8, num_kv_heads=2, head_dim=64, dtype=I8, seed=12)
+    inputs = dict(q=torch.randn(2, 4, 64), k_cache=paged.k_cache, v_cache=paged.v_cache)
+    return dict(inputs, block_tables=paged.block_tables, seq_lens=paged.seq_lens, k_scale=paged.k_scale, v_scale=paged.v_scale)
+
+
+def _set_table(value, row=0, col=0):
+    def change(d):
+        d["block_tables"] = d["block_tables"].clone()
+        d["block_tables"][row, col] = value
+    return change
+
+
+BAD_INPUTS = [
+    ("q-rank", lambda d: d.update(q=d["q"][0]), InvalidArgumentError),
+    ("q-int", lambda d: d.update(q=d["q"].int()), InvalidArgumentError),
+    ("q-not-tensor", lambda d: d.update(q=d["q"].tolist()), InvalidArgumentError),
+    ("k-rank", lambda d: d.update(k_cache=d["k_cache"][0]), InvalidArgumentError),
+    ("v-shape", lambda d: d.update(v_cache=d["v_cache"][:-1]), InvalidArgumentError),
+    ("v-dtype", lambda d: d.update(v_cache=d["v_cache"].half()), InvalidArgumentError),
+    ("head-dim", lambda d: d.update(q=d["q"][..., :32]), InvalidArgumentError),
+    ("head-dim-too-big", lambda d: d.update(q=torch.zeros(2, 4, 512), k_cache=torch.zeros(5, 8, 2, 512),
+                                            v_cache=torch.zeros(5, 8, 2, 512)), InvalidArgumentError),
+    ("hq-not-multiple", lambda d: d.update(q=d["q"][:, :3]), InvalidArgumentError),
+    ("table-dtype", lambda d: d.update(block_tables=d["block_tables"].float()), InvalidArgumentError),
+    ("table-rows", lambda d: d.update(block_tables=d["block_tables"][:1]), InvalidArgumentError),
+    ("table-device", lambda d: d.update(block_tables=d["block_tables"].to("meta")), InvalidArgumentError),
+    ("lens-shape", lambda d: d.update(seq_lens=d["seq_lens"][:1]), InvalidArgumentError),
+    ("lens-zero", lambda d: d.update(seq_lens=torch.tensor([20, 0], dtype=torch.int32)), OutOfRangeError),
+    ("lens-over-capacity", lambda d: d.update(seq_lens=torch.tensor([20, 41], dtype=torch.int32)), OutOfRangeError),
+    ("block-id-high", _set_table(10_000, 0, 2), OutOfRangeError),
+    ("block-id-negative", _set_table(-1, 1, 1), OutOfRangeError),
+    ("scales-for-float-cache", lambda d: d.update(k_scale=torch.ones(d["k_cache"].shape[:3]),
+                                                  v_scale=torch.ones(d["k_cache"].shape[:3])), InvalidArgumentError),
+    ("window-zero", lambda d: d.update(sliding_window=0), InvalidArgumentError),
+    ("soft-cap-negative", lambda d: d.update(soft_cap=-1.0), InvalidArgumentError),
+    ("scale-nan", lambda d: d.update(scale=math.nan), InvalidArgumentError),
+    ("splits-zero", lambda d: d.update(num_splits=0), OutOfRangeError),
+    ("splits-huge", lambda d: d.update(num_splits=10_000), OutOfRangeError),
+    ("backend", lambda d: d.update(backend="cuda"), InvalidArgumentError),
+]
+BAD_QUANT_INPUTS = [
+    ("missing-scales", lambda d: d.update(k_scale=None), InvalidArgumentError),
+    ("scale-shape", lambda d: d.update(v_scale=d["v_scale"][:, :4]), InvalidArgumentError),
+    ("scale-dtype", lambda d: d.update(k_scale=d["k_scale"].half()), InvalidArgumentError),
+]
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize(
+    "make,change,error",
+    [(_valid_inputs, c, e) for _, c, e in BAD_INPUTS] + [(_quantized_inputs, c, e) for _, c, e in BAD_QUANT_INPUTS],
+    ids=[name for name, _, _ in BAD_INPUTS + BAD_QUANT_INPUTS],
+)
+def test_invalid_input_raises_before_launch(monkeypatch, backend, make, change, error):
+    monkeypatch.setattr(dec, "_decode_triton", _fail)
+    monkeypatch.setattr(dec, "_decode_torch", _fail)
+    inputs = dict(make(), backend=backend)
+    change(inputs)
+    with pytest.raises(error) as info:
+        paged_decode_attention(**inputs)
+    assert isinstance(info.value, PagedKVError)
+
+
+def test_unused_table_entries_are_not_validated():
+    inputs = _valid_inputs()
+    inputs["block_tables"][1, 2:] = -7  # past seq_len 9 at block size 8: padding
+    inputs["block_tables"][0, 0] = 10_000  # before the window of 8 at seq_len 20: never read
+    out = paged_decode_attention(**inputs, sliding_window=8, backend="triton")
+    ref = paged_decode_attention(**inputs, sliding_window=8, backend="torch")
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
