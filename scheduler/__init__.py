@@ -1,0 +1,13 @@
+"""The serving engine: continuous batching over the paged KV cache with a Llama-family model."""
+
+from scheduler.config import CacheConfig, EngineConfig, SchedulerConfig
+from scheduler.engine import LLMEngine
+from scheduler.model import LlamaModel, ModelConfig
+from scheduler.outputs import CompletionOutput, RequestOutput
+from scheduler.params import SamplingParams
+from scheduler.weights import from_hf_model, from_state_dict
+
+__all__ = [
+    "CacheConfig", "CompletionOutput", "EngineConfig", "LLMEngine", "LlamaModel", "ModelConfig",
+    "RequestOutput", "SamplingParams", "SchedulerConfig", "from_hf_model", "from_state_dict",
+]

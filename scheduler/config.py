@@ -1,0 +1,88 @@
+"""Configuration of the scheduler and the engine, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from paged_kv.config import MAX_BLOCK_SIZE, MAX_BLOCKS
+from paged_kv.errors import InvalidArgumentError, check_int, describe
+
+PreemptionMode = Literal["recompute", "swap"]
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    """Per-step budgets and policies of the scheduler."""
+
+    max_num_batched_tokens: int = 512  # new tokens per step (decode + prefill chunks)
+    max_num_seqs: int = 64  # sequences per step
+    enable_chunked_prefill: bool = True  # split long prompts across steps
+    preemption_mode: PreemptionMode = "recompute"
+
+    def __post_init__(self) -> None:
+        check_int("max_num_seqs", self.max_num_seqs, low=1, high=1 << 16)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens, low=self.max_num_seqs, high=1 << 24)
+        if not isinstance(self.enable_chunked_prefill, bool):
+            raise InvalidArgumentError(describe("enable_chunked_prefill", self.enable_chunked_prefill, "a bool"))
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise InvalidArgumentError(describe("preemption_mode", self.preemption_mode, f"one of {PREEMPTION_MODES}"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class CacheConfig:
+    """The paged KV pools: block geometry, sizes, prefix caching and storage dtype."""
+
+    block_size: int = 16
+    num_gpu_blocks: int | None = None  # None: as many as fit in kv_cache_bytes
+    kv_cache_bytes: int = 256 << 20
+    num_cpu_blocks: int = 0  # swap space; must be > 0 for preemption_mode="swap"
+    watermark: float = 0.01
+    enable_prefix_caching: bool = True
+    dtype: torch.dtype | None = None  # None: the model's dtype
+
+    def __post_init__(self) -> None:
+        check_int("block_size", self.block_size, low=1, high=MAX_BLOCK_SIZE)
+        if self.num_gpu_blocks is not None:
+            check_int("num_gpu_blocks", self.num_gpu_blocks, low=1, high=MAX_BLOCKS)
+        check_int("kv_cache_bytes", self.kv_cache_bytes, low=1)
+        check_int("num_cpu_blocks", self.num_cpu_blocks, low=0, high=MAX_BLOCKS)
+        if not isinstance(self.watermark, (int, float)) or not 0.0 <= self.watermark < 1.0:
+            raise InvalidArgumentError(describe("watermark", self.watermark, "a fraction in [0, 1)"))
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise InvalidArgumentError(describe("enable_prefix_caching", self.enable_prefix_caching, "a bool"))
+        if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
+            raise InvalidArgumentError(describe("dtype", self.dtype, "a torch.dtype or None"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """Everything the engine needs besides the model: cache, scheduler and device."""
+
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    device: str | None = None  # None: "cuda" when available, else "cpu"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.cache, CacheConfig):
+            raise InvalidArgumentError(describe("cache", self.cache, "a CacheConfig"))
+        if not isinstance(self.scheduler, SchedulerConfig):
+            raise InvalidArgumentError(describe("scheduler", self.scheduler, "a SchedulerConfig"))
+        if self.scheduler.preemption_mode == "swap" and self.cache.num_cpu_blocks == 0:
+            raise InvalidArgumentError(
+                describe("cache.num_cpu_blocks", 0, "> 0 when scheduler.preemption_mode='swap'")
+            )
+        if self.device is not None:
+            try:
+                torch.device(self.device)
+            except (RuntimeError, TypeError):
+                raise InvalidArgumentError(describe("device", self.device, "a device string or None")) from None
+
+    def resolved_device(self) -> torch.device:
+        """The device the model and the KV cache live on."""
+        if self.device is None:
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)

@@ -1,0 +1,180 @@
+"""A compact Llama-family decoder over packed variable-length batches and a paged KV cache.
+
+One forward runs every new token of a mixed prefill + decode batch: tokens are
+packed ``[T]``; each layer writes its K/V to the slots of the step and then
+attends through the block tables (causal within the new tokens, full over the
+cached prefix). Only the rows in ``logits_indices`` go through the LM head.
+Weights load from a transformers ``LlamaForCausalLM`` or its state dict
+(:mod:`scheduler.weights`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.decode_attention import paged_decode_attention
+from kernels.prefill_attention import paged_prefill_attention
+from paged_kv.batch import BatchMetadata
+from paged_kv.errors import InvalidArgumentError, check_int, describe
+from paged_kv.kv_cache import KVCacheSpec, PagedKVCache
+from scheduler.rope import RotaryEmbedding
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Shapes and constants of a Llama-family decoder."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: Mapping[str, object] | None = field(default=None, hash=False)
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "head_dim"):
+            check_int(name, getattr(self, name), low=1)
+        check_int("num_kv_heads", self.num_kv_heads, low=1, high=self.num_heads)
+        check_int("max_position_embeddings", self.max_position_embeddings, low=1)
+        if self.num_heads % self.num_kv_heads:
+            raise InvalidArgumentError(describe("num_kv_heads", self.num_kv_heads, f"a divisor of {self.num_heads}"))
+
+    @classmethod
+    def from_hf(cls, hf_config: object) -> ModelConfig:
+        """Read a transformers ``LlamaConfig`` (v4 ``rope_scaling`` or v5 ``rope_parameters``)."""
+        c = hf_config
+        rope = dict(getattr(c, "rope_scaling", None) or getattr(c, "rope_parameters", None) or {})
+        theta = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        return cls(
+            vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+            num_layers=c.num_hidden_layers, num_heads=c.num_attention_heads,
+            num_kv_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads, head_dim=head_dim,
+            rms_norm_eps=c.rms_norm_eps, rope_theta=float(theta), rope_scaling=rope or None,
+            max_position_embeddings=c.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+            attention_bias=bool(getattr(c, "attention_bias", False)),
+        )  # fmt: skip
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm, computed in float32."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, H] -> [T, H] in x's dtype."""
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """GQA self-attention reading and writing the paged KV cache of its layer."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.layer, self.rope = layer, rope
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.split = (q_size, kv_size, kv_size)
+        self.qkv = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
+        self.o = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache, meta: BatchMetadata):
+        """x: [T, hidden] -> [T, hidden]."""
+        q, k, v = self.qkv(x).split(self.split, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rope(positions, q, k)
+        cache.write(self.layer, k, v.contiguous(), meta.slot_mapping)
+        out = attend(q.contiguous(), cache.layers[self.layer], meta, self.scale)  # [T, Hq, D]
+        return self.o(out.reshape(out.shape[0], -1))
+
+
+def attend(q: torch.Tensor, kv, meta: BatchMetadata, scale: float) -> torch.Tensor:
+    """Paged attention of the step's queries; a decode-only batch takes the decode kernel."""
+    args = (kv.k, kv.v, meta.block_tables, meta.seq_lens)
+    scales = {"k_scale": kv.k_scale, "v_scale": kv.v_scale}
+    if meta.max_query_len == 1 and q.shape[0] == meta.seq_lens.shape[0]:
+        return paged_decode_attention(q, *args, scale=scale, **scales)
+    return paged_prefill_attention(q, *args, meta.cu_seqlens_q, scale=scale, **scales)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden]."""
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP blocks with residuals."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, layer, rope)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, positions, cache, meta) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden]."""
+        x = x + self.attn(self.input_norm(x), positions, cache, meta)
+        return x + self.mlp(self.post_attn_norm(x))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers, final norm and LM head over packed tokens."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    def kv_cache_spec(self, block_size: int, dtype: torch.dtype | None = None) -> KVCacheSpec:
+        """The paged cache geometry this model writes."""
+        cfg = self.config
+        return KVCacheSpec(
+            num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+            block_size=block_size, dtype=dtype or self.embed.weight.dtype,
+        )  # fmt: skip
+
+    @torch.inference_mode()
+    def forward(self, input_ids, positions, cache: PagedKVCache, meta: BatchMetadata, logits_indices) -> torch.Tensor:
+        """input_ids, positions: [T]; logits_indices: [R] rows to score -> logits [R, vocab] float32."""
+        x = self.embed(input_ids)  # [T, hidden]
+        for layer in self.layers:
+            x = layer(x, positions, cache, meta)
+        x = self.norm(x[logits_indices])  # [R, hidden]
+        return self.lm_head(x).float()

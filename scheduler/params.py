@@ -1,0 +1,70 @@
+"""Per-request sampling parameters, validated at construction."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from paged_kv.errors import InvalidArgumentError, check_int, describe
+
+MAX_SAMPLES = 256
+MAX_LOGPROBS = 64
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How one request samples its output: length, randomness, stop conditions, samples.
+
+    ``temperature == 0`` is greedy decoding (top-k/top-p and the seed then do
+    nothing). ``top_k == 0`` and ``top_p == 1.0`` disable those filters. With a
+    ``seed`` every sample of the request draws from its own generator, so its
+    tokens do not depend on what else is in the batch. ``n`` samples share the
+    prompt's KV blocks (copy-on-write). A stop token, or EOS unless
+    ``ignore_eos``, ends a sample and is kept as its last output token.
+    ``logprobs`` asks for that many top log-probabilities per generated token.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    n: int = 1
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        check_int("max_tokens", self.max_tokens, low=1)
+        _check_real("temperature", self.temperature, 0.0, math.inf)
+        check_int("top_k", self.top_k, low=0)
+        _check_real("top_p", self.top_p, 0.0, 1.0, open_low=True)
+        if self.seed is not None:
+            check_int("seed", self.seed, low=0, high=(1 << 63) - 1)
+        check_int("n", self.n, low=1, high=MAX_SAMPLES)
+        check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidArgumentError(describe("ignore_eos", self.ignore_eos, "a bool"))
+        object.__setattr__(self, "stop_token_ids", _token_tuple(self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        """Whether tokens are picked by argmax."""
+        return self.temperature == 0.0
+
+
+def _check_real(name: str, value: object, low: float, high: float, *, open_low: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (low < value if open_low else low <= value) and value <= high
+    if not ok:
+        interval = f"{'(' if open_low else '['}{low}, {high}]"
+        raise InvalidArgumentError(describe(name, value, f"a finite number in {interval}"))
+
+
+def _token_tuple(ids: object) -> tuple[int, ...]:
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        raise InvalidArgumentError(describe("stop_token_ids", ids, "a sequence of token ids"))
+    ids = tuple(ids)
+    for t in ids:
+        check_int("stop_token_ids[i]", t, low=0)
+    return tuple(int(t) for t in ids)

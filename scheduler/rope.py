@@ -1,0 +1,66 @@
+"""Rotary position embeddings, with the "linear" and "llama3" frequency scalings.
+
+Pairs are (i, i + D/2) ("rotate half" layout, as in transformers' Llama). The
+angles are computed per step from the positions in float32, so no table
+bounds the context length.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+
+from paged_kv.errors import InvalidArgumentError, describe
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def inverse_frequencies(head_dim: int, theta: float, scaling: Mapping[str, object] | None = None) -> torch.Tensor:
+    """Per-pair rotation speeds ``[D/2]`` float32, scaled as ``scaling['rope_type']`` says."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"])
+    if rope_type == "llama3":
+        return _llama3_scaled(inv_freq, scaling)
+    raise InvalidArgumentError(describe("rope_scaling.rope_type", rope_type, f"one of {SUPPORTED_ROPE_TYPES}"))
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, scaling: Mapping[str, object]) -> torch.Tensor:
+    """Llama 3.1 long-context scaling: slow pairs divided by ``factor``, fast pairs kept, a linear blend between."""
+    factor = float(scaling["factor"])
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    # blend = 0 at wavelengths >= old_len / low (fully scaled), 1 at <= old_len / high (unscaled)
+    blend = ((old_len / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+    scaled = (1 - blend) * inv_freq / factor + blend * inv_freq
+    keep_fast = wavelen < old_len / high
+    slow = wavelen > old_len / low
+    return torch.where(keep_fast, inv_freq, torch.where(slow, inv_freq / factor, scaled))
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """Rotates query and key heads by their token positions."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: Mapping[str, object] | None = None) -> None:
+        super().__init__()
+        if head_dim % 2:
+            raise InvalidArgumentError(describe("head_dim", head_dim, "an even number"))
+        self.register_buffer("inv_freq", inverse_frequencies(head_dim, theta, scaling), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Apply the rotation: positions ``[T]``, q ``[T, Hq, D]``, k ``[T, Hkv, D]``."""
+        angles = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]  # [T, 1, D/2]
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)  # [T, H, D/2] each
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

@@ -1,0 +1,234 @@
+"""The scheduler: waiting / running / swapped queues, per-step budgets, chunked prefill, preemption.
+
+Each step it fills a token budget and a sequence budget in this order:
+1. running groups: decode groups first, then groups still prefilling (chunked);
+   when the pool cannot hold a group's new tokens it preempts the
+   latest-admitted group not yet scheduled this step (or the group itself);
+2. swapped groups, FCFS, if nothing was preempted this step;
+3. waiting groups, FCFS with head-of-line blocking (no starvation), only when
+   nothing was preempted and nothing is swapped out, and only while the block
+   manager can allocate above its watermark; prefix-cache hits are skipped.
+
+Invariant between steps: for every sequence of a running group the block
+manager holds exactly ``seq.num_computed`` tokens; a sequence scheduled with
+``(start, n)`` has had ``n`` more tokens recorded, whose KV the step writes.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+
+from paged_kv.block_manager import BlockManager, CopyOp
+from scheduler.config import SchedulerConfig
+from scheduler.scheduler_output import ScheduledSeq, SchedulerOutput, StepBudget
+from scheduler.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+class Scheduler:
+    """Decides, step by step, which tokens of which sequences run through the model."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.bm = block_manager
+        self.waiting: deque[SequenceGroup] = deque()
+        self.running: list[SequenceGroup] = []  # admission order: the tail is preempted first
+        self.swapped: deque[SequenceGroup] = deque()
+        self.num_preemptions = {"recompute": 0, "swap": 0}
+        self._ids = itertools.count()
+
+    # -- queue management -------------------------------------------------
+    def new_seq_id(self) -> int:
+        """A fresh block-manager id for a sequence."""
+        return next(self._ids)
+
+    def add(self, group: SequenceGroup) -> None:
+        """Queue a new request (its sequences hold no blocks yet)."""
+        group.set_status(SequenceStatus.WAITING)
+        self.waiting.append(group)
+
+    def has_unfinished(self) -> bool:
+        """Whether any group is queued, running or swapped out."""
+        return bool(self.waiting or self.running or self.swapped)
+
+    def groups(self) -> list[SequenceGroup]:
+        """Every live group, in queue order."""
+        return [*self.running, *self.swapped, *self.waiting]
+
+    def remove(self, group: SequenceGroup) -> None:
+        """Drop a group from its queue and free the blocks of every sequence it still holds."""
+        for queue in (self.running, self.swapped, self.waiting):
+            if group in queue:
+                queue.remove(group)
+        for seq in group.seqs:
+            self.free_seq(seq)
+
+    def free_seq(self, seq: Sequence) -> None:
+        """Release a sequence's blocks (finished or pruned); a no-op if it holds none."""
+        if seq.seq_id in self.bm:
+            self.bm.free(seq.seq_id)
+
+    def fork(self, group: SequenceGroup, parent: Sequence) -> Sequence:
+        """Add to ``group`` a child sharing every block of ``parent`` (no KV copied)."""
+        child = parent.fork(self.new_seq_id(), len(group.seqs))
+        if parent.seq_id in self.bm:
+            self.bm.fork(parent.seq_id, child.seq_id)
+        group.seqs.append(child)
+        return child
+
+    def drop_finished(self) -> list[SequenceGroup]:
+        """Remove finished groups from the running queue and return them."""
+        done = [g for g in self.running if g.is_finished()]
+        self.running = [g for g in self.running if not g.is_finished()]
+        return done
+
+    # -- one step ---------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work and record it with the block manager."""
+        step = StepBudget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        self._schedule_running(step)
+        if not step.preempted:
+            self._schedule_swapped(step)
+            if not self.swapped:
+                self._schedule_waiting(step)
+        return step.output()
+
+    def _schedule_running(self, step: StepBudget) -> None:
+        decode = [g for g in self.running if _is_decode(g)]
+        order = decode + [g for g in self.running if not _is_decode(g)]
+        for group in order:
+            if group in step.preempted:
+                continue
+            plan = self._plan_running(group, step)
+            if plan and self._make_room(group, plan, step):
+                self._commit(group, plan, step)
+
+    def _plan_running(self, group: SequenceGroup, step: StepBudget) -> list[tuple[Sequence, int]]:
+        """New-token counts for a running group's sequences within the remaining budgets."""
+        plan, left = [], step.tokens_left
+        for seq in group.unfinished():
+            n = seq.num_uncomputed
+            if not self.config.enable_chunked_prefill and n > left:
+                break
+            n = min(n, left)
+            if n <= 0 or len(plan) + step.num_seqs >= self.config.max_num_seqs:
+                break
+            plan.append((seq, n))
+            left -= n
+        return plan
+
+    def _make_room(self, group: SequenceGroup, plan: list[tuple[Sequence, int]], step: StepBudget) -> bool:
+        """Preempt later groups until ``plan`` fits; preempt ``group`` itself if nothing else can go."""
+        while self._blocks_needed(plan) > self.bm.gpu.num_free:
+            victim = next((g for g in reversed(self.running) if g is not group and g not in step.scheduled), None)
+            self._preempt(victim or group, step)
+            if victim is None:
+                return False
+        return True
+
+    def _blocks_needed(self, plan: list[tuple[Sequence, int]]) -> int:
+        """Exact blocks ``append`` will take for ``plan``: new blocks plus copy-on-write copies."""
+        bs, refs, need = self.bm.block_size, {}, 0
+        for seq, n in plan:
+            table = self.bm.block_table(seq.seq_id)
+            first, end = seq.num_computed // bs, -(-(seq.num_computed + n) // bs)
+            for b in table[first:end]:
+                r = refs.get(b, self.bm.gpu.ref_counts[b])
+                if r > 1:  # shared: this sequence takes a private copy, the others keep b
+                    need += 1
+                    refs[b] = r - 1
+            need += max(0, end - len(table))
+        return need
+
+    def _commit(self, group: SequenceGroup, plan: list[tuple[Sequence, int]], step: StepBudget) -> None:
+        for seq, n in plan:
+            start = seq.num_computed
+            step.copies += self.bm.append(seq.seq_id, seq.token_ids[start : start + n])
+            step.add(ScheduledSeq(seq, group, start, n))
+
+    # -- preemption -------------------------------------------------------
+    def _preempt(self, group: SequenceGroup, step: StepBudget) -> None:
+        """Take a group off the GPU: swap its blocks to the CPU pool, or drop them for recompute."""
+        self.running.remove(group)
+        step.preempted.append(group)
+        group.num_preemptions += 1
+        seqs = group.unfinished()
+        if self.config.preemption_mode == "swap" and self._can_swap_out(seqs):
+            for seq in seqs:
+                step.swap_out += self.bm.swap_out(seq.seq_id)
+            group.set_status(SequenceStatus.SWAPPED)
+            self.swapped.append(group)
+            self.num_preemptions["swap"] += 1
+            return
+        for seq in seqs:
+            self.bm.free(seq.seq_id)
+            seq.reset_for_recompute()
+        self.waiting.appendleft(group)
+        self.num_preemptions["recompute"] += 1
+
+    def _can_swap_out(self, seqs: list[Sequence]) -> bool:
+        return sum(len(self.bm.block_table(s.seq_id)) for s in seqs) <= self.bm.cpu.num_free
+
+    # -- swapped and waiting ----------------------------------------------
+    def _schedule_swapped(self, step: StepBudget) -> None:
+        while self.swapped:
+            group = self.swapped[0]
+            seqs = group.unfinished()
+            blocks = sum(len(self.bm.block_table(s.seq_id)) for s in seqs)
+            if self.bm.gpu.num_free - blocks < self.bm.config.watermark_blocks or not self._fits_seqs(group):
+                return
+            self.swapped.popleft()
+            for seq in seqs:
+                step.swap_in += self.bm.swap_in(seq.seq_id)
+            group.set_status(SequenceStatus.RUNNING)
+            self.running.append(group)
+            plan = self._plan_running(group, step)
+            if plan and self._blocks_needed(plan) <= self.bm.gpu.num_free:
+                self._commit(group, plan, step)
+
+    def _schedule_waiting(self, step: StepBudget) -> None:
+        while self.waiting and self._fits_seqs(self.waiting[0]):
+            group = self.waiting[0]
+            plan = self._plan_prefill(group, step)
+            if plan is None:
+                return
+            self.waiting.popleft()
+            for seq, cached, n in plan:
+                start = self.bm.allocate(seq.seq_id, seq.token_ids[: cached + n])  # >= cached
+                seq.num_computed = start
+                step.add(ScheduledSeq(seq, group, start, cached + n - start))
+            group.set_status(SequenceStatus.RUNNING)
+            self.running.append(group)
+
+    def _plan_prefill(self, group: SequenceGroup, step: StepBudget) -> list[tuple[Sequence, int, int]] | None:
+        """(seq, cached tokens, new tokens) for every sequence of a waiting group, or None if it cannot start."""
+        plan, left = [], step.tokens_left
+        for seq in group.unfinished():
+            cached = self.bm.num_cached_tokens(seq.token_ids)
+            n = seq.num_tokens - cached
+            if not self.config.enable_chunked_prefill and n > left:
+                return None
+            n = min(n, left)
+            if n <= 0:
+                return None
+            plan.append((seq, cached, n))
+            left -= n
+        if len(plan) == 1:
+            seq, cached, n = plan[0]
+            return plan if self.bm.can_allocate(seq.token_ids[: cached + n]) else None
+        bs = self.bm.block_size
+        upper = sum(-(-(c + n) // bs) for _, c, n in plan)  # counts every hit as a fresh block
+        return plan if self.bm.gpu.num_free - upper >= self.bm.config.watermark_blocks else None
+
+    def _fits_seqs(self, group: SequenceGroup) -> bool:
+        """Whether the running groups' reserved sequences leave room for ``group``'s."""
+        running = sum(g.num_seqs_reserved() for g in self.running)
+        return running + group.num_seqs_reserved() <= self.config.max_num_seqs
+
+
+def _is_decode(group: SequenceGroup) -> bool:
+    """A group whose every sequence only needs its last sampled token computed."""
+    return all(s.num_uncomputed == 1 and s.num_computed > 0 for s in group.unfinished())
+
+
+__all__ = ["CopyOp", "Scheduler", "ScheduledSeq", "SchedulerOutput"]
