@@ -61,7 +61,7 @@ def copy_blocks(caches: Sequence[torch.Tensor], block_mapping: BlockMapping, *, 
 
 
 def copy_blocks_reference(caches: Sequence[torch.Tensor], block_mapping: BlockMapping) -> None:
-    """Torch reference of :func:`copy_blocks`: one index_copy_ per tensor."""
+    """Torch reference of :func:`copy_blocks`: one index_select + index_put_ per tensor."""
     copy_blocks(caches, block_mapping, backend="torch")
 
 
@@ -156,11 +156,11 @@ def _check_distinct(name: str, ids: torch.Tensor) -> None:
 
 
 def _copy_torch(caches: list[torch.Tensor], pairs: torch.Tensor) -> None:
-    """Reference: one index_select + index_copy_ per tensor."""
+    """Reference: one index_select + index_put_ per tensor (CPU index_copy_ is slow for 16-bit dtypes)."""
     pairs = pairs.to(caches[0].device)
     for t in caches:
         s = as_storage(t)
-        s.index_copy_(0, pairs[:, 1], s.index_select(0, pairs[:, 0]))
+        s.index_put_((pairs[:, 1],), s.index_select(0, pairs[:, 0]))
 
 
 def _swap(src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor], pairs: torch.Tensor) -> None:
@@ -171,7 +171,7 @@ def _swap(src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor], pairs:
     if src_device.type == "cuda" and dst_device.type == "cpu":
         torch.cuda.current_stream(src_device).synchronize()  # non-blocking D2H copies must land first
     for d, rows in zip(dst_caches, moved):
-        as_storage(d).index_copy_(0, dst_idx, rows)
+        as_storage(d).index_put_((dst_idx,), rows)
 
 
 def _gather_to(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:

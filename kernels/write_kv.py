@@ -73,7 +73,7 @@ def write_kv_reference(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Torch reference of :func:`write_kv` (same checks, vectorized index_copy_ over the valid slots)."""
+    """Torch reference of :func:`write_kv` (same checks, one vectorized index_put_ over the valid slots)."""
     write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale, backend="torch")
 
 
@@ -148,7 +148,7 @@ def check_slots(slot_mapping: torch.Tensor, num_slots: int) -> None:
 
 
 def _write_torch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> None:
-    """Reference: quantize (if needed) and index_copy_ the valid tokens."""
+    """Reference: quantize (if needed) and index_put_ the valid tokens."""
     valid = slot_mapping >= 0  # [T]
     slots = slot_mapping[valid].to(torch.int64)  # [V]
     _scatter(key[valid], k_cache, k_scale, slots)
@@ -162,8 +162,9 @@ def _scatter(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor | None, s
         codes = x.to(cache.dtype)
     else:
         codes, scales = quantize_per_token_head(x, cache.dtype)  # [V, H, D], [V, H]
-        scale.view(-1, num_heads).index_copy_(0, slots, scales)
-    as_storage(cache).view(-1, num_heads, head_dim).index_copy_(0, slots, as_storage(codes))
+        scale.view(-1, num_heads).index_put_((slots,), scales)
+    # index_put_, not index_copy_: torch's CPU index_copy_ is ~400x slower for 16-bit dtypes
+    as_storage(cache).view(-1, num_heads, head_dim).index_put_((slots,), as_storage(codes))
 
 
 # ---------------------------------------------------------------- triton path
