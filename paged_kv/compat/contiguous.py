@@ -9,8 +9,9 @@ taken as tokens are stored, ``truncate`` / ``clear`` hand whole pages back, and
 
 Position protocol (as documented): ``store_kv`` writes the token at position
 ``seq_len()`` for one layer; ``advance()`` then makes it part of the cache. A
-position advanced over without ``store_kv`` reads as zeros (fresh pages are
-zeroed, so caches sharing a pool never see each other's data).
+position advanced over without ``store_kv`` reads as zeros on a fresh page (pages
+are zeroed when taken, so caches sharing a pool never see each other's data);
+after ``truncate``, as documented, a kept page's old data stays until overwritten.
 """
 
 from __future__ import annotations

@@ -174,6 +174,7 @@ class QuantizedKVCache:
         self._num_layers = num_layers
         self._pages = _Pages(self._pool)
         self._len = 0
+        self._dirty = 0  # positions [_len, _dirty) may still hold data from before a truncate
 
     # -- documented fields (read-only here) -------------------------------
     @property
@@ -240,16 +241,17 @@ class QuantizedKVCache:
     def write_kv(self, layer: int, pos: int, k_data: object, v_data: object) -> None:
         """Quantize and store ``num_kv_heads * head_dim`` key and value floats at ``pos`` of ``layer``.
 
-        ``seq_len`` becomes ``max(seq_len, pos + 1)``; positions skipped over read as
-        zeros. INT8/FP8 formats reject NaN and infinity (their scale would be lost).
+        ``seq_len`` becomes ``max(seq_len, pos + 1)``; a position that joins the cache
+        reads as zeros in every layer until written there. INT8/FP8 formats reject NaN
+        and infinity (their scale would be lost).
         """
         layer = check_index("layer", layer, self.num_layers)
         pos = check_index("pos", pos, self._max_seq_len)
         k, v = (self._vector(name, x) for name, x in (("k_data", k_data), ("v_data", v_data)))
-        held, capacity = len(self._pages.pages), self._pages.capacity
+        held = len(self._pages.pages)
         self._pages.ensure(pos + 1)
         try:
-            self._zero_stale(self._len, min(pos, capacity))
+            self._zero_stale(self._len, min(pos + 1, self._dirty))
             self._pages.write(layer, pos, k, v)
         except BaseException:
             self._pages.keep_pages(held)
@@ -277,7 +279,7 @@ class QuantizedKVCache:
     def reset(self) -> None:
         """Empty the cache for a new sequence; every page goes back to the pool."""
         self._pages.clear()
-        self._len = 0
+        self._len = self._dirty = 0
 
     def remaining_capacity(self) -> int:
         """Positions left before ``max_seq_len``."""
@@ -300,6 +302,7 @@ class QuantizedKVCache:
         new_len = check_count("new_len", new_len)
         if new_len < self._len:
             self._pages.keep(new_len)
+            self._dirty = min(max(self._dirty, self._len), self._pages.capacity)
             self._len = new_len
 
     def shift_left(self, amount: int) -> None:
@@ -314,6 +317,7 @@ class QuantizedKVCache:
         elif amount:
             self._pages.drop_front(amount)
             self._len -= amount
+            self._dirty = max(self._dirty - amount, 0)
 
     # -- copying -------------------------------------------------------------------
     def copy(self) -> QuantizedKVCache:
@@ -343,7 +347,11 @@ class QuantizedKVCache:
         return t.view(1, self.num_kv_heads, self.head_dim)
 
     def _zero_stale(self, start: int, end: int) -> None:
-        """Zero positions ``[start, end)`` of every layer (slots left from before a truncate)."""
+        """Zero positions ``[start, end)`` of every layer (slots left from before a truncate).
+
+        Fresh pages are zeroed when taken, so only the stale tail of a truncated
+        cache needs this: at most one page, and only on the first write past it.
+        """
         if end > start:
             zeros = torch.zeros(end - start, self.num_kv_heads, self.head_dim, device=self._pool.storage.device)
             for layer in range(self.num_layers):
