@@ -227,8 +227,10 @@ class BlockManager:
         copies = self._copy_on_write(seq, cow)
         for i in range(start // self.block_size, self._blocks_for(end)):
             self.gpu.unregister(seq.blocks[i])
-        if seq.cacheable and start < len(seq.hashes) * self.block_size:
-            seq.cacheable = False  # the content no longer matches the hashed token ids
+        if start < min(end, seq.num_tokens):
+            seq.cacheable = False  # the slots from ``start`` no longer hold the ids they were given
+        if end > start:  # hashes of the rewritten blocks are stale (swap_in would re-register them)
+            del seq.full[start // self.block_size :], seq.hashes[start // self.block_size :]
         return copies
 
     def _shared_in(self, seq: _Seq, start: int, end: int) -> list[int]:
@@ -269,11 +271,11 @@ class BlockManager:
         keep = self._blocks_for(num_tokens)
         self.gpu.release(reversed(seq.blocks[keep:]))
         del seq.blocks[keep:]
+        nfull, rest = divmod(num_tokens, self.block_size)
         if seq.cacheable:
-            nfull, rest = divmod(num_tokens, self.block_size)
             partial = seq.full[nfull] if nfull < len(seq.full) else seq.tail
             seq.tail = list(partial[:rest])
-            del seq.full[nfull:], seq.hashes[nfull:]
+        del seq.full[nfull:], seq.hashes[nfull:]  # even uncacheable: swap_in re-registers them
         seq.num_tokens = num_tokens
 
     # -- swap -------------------------------------------------------------
