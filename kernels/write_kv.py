@@ -99,6 +99,8 @@ def _check_inputs(key, value, slot_mapping) -> tuple[int, int, int]:
     check_shape("value", value, tuple(key.shape))
     check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=SLOT_DTYPES)
     check_shape("slot_mapping", slot_mapping, (key.shape[0],))
+    if key.shape[1] == 0 or key.shape[2] == 0:
+        raise InvalidArgumentError(describe("key.shape", tuple(key.shape), "num_kv_heads >= 1 and head_dim >= 1"))
     return tuple(key.shape)
 
 

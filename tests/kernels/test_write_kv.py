@@ -223,6 +223,7 @@ def _error_cases():
         ("slots too short", dict(slots=torch.tensor([0, 1])), InvalidArgumentError),
         ("value shape", dict(value=torch.zeros(3, 2, 4)), InvalidArgumentError),
         ("head count", dict(key=torch.zeros(3, 1, 8), value=torch.zeros(3, 1, 8)), InvalidArgumentError),
+        ("zero heads", dict(key=torch.zeros(3, 0, 8), value=torch.zeros(3, 0, 8)), InvalidArgumentError),
         ("integer key", dict(key=torch.zeros(3, 2, 8, dtype=torch.int32)), InvalidArgumentError),
         ("key not a tensor", dict(key=[[0.0]]), InvalidArgumentError),
         ("cache dtypes differ", dict(v_cache=torch.zeros(2, 8, 2, 8, dtype=torch.float8_e5m2)), InvalidArgumentError),
