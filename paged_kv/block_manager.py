@@ -88,6 +88,7 @@ class BlockManager:
 
     def can_allocate(self, token_ids: Tokens, *, cache_salt: str | None = None, num_lookahead_slots: int = 0) -> bool:
         """Whether ``allocate`` would succeed and leave the watermark of free blocks intact."""
+        check_int("num_lookahead_slots", num_lookahead_slots, low=0, high=1 << 20)
         tokens = as_token_list("token_ids", token_ids)
         hits = self._lookup(tokens, self._root(cache_salt))
         need = self._blocks_for(len_of(token_ids) + num_lookahead_slots) - len(hits)
@@ -104,8 +105,7 @@ class BlockManager:
         at least one token is always left to compute. Raises OutOfBlocksError
         (nothing changed) when the blocks do not fit.
         """
-        if seq_id in self._seqs:
-            raise DuplicateSequenceError(describe("seq_id", seq_id, "an id not already allocated"))
+        self._check_new_id("seq_id", seq_id)
         check_int("num_lookahead_slots", num_lookahead_slots, low=0, high=1 << 20)
         tokens = as_token_list("token_ids", token_ids)
         root = self._root(cache_salt)
@@ -134,6 +134,7 @@ class BlockManager:
         """Whether ``append`` of ``num_new_tokens`` (plus lookahead) would find enough free blocks."""
         seq = self._get_resident(seq_id)
         check_int("num_new_tokens", num_new_tokens, low=0)
+        check_int("num_lookahead_slots", num_lookahead_slots, low=0, high=1 << 20)
         cow, new = self._append_cost(seq, num_new_tokens, num_lookahead_slots)
         return len(cow) + new <= self.gpu.num_free
 
@@ -248,8 +249,7 @@ class BlockManager:
     def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
         """Make ``child_id`` share every block of ``parent_id`` (O(blocks), no data copied)."""
         parent = self._get_resident(parent_id)
-        if child_id in self._seqs:
-            raise DuplicateSequenceError(describe("child_id", child_id, "an id not already allocated"))
+        self._check_new_id("child_id", child_id)
         for b in parent.blocks:
             self.gpu.touch(b)
         self._seqs[child_id] = _Seq(
@@ -396,6 +396,14 @@ class BlockManager:
     # -- helpers ----------------------------------------------------------
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def _check_new_id(self, name: str, seq_id: SeqId) -> None:
+        try:
+            taken = seq_id in self._seqs
+        except TypeError:  # unhashable
+            raise InvalidArgumentError(describe(name, seq_id, "a hashable id")) from None
+        if taken:
+            raise DuplicateSequenceError(describe(name, seq_id, "an id not already allocated"))
 
     def _get(self, seq_id: SeqId) -> _Seq:
         try:
