@@ -33,6 +33,7 @@ INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 STORAGE_DTYPES = KERNEL_DTYPES + (torch.float64,)
 MAX_LAYERS = 1 << 12
 _WRITE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the write kernel takes
+_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # same-size integer views, for bitwise equality
 
 
 class KVCache:
@@ -92,10 +93,10 @@ class KVCache:
         layer = self._check_layer("layer_idx", layer_idx)
         self._check_kv(key, value)
         start = (self._lens[layer] or 0) if layer < len(self._lens) else 0
-        end = start + key.shape[2]
-        self._reserve(key, layer, end)  # the last step that may raise
-        self._write(layer, start, key, value)
-        self._lens[layer] = end
+        riders = self._riders(key, value, start)
+        self._reserve(key, layer, start, riders)  # the last step that may raise
+        self._write(layer, start, key, value, riders)
+        self._lens[layer] = start + key.shape[2]
         return self._read(layer)
 
     def clear(self) -> None:
@@ -208,21 +209,41 @@ class KVCache:
         return (batch, spec and spec.num_kv_heads, None, spec and spec.head_dim)
 
     # -- storage ------------------------------------------------------------
-    def _reserve(self, key: torch.Tensor, layer: int, end: int) -> None:
-        """Make sure pool, layer slot, rows and free pages exist for writing up to ``end``; raise before any change."""
+    def _reserve(self, key: torch.Tensor, layer: int, start: int, riders: list[bool]) -> None:
+        """Make sure pool, layer slot, rows and free pages exist for this write; raise before any change."""
         if self._pool is None or (self._owns_pool and not self._rows and not self._pool_fits(key)):
             pool = self._new_pool(key, max(layer + 1, len(self._lens)))
         else:
             pool = self._pool
-        start = (self._lens[layer] or 0) if layer < len(self._lens) else 0
-        rows = self._rows if pool is self._pool else []
-        pool.ensure_free(_pages_needed(pool, rows, key.shape[0], start, end))
+        end = start + key.shape[2]
+        pool.ensure_free(_pages_needed(pool, self._rows, riders, start, end))
         self._pool = pool
         if layer >= pool.spec.num_layers:
             pool.add_layers(layer + 1 - pool.spec.num_layers)
         self._lens += [None] * (layer + 1 - len(self._lens))
         if not self._rows:
-            self._rows, self._dtype = [pool.new_seq() for _ in range(key.shape[0])], key.dtype
+            self._rows, self._dtype = _new_rows(pool, riders, end), key.dtype
+
+    def _riders(self, key: torch.Tensor, value: torch.Tensor, start: int) -> list[bool]:
+        """Rows whose write is the previous row's: equal new K/V into the same pages, which nobody else holds.
+
+        Such runs (beam search's repeated prompt) keep sharing their pages: the
+        first row of a run writes them in place, the others need no copy.
+        """
+        end, rows, batch = start + key.shape[2], self._rows, key.shape[0]
+        if end == start or batch == 1 or (rows and end > rows[0].length):
+            return [False] * batch
+        tables = [row.block_table()[start // self._pool.block_size :] for row in rows]
+        if rows and not any(a == b for a, b in zip(tables, tables[1:])):
+            return [False] * batch
+        riders = [False] + _adjacent_equal(key, value)
+        if rows:
+            refs = self._pool.manager.gpu.ref_counts
+            riders = [r and tables[i] == tables[i - 1] for i, r in enumerate(riders)]
+            for first, last in _runs(riders):
+                if any(refs[b] != last + 1 - first for b in tables[first]):
+                    riders[first + 1 : last + 1] = [False] * (last - first)
+        return riders
 
     def _pool_fits(self, key: torch.Tensor) -> bool:
         """Whether the (idle, private) pool has the geometry of ``key``."""
@@ -237,19 +258,23 @@ class KVCache:
             dtype=self._storage_dtype or key.dtype, block_size=self._block_size, device=self._device or key.device,
         )
 
-    def _write(self, layer: int, start: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Write ``[start, start + T)`` of every row in one kernel call (copy-on-write first)."""
+    def _write(self, layer: int, start: int, key: torch.Tensor, value: torch.Tensor, riders: list[bool]) -> None:
+        """Write ``[start, start + T)`` of every row in one kernel call (copy-on-write first; riders ride along)."""
         end = start + key.shape[2]
         if end == start:
             return
-        pool = self._pool
-        for row in self._rows:
+        pool, rows = self._pool, self._rows
+        for row in rows:
             if end > row.length:
                 row.extend(end - row.length)
-        copies = [op for row in self._rows for op in pool.manager.prepare_write(row.seq_id, start, end)]
-        pool.storage.copy_blocks(copies)
-        slots = torch.cat([pool.storage.slots(row.block_table(), start, end) for row in self._rows])  # [B*T]
-        k, v = (self._flatten(t) for t in (key, value))  # [B*T, H, D]
+        in_run = _in_run(riders)
+        owing = [row for row, run in zip(rows, in_run) if not run]
+        pool.storage.copy_blocks([op for row in owing for op in pool.manager.prepare_write(row.seq_id, start, end)])
+        writers = [i for i, rider in enumerate(riders) if not rider]
+        slots = torch.cat([pool.storage.slots(rows[i].block_table(), start, end) for i in writers])  # [W*T]
+        if len(writers) < len(rows):
+            key, value = key[writers], value[writers]
+        k, v = (self._flatten(t) for t in (key, value))  # [W*T, H, D]
         pool.storage.write(layer, k, v, slots)
 
     def _flatten(self, t: torch.Tensor) -> torch.Tensor:
@@ -367,15 +392,17 @@ def _check_indices(indices: object, batch: int) -> list[int]:
     return [int(i) for i in picked]
 
 
-def _pages_needed(pool: KVPool, rows: list[PagedSeq], batch: int, start: int, end: int) -> int:
+def _pages_needed(pool: KVPool, rows: list[PagedSeq], riders: list[bool], start: int, end: int) -> int:
     """Exact count of free pages that writing ``[start, end)`` of every row takes: new pages plus CoW copies."""
     bs = pool.block_size
     if not rows:
-        return batch * -(-end // bs)
+        return riders.count(False) * -(-end // bs)
     refs = pool.manager.gpu.ref_counts
     left: dict[int, int] = {}  # shared page -> holders still to copy it away
     need = 0
-    for row in rows:
+    for row, run in zip(rows, _in_run(riders)):
+        if run:
+            continue  # writes its run's pages in place, which it already holds
         table = row.block_table()
         need += max(0, -(-end // bs) - len(table))
         for b in table[start // bs : min(len(table), -(-end // bs))] if end > start else ():
@@ -383,3 +410,39 @@ def _pages_needed(pool: KVPool, rows: list[PagedSeq], batch: int, start: int, en
             if holders > 1:
                 need, left[b] = need + 1, holders - 1
     return need
+
+
+def _new_rows(pool: KVPool, riders: list[bool], end: int) -> list[PagedSeq]:
+    """Fresh rows reserving ``end`` positions; a rider is a fork of the row before it (sharing its pages)."""
+    rows: list[PagedSeq] = []
+    for rider in riders:
+        if rider:
+            rows.append(rows[-1].fork())
+        else:
+            rows.append(pool.new_seq())
+            rows[-1].extend(end)
+    return rows
+
+
+def _adjacent_equal(key: torch.Tensor, value: torch.Tensor) -> list[bool]:
+    """``[i]``: whether rows ``i`` and ``i + 1`` have bitwise equal new keys and values (one device sync)."""
+    bits = _BITS[key.element_size()]
+    k, v = key.contiguous().view(bits), value.contiguous().view(bits)  # bitwise: -0.0 differs from 0.0
+    same = (k[1:] == k[:-1]).flatten(1).all(1) & (v[1:] == v[:-1]).flatten(1).all(1)  # [B-1]
+    return same.tolist()
+
+
+def _runs(riders: list[bool]) -> list[tuple[int, int]]:
+    """``(first, last)`` row of every run: a non-rider followed by the riders after it (length >= 2)."""
+    runs, first = [], 0
+    for i, rider in enumerate(riders + [False]):
+        if not rider:
+            if i - 1 > first:
+                runs.append((first, i - 1))
+            first = i
+    return runs
+
+
+def _in_run(riders: list[bool]) -> list[bool]:
+    """Rows that belong to a run (its first row included): they write shared pages in place."""
+    return [r or (i + 1 < len(riders) and riders[i + 1]) for i, r in enumerate(riders)]

@@ -349,6 +349,45 @@ def test_new_geometry_after_clear():
     assert torch.equal(got[0], k) and cache.batch_size() == 3 and cache.pool.spec.num_kv_heads == 1
 
 
+def test_equal_rows_keep_sharing_their_pages():
+    cache = KVCache(block_size=4)
+    k, v = kv(6, batch=2)
+    k, v = k[[0, 0, 0, 1]], v[[0, 0, 0, 1]]  # a prompt repeated for 3 beams, and another
+    assert torch.equal(cache.update(0, k, v)[0], k)
+    assert cache.num_pages == 2 * 2 and cache.pool.manager.gpu.num_used == 4
+    k1, v1 = kv(6, batch=2, seed=1)
+    got = cache.update(1, k1[[0, 0, 0, 1]], v1[[0, 0, 0, 1]])  # equal again: written once, still shared
+    assert torch.equal(got[1], v1[[0, 0, 0, 1]]) and cache.num_pages == 4
+    k2, v2 = kv(6, batch=4, seed=2)
+    assert torch.equal(cache.update(2, k2, v2)[0], k2)  # rows differ now: copy-on-write
+    assert cache.num_pages == 4 * 2
+    for layer, (kk, vv) in enumerate([(k, v), (k1[[0, 0, 0, 1]], v1[[0, 0, 0, 1]]), (k2, v2)]):
+        assert torch.equal(cache.get(layer).key, kk) and torch.equal(cache.get(layer).value, vv)
+    cache.pool.manager.check()
+
+
+def test_equal_rows_never_write_pages_someone_else_holds():
+    cache = KVCache(block_size=4)
+    rep = lambda t: t.repeat(3, 1, 1, 1)  # noqa: E731
+    k, v = kv(3, batch=1)
+    for layer in (0, 1):
+        cache.update(layer, rep(k), rep(v))  # one run of 3 rows sharing one page
+    twin = cache.copy()  # holds the same page: the run no longer owns it alone
+    cache.truncate(0, layer_idx=1)
+    k1, v1 = kv(3, batch=1, seed=1)
+    got = cache.update(1, rep(k1), rep(v1))  # equal rows again, but the page must be copied, not written
+    assert torch.equal(got[0], rep(k1)) and torch.equal(twin.get(1).key, rep(k))
+    assert cache.num_pages == 3 and twin.num_pages == 1 and cache.pool.manager.gpu.num_used == 4  # 3 copies
+
+
+def test_rows_differing_only_in_the_sign_of_zero_are_not_merged():
+    cache = KVCache()
+    k = torch.zeros(2, 1, 1, 2)
+    k[1] = -0.0
+    got, _ = cache.update(0, k, k)
+    assert torch.equal(torch.signbit(got), torch.signbit(k)) and cache.num_pages == 2
+
+
 # -- a seeded random walk against a torch.cat / index_select reference ------------------------
 def check_against(cache: KVCache, ref: dict) -> None:
     for layer in range(cache.num_layers()):
@@ -370,6 +409,9 @@ def random_walk(seed: int, device: str = "cpu", steps: int = 120) -> None:
         if op < 0.6:
             layer, t = rng.randrange(3), rng.randrange(4)
             k, v = (x.to(device) for x in kv(t, batch=batch, seed=step))
+            if rng.random() < 0.5:  # runs of equal rows, as beam search's repeated prompt
+                dup = sorted(rng.randrange(batch) for _ in range(batch))
+                k, v = k[dup], v[dup]
             old = ref.get(layer)
             ref[layer] = (k, v) if old is None else (torch.cat([old[0], k], 2), torch.cat([old[1], v], 2))
             got = cache.update(layer, k, v)
