@@ -35,13 +35,23 @@ def hash_block(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
 
 def hash_blocks(parent: BlockHash, token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
     """Hashes of every full block of ``token_ids`` (the trailing partial block is not hashed)."""
-    data = array("q", token_ids).tobytes()
-    step = 8 * block_size
-    hashes = []
-    for start in range(0, (len(token_ids) // block_size) * step, step):
-        parent = sha256(parent + data[start : start + step]).digest()
-        hashes.append(parent)
+    hashes: list[BlockHash] = []
+    append = hashes.append
+    for chunk in block_bytes(token_ids, block_size):
+        parent = sha256(parent + chunk).digest()
+        append(parent)
     return hashes
+
+
+def block_bytes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """The token ids of every full block as int64 bytes, exactly what its hash covers after the parent."""
+    data = token_ids.tobytes() if type(token_ids) is array and token_ids.typecode == "q" else _int64(token_ids)
+    step = 8 * block_size
+    return [data[start : start + step] for start in range(0, (len(token_ids) // block_size) * step, step)]
+
+
+def _int64(token_ids: Sequence[int]) -> bytes:
+    return array("q", token_ids).tobytes()
 
 
 def _update_field(h, key: str | int | bytes | None) -> None:

@@ -12,10 +12,11 @@ computes what it needs, checks it, and only then mutates.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from array import array
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
-from paged_kv.block_hash import BlockHash, hash_blocks, root_hash
+from paged_kv.block_hash import BlockHash, block_bytes, hash_blocks, root_hash
 from paged_kv.block_pool import BlockId, BlockPool, InvariantError
 from paged_kv.config import MAX_BLOCKS, BlockManagerConfig
 from paged_kv.errors import (
@@ -28,7 +29,7 @@ from paged_kv.errors import (
     describe,
 )
 from paged_kv.stats import BlockManagerStats, HitCounter
-from paged_kv.tokens import Tokens, as_token_list
+from paged_kv.tokens import Tokens, as_token_array
 
 SeqId = Hashable
 CopyOp = tuple[BlockId, BlockId]  # (src, dst)
@@ -36,15 +37,16 @@ CopyOp = tuple[BlockId, BlockId]  # (src, dst)
 
 @dataclass(slots=True)
 class _Seq:
-    """Per-sequence state. ``full``/``hashes`` describe full blocks while ``cacheable``."""
+    """Per-sequence state. While ``cacheable``: ``full`` holds the int64 token bytes of each full
+    block, ``hashes`` their chained hashes and ``tail`` the ids past the last full block."""
 
     blocks: list[BlockId]
     num_tokens: int
     root: BlockHash
     cacheable: bool
-    full: list[tuple[int, ...]] = field(default_factory=list)
+    full: list[bytes] = field(default_factory=list)
     hashes: list[BlockHash] = field(default_factory=list)
-    tail: list[int] = field(default_factory=list)
+    tail: array = field(default_factory=lambda: array("q"))
     swapped: bool = False
 
 
@@ -83,16 +85,16 @@ class BlockManager:
     # -- allocate ---------------------------------------------------------
     def num_cached_tokens(self, token_ids: Tokens, *, cache_salt: str | None = None) -> int:
         """Leading tokens a fresh allocation of ``token_ids`` would find in the prefix cache."""
-        tokens = as_token_list("token_ids", token_ids)
-        return len(self._lookup(tokens, self._root(cache_salt))) * self.block_size
+        ids = as_token_array("token_ids", token_ids)
+        return len(self._lookup(ids, self._root(cache_salt))) * self.block_size
 
     def can_allocate(self, token_ids: Tokens, *, cache_salt: str | None = None, num_lookahead_slots: int = 0) -> bool:
         """Whether ``allocate`` would succeed and leave the watermark of free blocks intact."""
         check_int("num_lookahead_slots", num_lookahead_slots, low=0, high=1 << 20)
-        tokens = as_token_list("token_ids", token_ids)
-        hits = self._lookup(tokens, self._root(cache_salt))
+        ids = as_token_array("token_ids", token_ids)
+        hits = self._lookup(ids, self._root(cache_salt))
         need = self._blocks_for(len_of(token_ids) + num_lookahead_slots) - len(hits)
-        need += sum(self.gpu.is_evictable(b) for b in hits)
+        need += self.gpu.count_evictable(hits)
         return self.gpu.num_free - need >= self.config.watermark_blocks
 
     def allocate(
@@ -107,27 +109,43 @@ class BlockManager:
         """
         self._check_new_id("seq_id", seq_id)
         check_int("num_lookahead_slots", num_lookahead_slots, low=0, high=1 << 20)
-        tokens = as_token_list("token_ids", token_ids)
+        ids = as_token_array("token_ids", token_ids)
         root = self._root(cache_salt)
-        hashes = self._hash_tokens(tokens, root)
-        hits = self._lookup(tokens, root, hashes)
-        n = len_of(token_ids)
+        n = len(ids) if ids is not None else token_ids
+        cacheable = ids is not None and self.config.enable_prefix_caching
+        gpu = self.gpu
+        hashes, contents = self._block_keys(ids, root) if cacheable else ([], [])
+        hits = gpu.lookup_chain(root, hashes, contents, self._max_hit_blocks(n)) if hashes else []
         num_new = self._blocks_for(n + num_lookahead_slots) - len(hits)
-        num_revived = sum(self.gpu.is_evictable(b) for b in hits)
-        if num_new + num_revived > self.gpu.num_free:
+        num_revived = gpu.count_evictable(hits)
+        if num_new + num_revived > gpu.num_free:
             raise OutOfBlocksError(
                 f"token_ids (len {n}): needs {num_new + num_revived} blocks, "
-                f"expected at most {self.gpu.num_free} free"
+                f"expected at most {gpu.num_free} free"
             )
-        for b in hits:
-            self.gpu.touch(b)
-        cacheable = tokens is not None and self.config.enable_prefix_caching
-        seq = _Seq(hits + self.gpu.take(num_new), 0, root, cacheable)
+        gpu.touch_all(hits)
+        seq = _Seq(hits + gpu.take(num_new), n, root, cacheable, [], [], _NO_IDS)
+        if cacheable:
+            self._register_new(seq, hashes, contents, len(hits))
+            seq.tail = ids[len(hashes) * self.block_size :]
         self._seqs[seq_id] = seq
-        self._extend(seq, tokens if tokens is not None else n, hashes)
-        if tokens is not None:
+        if ids is not None:
             self._hits.record(n, len(hits) * self.block_size)
         return len(hits) * self.block_size
+
+    def _block_keys(self, ids: array, root: BlockHash) -> tuple[list[BlockHash], list[bytes]]:
+        """Chained hashes and int64 token bytes of every full block of ``ids``."""
+        return hash_blocks(root, ids, self.block_size), block_bytes(ids, self.block_size)
+
+    def _register_new(self, seq: _Seq, hashes: list[BlockHash], contents: list[bytes], first: int) -> None:
+        """Append full blocks ``first..`` to a sequence's cache records and offer them to the prefix cache."""
+        parent = seq.hashes[-1] if seq.hashes else seq.root
+        if first:  # blocks before ``first`` were hits: already registered under these hashes
+            parent = hashes[first - 1]
+        start = len(seq.hashes) + first
+        self.gpu.register_chain(seq.blocks[start:], hashes[first:], parent, contents[first:])
+        seq.hashes += hashes
+        seq.full += contents
 
     # -- append -----------------------------------------------------------
     def can_append(self, seq_id: SeqId, num_new_tokens: int = 1, *, num_lookahead_slots: int = 0) -> bool:
@@ -147,8 +165,8 @@ class BlockManager:
         """
         seq = self._get_resident(seq_id)
         check_int("num_lookahead_slots", num_lookahead_slots, low=0, high=1 << 20)
-        tokens = as_token_list("token_ids", token_ids)
-        n = len(tokens) if tokens is not None else len_of(token_ids)
+        ids = as_token_array("token_ids", token_ids)
+        n = len(ids) if ids is not None else len_of(token_ids)
         cow, num_new = self._append_cost(seq, n, num_lookahead_slots)
         if len(cow) + num_new > self.gpu.num_free:
             raise OutOfBlocksError(
@@ -157,9 +175,9 @@ class BlockManager:
             )
         copies = self._copy_on_write(seq, cow)
         seq.blocks += self.gpu.take(num_new)
-        if tokens is None:
+        if ids is None:
             seq.cacheable = False
-        self._extend(seq, tokens if tokens is not None else n, None)
+        self._extend(seq, ids, n)
         return copies
 
     def _append_cost(self, seq: _Seq, n: int, lookahead: int) -> tuple[list[int], int]:
@@ -182,28 +200,19 @@ class BlockManager:
         self.num_cow_copies += len(copies)
         return copies
 
-    def _extend(self, seq: _Seq, tokens: list[int] | int, hashes: list[BlockHash] | None) -> None:
-        """Record new tokens; register blocks they fill. Pre: blocks exist and are private."""
-        bs = self.block_size
-        first_partial = seq.num_tokens // bs
-        n = tokens if isinstance(tokens, int) else len(tokens)
-        self._unhash_written(seq, first_partial, n)
-        if isinstance(tokens, int) or not seq.cacheable:
-            seq.num_tokens += n
+    def _extend(self, seq: _Seq, ids: array | None, n: int) -> None:
+        """Record ``n`` new tokens (``ids``, None if anonymous); register blocks they fill.
+
+        Pre: the blocks exist and are private.
+        """
+        self._unhash_written(seq, seq.num_tokens // self.block_size, n)
+        seq.num_tokens += n
+        if ids is None or not seq.cacheable:
             return
-        pending = seq.tail + tokens
-        if hashes is None:
-            hashes = hash_blocks(seq.hashes[-1] if seq.hashes else seq.root, pending, bs)
-        else:
-            hashes = hashes[first_partial:]
-        for k, h in enumerate(hashes):
-            block_tokens = tuple(pending[k * bs : (k + 1) * bs])
-            parent = seq.hashes[-1] if seq.hashes else seq.root
-            self.gpu.register(seq.blocks[len(seq.hashes)], h, parent, block_tokens)
-            seq.full.append(block_tokens)
-            seq.hashes.append(h)
-        seq.tail = pending[len(hashes) * bs :]
-        seq.num_tokens += len(tokens)
+        pending = seq.tail + ids
+        hashes, contents = self._block_keys(pending, seq.hashes[-1] if seq.hashes else seq.root)
+        self._register_new(seq, hashes, contents, 0)
+        seq.tail = pending[len(hashes) * self.block_size :]
 
     def _unhash_written(self, seq: _Seq, first: int, n: int) -> None:
         """A private block about to be written in place loses its cached identity."""
@@ -254,7 +263,7 @@ class BlockManager:
             self.gpu.touch(b)
         self._seqs[child_id] = _Seq(
             list(parent.blocks), parent.num_tokens, parent.root, parent.cacheable,
-            list(parent.full), list(parent.hashes), list(parent.tail),
+            list(parent.full), list(parent.hashes), parent.tail[:],
         )
 
     def free(self, seq_id: SeqId) -> None:
@@ -273,8 +282,8 @@ class BlockManager:
         del seq.blocks[keep:]
         nfull, rest = divmod(num_tokens, self.block_size)
         if seq.cacheable:
-            partial = seq.full[nfull] if nfull < len(seq.full) else seq.tail
-            seq.tail = list(partial[:rest])
+            partial = seq.tail if nfull >= len(seq.full) else _ids_of(seq.full[nfull])
+            seq.tail = partial[:rest]
         del seq.full[nfull:], seq.hashes[nfull:]  # even uncacheable: swap_in re-registers them
         seq.num_tokens = num_tokens
 
@@ -314,10 +323,7 @@ class BlockManager:
 
     def _register_full(self, seq: _Seq) -> None:
         """Offer a swapped-in sequence's full blocks to the prefix cache again."""
-        parent = seq.root
-        for b, h, toks in zip(seq.blocks, seq.hashes, seq.full):
-            self.gpu.register(b, h, parent, toks)
-            parent = h
+        self.gpu.register_chain(seq.blocks, seq.hashes, seq.root, seq.full)
 
     # -- prefix cache -----------------------------------------------------
     def reset_prefix_cache(self) -> None:
@@ -330,29 +336,17 @@ class BlockManager:
             raise InvalidArgumentError(describe("cache_salt", cache_salt, "a str or None"))
         return _root_cached(cache_salt)
 
-    def _hash_tokens(self, tokens: list[int] | None, root: BlockHash) -> list[BlockHash] | None:
-        if tokens is None or not self.config.enable_prefix_caching:
-            return None
-        return hash_blocks(root, tokens, self.block_size)
+    def _max_hit_blocks(self, num_tokens: int) -> int:
+        """A hit never covers the last token: at least one is always left to compute."""
+        return max(0, (num_tokens - 1) // self.block_size)
 
-    def _lookup(
-        self, tokens: list[int] | None, root: BlockHash, hashes: list[BlockHash] | None = None
-    ) -> list[BlockId]:
+    def _lookup(self, ids: array | None, root: BlockHash) -> list[BlockId]:
         """Cached blocks matching the longest prefix of full blocks, never covering the last token."""
-        if tokens is None or not self.config.enable_prefix_caching or not tokens:
+        if ids is None or not self.config.enable_prefix_caching:
             return []
-        bs = self.block_size
-        max_blocks = (len(tokens) - 1) // bs
-        if hashes is None:
-            hashes = hash_blocks(root, tokens[: max_blocks * bs], bs)
-        hits, parent = [], root
-        for i in range(max_blocks):
-            b = self.gpu.lookup(hashes[i], parent, tuple(tokens[i * bs : (i + 1) * bs]))
-            if b is None:
-                break
-            hits.append(b)
-            parent = hashes[i]
-        return hits
+        head = ids[: self._max_hit_blocks(len(ids)) * self.block_size]
+        hashes, contents = self._block_keys(head, root)
+        return self.gpu.lookup_chain(root, hashes, contents, len(hashes))
 
     # -- introspection ----------------------------------------------------
     def stats(self) -> BlockManagerStats:
@@ -416,6 +410,16 @@ class BlockManager:
         if seq.swapped:
             raise SequenceStateError(describe("seq_id", seq_id, "a sequence resident on the GPU (it is swapped out)"))
         return seq
+
+
+_NO_IDS = array("q")  # the empty tail; never mutated in place (tails are replaced, not extended)
+
+
+def _ids_of(data: bytes) -> array:
+    """Token ids back from their int64 bytes."""
+    ids = array("q")
+    ids.frombytes(data)
+    return ids
 
 
 def len_of(token_ids: Tokens) -> int:

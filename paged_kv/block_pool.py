@@ -11,12 +11,13 @@ ones an ``OrderedDict`` in LRU order (oldest first).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from paged_kv.block_hash import BlockHash
 from paged_kv.errors import OutOfBlocksError, PagedKVError
 
 BlockId = int
+TokenKey = tuple[int, ...] | bytes  # a block's token ids, compared on every hit (the manager uses int64 bytes)
 
 
 class BlockPool:
@@ -28,7 +29,7 @@ class BlockPool:
         self.ref_counts = [0] * num_blocks
         self._hash: list[BlockHash | None] = [None] * num_blocks
         self._parent: list[BlockHash | None] = [None] * num_blocks
-        self._tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self._tokens: list[TokenKey | None] = [None] * num_blocks
         self._free: list[BlockId] = list(range(num_blocks - 1, -1, -1))  # pop() yields 0 first
         self._evictable: OrderedDict[BlockId, None] = OrderedDict()
         self._cached: dict[BlockHash, BlockId] = {}
@@ -76,29 +77,48 @@ class BlockPool:
             raise OutOfBlocksError(
                 f"num_blocks={n}: expected at most {self.num_free} free {self.name} blocks"
             )
-        k = min(n, len(self._free))
-        blocks = self._free[len(self._free) - k :]
+        free = self._free
+        k = min(n, len(free))
+        blocks = free[len(free) - k :]
         blocks.reverse()  # lowest ids first, for readable tables
-        del self._free[len(self._free) - k :]
-        for _ in range(n - k):
-            blocks.append(self._evict_oldest())
+        del free[len(free) - k :]
+        if n > k:
+            blocks += self._evict_oldest_n(n - k)
         refs = self.ref_counts
         for b in blocks:
             refs[b] = 1
         return blocks
 
-    def _evict_oldest(self) -> BlockId:
-        """Drop the least recently freed cached block from the cache and return it."""
-        block, _ = self._evictable.popitem(last=False)
-        self._drop_hash(block)
-        self.num_evictions += 1
-        return block
+    def _evict_oldest_n(self, n: int) -> list[BlockId]:
+        """Drop the ``n`` least recently freed cached blocks from the cache and return them."""
+        evictable, cached = self._evictable, self._cached
+        hashes, parents, tokens = self._hash, self._parent, self._tokens
+        blocks = []
+        for _ in range(n):
+            block = evictable.popitem(last=False)[0]
+            del cached[hashes[block]]
+            hashes[block] = parents[block] = tokens[block] = None
+            blocks.append(block)
+        self.num_evictions += n
+        return blocks
 
     def touch(self, block: BlockId) -> None:
         """Add a reference; a cached-evictable block comes back into use."""
         if self.ref_counts[block] == 0:
             del self._evictable[block]
         self.ref_counts[block] += 1
+
+    def touch_all(self, blocks: Iterable[BlockId]) -> None:
+        """``touch`` each block in turn."""
+        refs, evictable = self.ref_counts, self._evictable
+        for b in blocks:
+            if refs[b] == 0:
+                del evictable[b]
+            refs[b] += 1
+
+    def count_evictable(self, blocks: Iterable[BlockId]) -> int:
+        """How many of ``blocks`` are free but still hold cached content."""
+        return sum(map(self._evictable.__contains__, blocks))
 
     def release(self, blocks: Iterable[BlockId]) -> None:
         """Drop one reference each; at zero a cached block becomes evictable (most recent last)."""
@@ -112,14 +132,29 @@ class BlockPool:
                     self._evictable[b] = None
 
     # -- prefix cache -----------------------------------------------------
-    def lookup(self, h: BlockHash, parent: BlockHash, tokens: tuple[int, ...]) -> BlockId | None:
+    def lookup(self, h: BlockHash, parent: BlockHash, tokens: TokenKey) -> BlockId | None:
         """The cached block with this hash, only if its parent hash and token ids match too."""
         block = self._cached.get(h)
         if block is None or self._parent[block] != parent or self._tokens[block] != tokens:
             return None
         return block
 
-    def register(self, block: BlockId, h: BlockHash, parent: BlockHash, tokens: tuple[int, ...]) -> None:
+    def lookup_chain(
+        self, parent: BlockHash, hashes: Sequence[BlockHash], tokens: Sequence[TokenKey], limit: int
+    ) -> list[BlockId]:
+        """The longest run of ``lookup`` hits along a hash chain (block i's parent is hash i-1), at most ``limit``."""
+        cached, parents, contents = self._cached, self._parent, self._tokens
+        hits: list[BlockId] = []
+        for i in range(min(limit, len(hashes))):
+            h = hashes[i]
+            block = cached.get(h)
+            if block is None or parents[block] != parent or contents[block] != tokens[i]:
+                break
+            hits.append(block)
+            parent = h
+        return hits
+
+    def register(self, block: BlockId, h: BlockHash, parent: BlockHash, tokens: TokenKey) -> None:
         """Record a full in-use block under its hash unless that content is already cached."""
         if h in self._cached or self._hash[block] is not None:
             return
@@ -127,6 +162,17 @@ class BlockPool:
         self._hash[block] = h
         self._parent[block] = parent
         self._tokens[block] = tokens
+
+    def register_chain(
+        self, blocks: Iterable[BlockId], hashes: Iterable[BlockHash], parent: BlockHash, tokens: Iterable[TokenKey]
+    ) -> None:
+        """``register`` each block of a hash chain in turn; block i's parent is hash i-1 (``parent`` first)."""
+        cached, block_hashes, parents, contents = self._cached, self._hash, self._parent, self._tokens
+        for block, h, toks in zip(blocks, hashes, tokens):
+            if h not in cached and block_hashes[block] is None:
+                cached[h] = block
+                block_hashes[block], parents[block], contents[block] = h, parent, toks
+            parent = h
 
     def unregister(self, block: BlockId) -> None:
         """Forget the content of an in-use block about to be overwritten in place."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import sys
 from array import array
 from collections.abc import Sequence
 
@@ -10,6 +11,7 @@ from paged_kv.errors import InvalidArgumentError, describe
 
 Tokens = Sequence[int] | int
 MAX_TOKENS_PER_CALL = 1 << 24
+_SIGN_BYTE = 7 if sys.byteorder == "little" else 0  # the byte of an int64 that holds its sign bit
 
 
 def as_token_list(name: str, token_ids: Tokens) -> list[int] | None:
@@ -33,6 +35,27 @@ def as_token_list(name: str, token_ids: Tokens) -> list[int] | None:
     if tokens and min(tokens) < 0:
         raise InvalidArgumentError(describe(name, min(tokens), "non-negative token ids"))
     return tokens
+
+
+def as_token_array(name: str, token_ids: Tokens) -> array | None:
+    """Validate a token spec exactly as ``as_token_list`` does; return the ids as ``array('q')``, or None."""
+    if type(token_ids) is list or type(token_ids) is tuple:
+        ids = _valid_int64_array(token_ids)
+        if ids is not None:
+            return ids
+    tokens = as_token_list(name, token_ids)  # the slow path names what is wrong
+    return None if tokens is None else array("q", tokens)
+
+
+def _valid_int64_array(tokens: list[int] | tuple[int, ...]) -> array | None:
+    """The ids as int64 if every one is valid and there are few enough, else None."""
+    if len(tokens) > MAX_TOKENS_PER_CALL:
+        return None
+    try:
+        ids = array("q", tokens)
+    except (TypeError, OverflowError):
+        return None
+    return ids if ids.tobytes()[_SIGN_BYTE::8].isascii() else None  # no sign bit set: every id >= 0
 
 
 def _is_int64(t: object) -> bool:
