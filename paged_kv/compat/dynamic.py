@@ -11,8 +11,9 @@ covering every layer, so ``select_rows`` (beam-search reorder, repeat, select)
 and ``copy()`` are block-table edits with copy-on-write, never tensor copies.
 Layers are updated one after another, so a row reserves slots up to the
 longest layer and each layer writes at its own length; positions a layer has
-not written yet are never read. Pages held grow with the tokens cached and
-return to the pool on ``clear``/``truncate``.
+not written yet are never read. Adjacent rows given bitwise-equal K/V (beam
+search's repeated prompt) keep sharing their pages. Pages held grow with the
+tokens cached and return to the pool on ``clear``/``truncate``.
 """
 
 from __future__ import annotations

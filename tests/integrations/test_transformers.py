@@ -32,6 +32,11 @@ def prompt() -> torch.Tensor:
     return torch.randint(0, 128, (2, PROMPT), generator=torch.Generator().manual_seed(1))
 
 
+@pytest.fixture(scope="module")
+def greedy_ref(model, prompt) -> torch.Tensor:
+    return generate(model, prompt, DynamicCache(config=model.config))
+
+
 class RecordingCache(PagedCache):
     """A PagedCache that records the peak of the bytes its pages hold."""
 
@@ -51,10 +56,9 @@ def generate(model, prompt, cache, **kw) -> torch.Tensor:
     return model.generate(prompt, max_new_tokens=NEW, do_sample=False, past_key_values=cache, pad_token_id=0, **kw)
 
 
-def test_greedy_generate_matches_the_default_cache(model, prompt):
-    ref = generate(model, prompt, DynamicCache(config=model.config))
+def test_greedy_generate_matches_the_default_cache(model, prompt, greedy_ref):
     cache = PagedCache(model.config, block_size=8)
-    assert torch.equal(generate(model, prompt, cache), ref)
+    assert torch.equal(generate(model, prompt, cache), greedy_ref)
     assert cache.get_seq_length() == PROMPT + NEW - 1 and cache.kv.batch_size() == 2
     assert cache.num_pages == 2 * -(-(PROMPT + NEW - 1) // 8)
 
@@ -90,6 +94,13 @@ def test_forward_keys_values_and_cache_api(model, prompt):
     assert cache.get_seq_length() == PROMPT and cache.get_mask_sizes(3, 0) == (PROMPT + 3, 0)
     assert cache.get_max_length() == -1 and cache.is_croppable and not cache.is_compileable
     assert cache.is_sliding == [False, False]
+
+
+def test_early_initialization_sets_empty_layers(model, prompt, greedy_ref):
+    cache = PagedCache(model.config)
+    cache.early_initialization(batch_size=2, num_heads=2, head_dim=16, dtype=torch.float32, device="cpu")
+    assert cache.is_initialized and cache.get_seq_length() == 0 and cache.layers[0].keys.shape == (2, 2, 0, 16)
+    assert torch.equal(generate(model, prompt, cache), greedy_ref)
 
 
 def test_reorder_and_batch_edits_are_block_table_edits(model, prompt):
