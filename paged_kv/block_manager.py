@@ -210,9 +210,11 @@ class BlockManager:
         if ids is None or not seq.cacheable:
             return
         pending = seq.tail + ids
-        hashes, contents = self._block_keys(pending, seq.hashes[-1] if seq.hashes else seq.root)
-        self._register_new(seq, hashes, contents, 0)
-        seq.tail = pending[len(hashes) * self.block_size :]
+        if len(pending) >= self.block_size:  # a block fills up
+            hashes, contents = self._block_keys(pending, seq.hashes[-1] if seq.hashes else seq.root)
+            self._register_new(seq, hashes, contents, 0)
+            pending = pending[len(hashes) * self.block_size :]
+        seq.tail = pending
 
     def _unhash_written(self, seq: _Seq, first: int, n: int) -> None:
         """A private block about to be written in place loses its cached identity."""

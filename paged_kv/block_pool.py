@@ -122,14 +122,14 @@ class BlockPool:
 
     def release(self, blocks: Iterable[BlockId]) -> None:
         """Drop one reference each; at zero a cached block becomes evictable (most recent last)."""
-        refs = self.ref_counts
+        refs, hashes, free, evictable = self.ref_counts, self._hash, self._free, self._evictable
         for b in blocks:
             refs[b] -= 1
             if refs[b] == 0:
-                if self._hash[b] is None:
-                    self._free.append(b)
+                if hashes[b] is None:
+                    free.append(b)
                 else:
-                    self._evictable[b] = None
+                    evictable[b] = None
 
     # -- prefix cache -----------------------------------------------------
     def lookup(self, h: BlockHash, parent: BlockHash, tokens: TokenKey) -> BlockId | None:
