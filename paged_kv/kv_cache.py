@@ -14,7 +14,7 @@ scale per (token, head) (dequantized value = code * scale).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -102,6 +102,13 @@ class PagedKVCache:
         grown = lambda t: torch.cat([t, t.new_zeros((num_blocks, *t.shape[1:]))])  # noqa: E731
         self.layers = [LayerKV(*(None if t is None else grown(t) for t in layer)) for layer in self.layers]
         self.num_blocks += num_blocks
+
+    def add_layers(self, num_layers: int) -> None:
+        """Append ``num_layers`` zeroed layers; every block id gains slots in them, existing layers untouched."""
+        check_int("num_layers", num_layers, low=0, high=(1 << 12) - self.spec.num_layers)
+        self.spec = replace(self.spec, num_layers=self.spec.num_layers + num_layers)
+        shape = (self.num_blocks, self.spec.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        self.layers = self.layers + [self._make_layer(shape) for _ in range(num_layers)]
 
     @property
     def block_size(self) -> int:

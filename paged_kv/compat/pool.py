@@ -65,6 +65,11 @@ class KVPool:
             if have != want:
                 raise InvalidArgumentError(describe(f"pool.{name}", have, f"{want} to match the cache"))
 
+    def add_layers(self, num_layers: int) -> None:
+        """Give every page ``num_layers`` more (zeroed) layers, for a cache that learns its layer count lazily."""
+        self.storage.add_layers(num_layers)
+        self.spec = self.storage.spec
+
     def new_seq(self) -> PagedSeq:
         """A new empty sequence in this pool."""
         return PagedSeq(self, None)
