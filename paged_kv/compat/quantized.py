@@ -26,7 +26,7 @@ from paged_kv.compat._common import (
     as_vector, check_count, check_finite, check_index, extend_zeroed, make_pool, readonly, to_numpy,
 )
 from paged_kv.compat.pool import KVPool, PagedSeq
-from paged_kv.errors import InvalidArgumentError, OutOfRangeError, check_int, describe
+from paged_kv.errors import InvalidArgumentError, check_int, describe
 
 __all__ = ["KVCacheFormat", "QuantizedKVCache"]
 
@@ -363,12 +363,9 @@ class QuantizedKVCache:
         head = check_index("head", head, self.num_kv_heads)
         end = check_int("end_pos", end, low=0, high=self._len)
         start = check_int("start_pos", start, low=0, high=end)
-        slots = self._pages.slots(start, end)
-        t, scale = self._pool.storage.layer(layer)[which::2]  # (codes [N, B, H, D], scales [N, B, H] | None)
-        codes = t.view(-1, *t.shape[2:])[slots, head].to(torch.float32)  # [T, D]
-        if scale is not None:
-            codes = codes * scale.view(-1, scale.shape[-1])[slots, head].unsqueeze(-1)
-        return to_numpy(codes.reshape(-1))
+        off = self._pages.offset
+        pair = self._pool.storage.gather(layer, self._pages.table(), start + off, end + off, torch.float32)
+        return to_numpy(pair[which][:, head].reshape(-1))  # [T, H, D] dequantized -> head's [T * D]
 
     def _raw(self, layer: int, which: int) -> tuple[np.ndarray, np.ndarray]:
         """Codes as bytes ``[H * max_seq_len * D * itemsize]`` and scales ``[H * max_seq_len]`` of one layer."""

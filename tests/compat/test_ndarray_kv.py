@@ -118,6 +118,9 @@ BAD_APPENDS = [
     (0, (1, H, D), (1, H, D + 1), ShapeMismatch, ValueError, "new_v"),
     (0, "text", (1, H, D), ShapeMismatch, ValueError, "new_k"),
     (0, (1, H, D), [[["a"] * D] * H], ShapeMismatch, ValueError, "new_v"),
+    (0, [[[0.0] * D] * H, [[0.0] * D]], (2, H, D), ShapeMismatch, ValueError, "new_k"),  # ragged
+    (0, np.ones((1, H, D), bool), (1, H, D), ShapeMismatch, ValueError, "new_k"),
+    (0, torch.ones((1, H, D), dtype=torch.complex64), (1, H, D), ShapeMismatch, ValueError, "new_k"),
     (0, (6, H, D), (6, H, D), CapacityExceeded, IndexError, "new_k"),
 ]
 
@@ -238,3 +241,19 @@ def test_errors_share_the_project_base():
     for err in (KvCacheError, InvalidArgument, ShapeMismatch, LayerOutOfBounds, CapacityExceeded):
         assert issubclass(err, PagedKVError) and issubclass(err, KvCacheError)
     assert issubclass(LayerOutOfBounds, OutOfRangeError) and issubclass(ShapeMismatch, InvalidArgumentError)
+
+
+def test_compat_package_lists_the_facades_and_imports_them_lazily():
+    import subprocess
+    import sys
+
+    import paged_kv.compat as compat
+
+    assert compat.FACADES == ("ndarray_kv", "contiguous", "compressed", "quantized", "dynamic")
+    assert set(compat.FACADES) <= set(dir(compat))
+    assert compat.ndarray_kv.KvCache is KvCache
+    with pytest.raises(AttributeError, match="no_such_facade"):
+        compat.no_such_facade  # noqa: B018
+    probe = "import sys, paged_kv.compat; print(sorted(m for m in sys.modules if m.startswith('paged_kv.compat.')))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
