@@ -146,46 +146,57 @@ def window_start(seq_lens: torch.Tensor, sliding_window: int | None, q_lens: tor
 # ----------------------------------------------------------------------------- torch reference core
 
 
-def gather_kv(cache, scale, block_tables, seq_lens, kv_start, max_len: int) -> torch.Tensor:
-    """Dense float32 ``[S, max_len, Hkv, D]`` of the cache through block tables; zeros outside [kv_start, seq_len)."""
+def gather_kv(cache, scale, block_tables, seq_lens, kv_start, max_len: int, *, zero_invalid: bool) -> torch.Tensor:
+    """Dense float32 ``[Hkv, S, L, D]`` (L = max_len rounded up to whole blocks) of the cache through block tables.
+
+    Table entries covering no position of ``[kv_start, seq_len)`` are never read; with ``zero_invalid``
+    the positions outside that range are 0 (stale slots may hold NaN, and 0 * NaN is NaN).
+    """
     num_seqs, block_size = block_tables.shape[0], cache.shape[1]
     num_logical = -(-max_len // block_size)
-    pos = torch.arange(num_logical * block_size, device=cache.device)  # [L_pad]
-    valid = (pos[None, :] >= kv_start[:, None]) & (pos[None, :] < seq_lens[:, None].long())  # [S, L_pad]
+    pos = torch.arange(num_logical * block_size, device=cache.device)  # [L]
+    valid = (pos[None, :] >= kv_start[:, None]) & (pos[None, :] < seq_lens[:, None].long())  # [S, L]
     in_use = valid.view(num_seqs, num_logical, block_size).any(-1)  # [S, num_logical]
     ids = torch.where(in_use, block_tables[:, :num_logical].long(), 0)  # padding entries never read
-    x = as_storage(cache)[ids].view(cache.dtype)  # [S, num_logical, bs, Hkv, D]
-    x = x.flatten(1, 2).to(torch.float32)  # [S, L_pad, Hkv, D]
+    # One row gather straight into head-major [Hkv, S, L, D]: its (Hkv, S) batch collapses for bmm.
+    num_kv_heads, head_dim = cache.shape[2], cache.shape[3]
+    slots = (ids[:, :, None] * block_size + torch.arange(block_size, device=ids.device)).flatten(1)  # [S, L]
+    rows = (slots[None] * num_kv_heads + torch.arange(num_kv_heads, device=ids.device)[:, None, None]).flatten()
+    x = as_storage(cache).reshape(-1, head_dim).index_select(0, rows).view(cache.dtype)  # [Hkv*S*L, D]
+    x = x.view(num_kv_heads, num_seqs, -1, head_dim).to(torch.float32)  # fresh tensor: safe to modify in place
     if scale is not None:
-        x = x * scale[ids].flatten(1, 2)[..., None]
-    x = x.masked_fill(~valid[:, :, None, None], 0.0)  # stale slots may hold NaN
-    return x[:, :max_len]
+        x.mul_(scale.reshape(-1).index_select(0, rows).view(num_kv_heads, num_seqs, -1, 1))
+    if zero_invalid:
+        x.masked_fill_(~valid[None, :, :, None], 0.0)
+    return x
 
 
 def dense_attention(q, k, v, q_pos, seq_lens, *, scale, sliding_window, soft_cap):
-    """Masked softmax attention in float32: q ``[S, M, Hq, D]`` at positions q_pos ``[S, M]`` over k/v ``[S, L, Hkv, D]``.
+    """Masked softmax attention in float32: q ``[S, M, Hq, D]`` at positions q_pos ``[S, M]`` over k/v ``[Hkv, S, L, D]``.
 
-    Returns (out ``[S, M, Hq, D]`` float32, lse ``[S, M, Hq]`` float32); rows with no key give 0 and -inf.
+    Keys at or past seq_len, after the query or outside its window are masked (so K there may
+    hold anything; V there must be finite). Returns (out ``[S, M, Hq, D]``, lse ``[S, M, Hq]``),
+    float32; rows with no visible key give 0 and -inf.
     """
     num_seqs, m, num_q_heads, head_dim = q.shape
-    length, num_kv_heads = k.shape[1], k.shape[2]
+    num_kv_heads, length = k.shape[0], k.shape[2]
     group = num_q_heads // num_kv_heads
-    qh = q.reshape(num_seqs, m, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)  # [S, Hkv, G, M, D]
-    qh = qh.reshape(num_seqs, num_kv_heads, group * m, head_dim)
-    logits = torch.matmul(qh, k.permute(0, 2, 3, 1)) * scale  # [S, Hkv, G*M, L]
+    qh = q.reshape(num_seqs, m, num_kv_heads, group, head_dim).permute(2, 0, 3, 1, 4)  # [Hkv, S, G, M, D]
+    qh = qh.reshape(num_kv_heads, num_seqs, group * m, head_dim)
+    logits = torch.matmul(qh, k.transpose(-1, -2)).mul_(scale)  # [Hkv, S, G*M, L]
     if soft_cap is not None:
-        logits = torch.tanh(logits / soft_cap) * soft_cap
+        logits.div_(soft_cap).tanh_().mul_(soft_cap)
     kpos = torch.arange(length, device=q.device)
     allowed = (kpos[None, None, :] <= q_pos[:, :, None]) & (kpos[None, None, :] < seq_lens[:, None, None].long())
     if sliding_window is not None:
         allowed &= kpos[None, None, :] > q_pos[:, :, None] - sliding_window  # [S, M, L]
-    logits = logits.view(num_seqs, num_kv_heads, group, m, length)
-    logits.masked_fill_(~allowed[:, None, None], float("-inf"))
-    lse = torch.logsumexp(logits, dim=-1)  # [S, Hkv, G, M]
+    logits = logits.view(num_kv_heads, num_seqs, group, m, length)
+    logits.masked_fill_(~allowed[None, :, None], float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)  # [Hkv, S, G, M]
     probs = logits.sub_(torch.where(torch.isinf(lse), 0.0, lse)[..., None]).exp_()
-    out = torch.matmul(probs.view(num_seqs, num_kv_heads, group * m, length), v.permute(0, 2, 1, 3))
-    out = out.view(num_seqs, num_kv_heads, group, m, head_dim).permute(0, 3, 1, 2, 4)  # [S, M, Hkv, G, D]
-    lse = lse.permute(0, 3, 1, 2).reshape(num_seqs, m, num_q_heads)
+    out = torch.matmul(probs.view(num_kv_heads, num_seqs, group * m, length), v)  # [Hkv, S, G*M, D]
+    out = out.view(num_kv_heads, num_seqs, group, m, head_dim).permute(1, 3, 0, 2, 4)  # [S, M, Hkv, G, D]
+    lse = lse.permute(1, 3, 0, 2).reshape(num_seqs, m, num_q_heads)
     return out.reshape(num_seqs, m, num_q_heads, head_dim), lse
 
 
@@ -393,8 +404,8 @@ def _decode_torch(q, k_cache, v_cache, block_tables, seq_lens, opts, k_scale, v_
     """Batched torch path: gather to a padded dense cache, masked softmax by matmuls; returns (out, lse)."""
     scale, window, soft_cap = opts
     kv_start = window_start(seq_lens, window)
-    k = gather_kv(k_cache, k_scale, block_tables, seq_lens, kv_start, max_len)  # [S, L, Hkv, D]
-    v = gather_kv(v_cache, v_scale, block_tables, seq_lens, kv_start, max_len)
+    k = gather_kv(k_cache, k_scale, block_tables, seq_lens, kv_start, max_len, zero_invalid=False)  # [Hkv, S, L, D]
+    v = gather_kv(v_cache, v_scale, block_tables, seq_lens, kv_start, max_len, zero_invalid=True)
     q_pos = (seq_lens.long() - 1)[:, None]  # [S, 1]
     out, lse = dense_attention(
         q.float()[:, None], k, v, q_pos, seq_lens, scale=scale, sliding_window=window, soft_cap=soft_cap

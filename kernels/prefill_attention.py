@@ -144,8 +144,8 @@ def _prefill_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens, opts
     q_pad = q[torch.where(valid_q, cu_seqlens[:-1, None].long() + steps, 0)].float()  # [S, max_q, Hq, D]
     q_pos = seq_lens.long()[:, None] - q_lens[:, None] + steps[None, :]  # [S, max_q]
     kv_start = window_start(seq_lens, window, q_lens)
-    k = gather_kv(k_cache, k_scale, block_tables, seq_lens, kv_start, max_len)  # [S, L, Hkv, D]
-    v = gather_kv(v_cache, v_scale, block_tables, seq_lens, kv_start, max_len)
+    k = gather_kv(k_cache, k_scale, block_tables, seq_lens, kv_start, max_len, zero_invalid=False)  # [Hkv, S, L, D]
+    v = gather_kv(v_cache, v_scale, block_tables, seq_lens, kv_start, max_len, zero_invalid=True)
     chunk = max(1, MAX_LOGITS // max(1, q.shape[1] * max_len * seq_lens.shape[0]))
     outs, lses = [], []
     for c in range(0, max_q, chunk):
