@@ -10,3 +10,8 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Under pytest-xdist every worker gets one intra-op thread: the workers already
+# fill the cores, and oversubscribed torch threads slow small ops down ~30x.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
