@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import struct
 import sys
 from array import array
 from collections.abc import Sequence
@@ -12,6 +13,7 @@ from paged_kv.errors import InvalidArgumentError, describe
 Tokens = Sequence[int] | int
 MAX_TOKENS_PER_CALL = 1 << 24
 _SIGN_BYTE = 7 if sys.byteorder == "little" else 0  # the byte of an int64 that holds its sign bit
+_MAX_PACKED = 1 << 16  # longer lists take the slow path rather than a huge argument tuple
 
 
 def as_token_list(name: str, token_ids: Tokens) -> list[int] | None:
@@ -49,13 +51,17 @@ def as_token_array(name: str, token_ids: Tokens) -> array | None:
 
 def _valid_int64_array(tokens: list[int] | tuple[int, ...]) -> array | None:
     """The ids as int64 if every one is valid and there are few enough, else None."""
-    if len(tokens) > MAX_TOKENS_PER_CALL:
+    if len(tokens) > min(MAX_TOKENS_PER_CALL, _MAX_PACKED):
         return None
     try:
-        ids = array("q", tokens)
-    except (TypeError, OverflowError):
+        data = struct.pack(f"{len(tokens)}q", *tokens)  # native int64, as array('q'), but ~3x faster
+    except (struct.error, TypeError, OverflowError):
         return None
-    return ids if ids.tobytes()[_SIGN_BYTE::8].isascii() else None  # no sign bit set: every id >= 0
+    if not data[_SIGN_BYTE::8].isascii():  # a sign bit is set: a negative id
+        return None
+    ids = array("q")
+    ids.frombytes(data)
+    return ids
 
 
 def _is_int64(t: object) -> bool:
