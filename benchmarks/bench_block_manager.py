@@ -219,11 +219,13 @@ def load_vllm() -> tuple[VllmBaseline | None, str]:
 # -- pytest-benchmark -------------------------------------------------------------
 @pytest.fixture(scope="module", params=list(WORKLOADS))
 def workload(request) -> Workload:
+    """Each workload, built once per module."""
     return WORKLOADS[request.param]()
 
 
 @pytest.fixture(scope="module")
 def vllm() -> VllmBaseline:
+    """The vLLM baseline; its benchmarks skip, with the reason, when it is not set up."""
     baseline, why = load_vllm()
     if baseline is None:
         pytest.skip(why)
@@ -232,6 +234,7 @@ def vllm() -> VllmBaseline:
 
 @pytest.mark.benchmark(group="request-cycle")
 def test_cycle_ours(benchmark, workload: Workload) -> None:
+    """Our request cycle over the workload; it must find exactly the expected prefix hits."""
     benchmark.group = f"request-cycle {workload.name}"
     benchmark.extra_info["sequences"] = len(workload.prompts)
     hits = benchmark.pedantic(ours_cycle, setup=lambda: ((new_manager(), workload.prompts), {}), rounds=3)
@@ -240,6 +243,7 @@ def test_cycle_ours(benchmark, workload: Workload) -> None:
 
 @pytest.mark.benchmark(group="request-cycle")
 def test_cycle_vllm(benchmark, workload: Workload, vllm: VllmBaseline) -> None:
+    """vLLM's request cycle over the same workload, with the same expected hits."""
     benchmark.group = f"request-cycle {workload.name}"
     benchmark.extra_info["sequences"] = len(workload.prompts)
     hits = benchmark.pedantic(vllm.cycle, setup=lambda: ((vllm.new_pool(), workload.prompts), {}), rounds=3)
@@ -248,6 +252,7 @@ def test_cycle_vllm(benchmark, workload: Workload, vllm: VllmBaseline) -> None:
 
 @pytest.mark.benchmark(group="raw alloc+free 32 blocks")
 def test_raw_ours_manager(benchmark) -> None:
+    """BlockManager.allocate + free of 32 anonymous blocks; every block comes back."""
     bm = new_manager()
     assert benchmark.pedantic(ours_raw, args=(bm, RAW_CYCLES), rounds=3) == RAW_CYCLES * RAW_BLOCKS
     assert bm.gpu.num_free == NUM_BLOCKS and not bm.seq_ids()
@@ -255,6 +260,7 @@ def test_raw_ours_manager(benchmark) -> None:
 
 @pytest.mark.benchmark(group="raw alloc+free 32 blocks")
 def test_raw_ours_pool(benchmark) -> None:
+    """BlockPool.take + release of 32 blocks; every block comes back."""
     pool = BlockPool(NUM_BLOCKS)
     assert benchmark.pedantic(ours_pool_raw, args=(pool, RAW_CYCLES), rounds=3) == RAW_CYCLES * RAW_BLOCKS
     assert pool.num_free == NUM_BLOCKS
@@ -262,6 +268,7 @@ def test_raw_ours_pool(benchmark) -> None:
 
 @pytest.mark.benchmark(group="raw alloc+free 32 blocks")
 def test_raw_vllm(benchmark, vllm: VllmBaseline) -> None:
+    """vLLM BlockPool.get_new_blocks + free_blocks of 32 blocks; every block comes back."""
     pool = vllm.new_pool()
     assert benchmark.pedantic(vllm.raw, args=(pool, RAW_CYCLES), rounds=3) == RAW_CYCLES * RAW_BLOCKS
     assert pool.get_num_free_blocks() == NUM_BLOCKS
