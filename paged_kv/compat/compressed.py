@@ -36,7 +36,7 @@ MAX_PROJECTIONS = 1 << 14
 MAX_HEADS = 4096
 SEED_MODULUS = 1 << 64  # seeds are u64; head h of a multi-head cache uses (seed + h) mod 2**64
 _SIGMAS = 12.0  # rotated coordinates beyond 12 standard deviations carry < 1e-30 of the mass
-_CHUNK = 4096  # tokens decoded at once (bounds the temporaries of long caches)
+_CHUNK = 1 << 22  # floats per decoded temporary (long caches are scored and decoded in slices)
 
 
 class DimensionMismatch(InvalidArgumentError):
@@ -108,12 +108,19 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def unpack_bits(packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
-    """Inverse of :func:`pack_bits`: ``[T, B]`` uint8 -> ``[T, n]`` int64 codes."""
+    """Inverse of :func:`pack_bits`: ``[T, B]`` uint8 -> ``[T, n]`` int32 codes."""
+    if 8 % bits == 0:  # 1, 2, 4, 8: codes never straddle a byte
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+        codes = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [T, B, 8 // bits]
+        return codes.view(packed.shape[0], -1)[:, :n].to(torch.int32)
+    if bits == 16:
+        pairs = packed.view(packed.shape[0], -1, 2).to(torch.int32)  # [T, n, 2], little end first
+        return pairs[..., 0] | (pairs[..., 1] << 8)
     start = torch.arange(n, device=packed.device) * bits  # first bit of each code
     span = (start // 8).unsqueeze(1) + torch.arange(3, device=packed.device)  # [n, 3]: a code spans <= 3 bytes
     window = F.pad(packed, (0, 2)).to(torch.int32)[:, span]  # [T, n, 3]
     word = window[..., 0] | (window[..., 1] << 8) | (window[..., 2] << 16)
-    return ((word >> (start % 8).to(torch.int32)) & ((1 << bits) - 1)).long()
+    return (word >> (start % 8).to(torch.int32)) & ((1 << bits) - 1)
 
 
 def _float_bytes(x: torch.Tensor) -> torch.Tensor:
@@ -156,17 +163,12 @@ def lloyd_max_codebook(dim: int, bits: int) -> torch.Tensor:
     return c
 
 
-def _chunks(records: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Records ``[H, T, R]`` in slices of at most ``_CHUNK`` tokens (none when ``T == 0``)."""
-    return records.split(_CHUNK, dim=1) if records.shape[1] else ()
-
-
 def _head_matrices(config: KvCacheConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """The seeded Haar rotation ``[d, d]`` and QJL matrix ``[m, d]`` of one head (float64, CPU draws)."""
     d, m = config.head_dim, config.projections
     gen = torch.Generator().manual_seed(config.seed)  # drawn on the CPU: the same matrices on every device
-    q, r = np.linalg.qr(torch.randn(d, d, generator=gen, dtype=torch.float64).numpy())
-    rotation = torch.from_numpy(q * np.sign(np.diagonal(r)))  # fixing QR's arbitrary signs makes it Haar
+    q, r = torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=torch.float64))
+    rotation = q * torch.sign(torch.diagonal(r))  # fixing QR's arbitrary signs makes it Haar
     return rotation, torch.randn(m, d, generator=gen, dtype=torch.float64)
 
 
@@ -206,14 +208,21 @@ class TurboQuantizer:
         parts = (pack_bits(flat(codes), self.config.bits), pack_bits(flat(signs), 1), _float_bytes(flat(norms)))
         return torch.cat(parts, dim=1).view(*x.shape[:2], -1)
 
+    def _chunks(self, records: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Records ``[H, T, R]`` in token slices whose decoded temporaries stay near ``_CHUNK`` floats."""
+        per_token = records.shape[0] * max(self.config.head_dim, self.config.projections)
+        return records.split(max(1, _CHUNK // per_token), dim=1) if records.shape[1] else ()
+
     def _fields(self, rec: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Records ``[H, T, R]`` -> codes ``[H, T, d]``, signs ``[H, T, m]`` (+-1), norms ``[H, T, 2]``."""
+        """Records ``[H, T, R]`` -> unit-norm levels ``[H, T, d]``, signs ``[H, T, m]`` (+-1), norms ``[H, T, 2]``."""
         cfg = self.config
         cb, sb = cfg.code_bytes, cfg.sign_bytes
-        flat = rec.reshape(-1, rec.shape[-1])
-        codes = unpack_bits(flat[:, :cb], cfg.head_dim, cfg.bits)
-        signs = unpack_bits(flat[:, cb : cb + sb], cfg.projections, 1).float() * 2 - 1
-        return codes.view(rec.shape[:2] + (-1,)), signs.view(rec.shape[:2] + (-1,)), _bytes_float(flat[:, cb + sb :]).view(rec.shape[:2] + (2,))
+        h, t = rec.shape[:2]
+        flat = rec.reshape(h * t, -1)
+        codes = unpack_bits(flat[:, :cb], cfg.head_dim, cfg.bits).view(-1)
+        levels = self.levels.index_select(0, codes).view(h, t, -1)  # int32 indices are fine here
+        signs = unpack_bits(flat[:, cb : cb + sb], cfg.projections, 1).view(h, t, -1).float() * 2 - 1
+        return levels, signs, _bytes_float(flat[:, cb + sb :]).view(h, t, 2)
 
     def inner_products(self, records: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
         """Unbiased estimates ``[H, T]`` of ``<k, q>`` from key records ``[H, T, R]``, queries ``[H, d]``."""
@@ -221,9 +230,9 @@ class TurboQuantizer:
         q_rot = (self.rotation * queries.unsqueeze(1)).sum(-1)  # [H, d]: rotate the query, not every key back
         s_q = (self.sketch * q_rot.unsqueeze(1)).sum(-1)  # [H, m]
         out = []
-        for rec in _chunks(records):
-            codes, signs, norms = self._fields(rec)
-            main = (self.levels[codes] * q_rot.unsqueeze(1)).sum(-1)  # [H, t]
+        for rec in self._chunks(records):
+            levels, signs, norms = self._fields(rec)
+            main = (levels * q_rot.unsqueeze(1)).sum(-1)  # [H, t]
             qjl = (signs * s_q.unsqueeze(1)).sum(-1)  # [H, t]
             out.append(norms[..., 0] * main + norms[..., 1] * self.qjl_scale * qjl)
         return torch.cat(out, dim=1) if out else queries.new_zeros(queries.shape[0], 0)
@@ -231,9 +240,9 @@ class TurboQuantizer:
     def decode(self, records: torch.Tensor, *, with_residual: bool = False) -> torch.Tensor:
         """Vectors ``[H, T, d]`` from records ``[H, T, R]``; ``with_residual`` adds the sketch's residual estimate."""
         out = []
-        for rec in _chunks(records):
-            codes, signs, norms = self._fields(rec)
-            y = norms[..., :1] * self.levels[codes]  # [H, t, d] in the rotated basis
+        for rec in self._chunks(records):
+            levels, signs, norms = self._fields(rec)
+            y = norms[..., :1] * levels  # [H, t, d] in the rotated basis
             if with_residual:  # E[S^T sign(S r)] = sqrt(2 / pi) * m * r / |r|
                 y = y + norms[..., 1:] * self.qjl_scale * (signs @ self.sketch)
             out.append(y @ self.rotation)  # back to the original basis
@@ -285,19 +294,19 @@ class _PageChain:
             return 1
         return int(self.pool.manager.gpu.ref_counts[self.pages[-1].block_table()[0]] > 1)
 
-    def append(self, key_rec: torch.Tensor, value_rec: torch.Tensor) -> None:
-        """Store one token's records ``[R]``; the caller made ``pages_needed()`` pages free."""
+    def reserve(self) -> int:
+        """Take one more record's slot and return its id; the caller made ``pages_needed()`` pages free."""
         if not self.pages or self.pages[-1].length == self.pool.block_size:
             self.pages.append(self.pool.new_seq())
         page = self.pages[-1]
-        before = page.length
         try:
-            page.extend(1)
-            page.write(0, before, key_rec.view(1, 1, -1), value_rec.view(1, 1, -1))
+            pos = page.extend(1)  # copies a shared last page first (copy-on-write)
         except BaseException:
-            self._undo_tail(page.length - before)
+            if page.length == 0:
+                self.pages.pop().free()
             raise
         self.length += 1
+        return page.block_table()[0] * self.pool.block_size + pos
 
     def pop(self) -> None:
         """Drop the newest record (undoes an ``append``)."""
@@ -343,6 +352,21 @@ class _PageChain:
         self.pages, self.skip, self.length = [], 0, 0
 
 
+def _store(pool: KVPool, chains: list[_PageChain], records: torch.Tensor) -> None:
+    """Append one token's records ``[H, 2, R]`` (key, value) to each of ``H`` chains: all of them or none."""
+    pool.ensure_free(sum(chain.pages_needed() for chain in chains))  # raises before any change
+    slots: list[int] = []
+    try:
+        for chain in chains:
+            slots.append(chain.reserve())
+        index = torch.tensor(slots, dtype=torch.int64, device=pool.storage.device)
+        pool.storage.write(0, records[:, :1], records[:, 1:], index)  # [H, 1 kv-head, R] each, one scatter
+    except BaseException:
+        for chain in chains[: len(slots)]:
+            chain.pop()
+        raise
+
+
 # -- the documented API --------------------------------------------------------
 def _check_config(config: object) -> KvCacheConfig:
     """Return ``config`` if it is a KvCacheConfig, else raise naming it."""
@@ -386,9 +410,7 @@ class KvCacheCompressor:
         """Quantise and append one token's ``key`` and ``value`` (``head_dim`` floats each)."""
         d = self.config.head_dim
         kv = torch.stack([_vector("key", key, d, self.device), _vector("value", value, d, self.device)])
-        records = self.quantizer.encode(kv.unsqueeze(0))[0]  # [2, R]
-        self.pool.ensure_free(self._chain.pages_needed())
-        self._chain.append(records[0], records[1])
+        _store(self.pool, [self._chain], self.quantizer.encode(kv.unsqueeze(0)))  # records: [1, 2, R]
 
     def len(self) -> int:
         """Number of (key, value) pairs stored."""
@@ -489,16 +511,7 @@ class MultiHeadKvCache:
         h, d, dev = len(self._heads), self.config.head_dim, self.pool.storage.device
         k, v = _per_head("keys", keys, h, d, dev), _per_head("values", values, h, d, dev)  # [H, d] each
         records = self.quantizer.encode(torch.stack([k, v], dim=1))  # [H, 2, R]
-        self.pool.ensure_free(sum(head._chain.pages_needed() for head in self._heads))
-        done: list[KvCacheCompressor] = []
-        try:
-            for head, rec in zip(self._heads, records):
-                head._chain.append(rec[0], rec[1])
-                done.append(head)
-        except BaseException:
-            for head in done:
-                head._chain.pop()
-            raise
+        _store(self.pool, [head._chain for head in self._heads], records)
 
     def attention_scores(self, queries: object) -> list[np.ndarray]:
         """Per head, the estimated ``q . k / sqrt(head_dim)`` of every cached key (``num_heads`` queries)."""

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from paged_kv.compat import compressed
 from paged_kv.compat.compressed import (
     DimensionMismatch,
     KvCacheCompressor,
@@ -84,7 +85,7 @@ def test_bit_packing_round_trips_every_width(bits):
     codes = torch.randint(0, 1 << bits, (3, 13), generator=torch.Generator().manual_seed(bits))
     packed = pack_bits(codes, bits)
     assert packed.dtype == torch.uint8 and packed.shape == (3, math.ceil(13 * bits / 8))
-    assert torch.equal(unpack_bits(packed, 13, bits), codes)
+    assert torch.equal(unpack_bits(packed, 13, bits).long(), codes)
 
 
 def test_lloyd_max_codebook_matches_known_gaussian_limits():
@@ -168,6 +169,26 @@ def test_decode_with_residual_is_unbiased_and_zero_vectors_stay_zero():
     assert not np.allclose(dec[0], m.head(0).decode_keys()[0])  # the residual term is really added
     assert np.all(m.head(3).decode_values(with_residual=True) == 0)
     assert np.all(m.head(3).attention_scores(randn(8)) != 0)
+
+
+@pytest.mark.parametrize("head_dim, bits", [(1, 1), (5, 3), (7, 16)])
+def test_odd_sizes_and_widths_round_trip(head_dim, bits):
+    cfg = KvCacheConfig(head_dim, bits, 9, 3)
+    c, keys, values = filled(6, cfg, block_size=4)
+    scale = np.linalg.norm(keys.numpy(), axis=1, keepdims=True)
+    tol = 1e-3 if bits == 16 else 0.6  # 16 bits: nearly exact; 3 bits in 5 dims: coarse
+    assert np.all(np.abs(c.decode_keys() - keys.numpy()) <= tol * scale)
+    if head_dim == 1:  # the rotation is +-1 and the 1-bit levels +-1: one dimension is stored exactly
+        assert np.allclose(c.decode_values(), values.numpy(), rtol=1e-6)
+
+
+def test_long_caches_are_scored_and_decoded_in_slices(monkeypatch):
+    c, keys, _ = filled(40, block_size=8)
+    q = randn(D, seed=12)
+    whole = (c.attention_scores(q), c.decode_keys(with_residual=True))
+    monkeypatch.setattr(compressed, "_CHUNK", 3 * max(D, CFG.projections))  # 3 tokens per slice
+    sliced = (c.attention_scores(q), c.decode_keys(with_residual=True))
+    assert np.array_equal(whole[0], sliced[0]) and np.allclose(whole[1], sliced[1], atol=1e-6)
 
 
 def test_same_seed_same_codes_other_seed_other_codes():
