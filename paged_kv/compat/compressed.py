@@ -309,7 +309,7 @@ class _PageChain:
         return page.block_table()[0] * self.pool.block_size + pos
 
     def pop(self) -> None:
-        """Drop the newest record (undoes an ``append``)."""
+        """Drop the newest record (undoes a ``reserve``)."""
         self.length -= 1
         if self.length == 0:
             self.clear()

@@ -373,6 +373,19 @@ def test_multi_head_seeds_each_head_and_matches_single_heads():
     assert m.is_empty() and all(m.head(h).num_pages == 0 for h in range(3))
 
 
+def test_multi_head_scores_when_empty_and_when_heads_differ_in_length():
+    m = MultiHeadKvCache(2, CFG, block_size=4)
+    assert [s.shape for s in m.attention_scores(np.ones((2, D)))] == [(0,), (0,)]
+    for t in range(6):
+        m.push_token(randn(2, D, seed=t), randn(2, D, seed=t + 1))
+    q = randn(2, D, seed=7)
+    full = m.attention_scores(q)
+    m.head(0).evict_outside_window(2)  # a head evicted on its own: scored one head at a time
+    assert m.len() == 2 and m.head(1).len() == 6
+    uneven = m.attention_scores(q)
+    assert np.array_equal(uneven[0], full[0][4:]) and np.array_equal(uneven[1], full[1])
+
+
 def test_multi_head_constructor_errors():
     with pytest.raises(InvalidArgumentError, match="num_heads"):
         MultiHeadKvCache(0, CFG)
