@@ -17,11 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.decode_attention import paged_decode_attention
-from kernels.prefill_attention import paged_prefill_attention
 from paged_kv.batch import BatchMetadata
 from paged_kv.errors import InvalidArgumentError, check_int, describe
 from paged_kv.kv_cache import KVCacheSpec, PagedKVCache
+from scheduler.attention import AttentionPlan
 from scheduler.rope import RotaryEmbedding
 
 
@@ -97,25 +96,16 @@ class Attention(nn.Module):
         self.o = nn.Linear(q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache, meta: BatchMetadata):
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache, plan: AttentionPlan):
         """x: [T, hidden] -> [T, hidden]."""
         q, k, v = self.qkv(x).split(self.split, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.rope(positions, q, k)
-        cache.write(self.layer, k, v.contiguous(), meta.slot_mapping)
-        out = attend(q.contiguous(), cache.layers[self.layer], meta, self.scale)  # [T, Hq, D]
+        cache.write(self.layer, k, v.contiguous(), plan.meta.slot_mapping)
+        out = plan.attend(q.contiguous(), cache.layers[self.layer], self.scale)  # [T, Hq, D]
         return self.o(out.reshape(out.shape[0], -1))
-
-
-def attend(q: torch.Tensor, kv, meta: BatchMetadata, scale: float) -> torch.Tensor:
-    """Paged attention of the step's queries; a decode-only batch takes the decode kernel."""
-    args = (kv.k, kv.v, meta.block_tables, meta.seq_lens)
-    scales = {"k_scale": kv.k_scale, "v_scale": kv.v_scale}
-    if meta.max_query_len == 1 and q.shape[0] == meta.seq_lens.shape[0]:
-        return paged_decode_attention(q, *args, scale=scale, **scales)
-    return paged_prefill_attention(q, *args, meta.cu_seqlens_q, scale=scale, **scales)
 
 
 class MLP(nn.Module):
@@ -142,9 +132,9 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, cache, meta) -> torch.Tensor:
+    def forward(self, x, positions, cache, plan) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
-        x = x + self.attn(self.input_norm(x), positions, cache, meta)
+        x = x + self.attn(self.input_norm(x), positions, cache, plan)
         return x + self.mlp(self.post_attn_norm(x))
 
 
@@ -174,7 +164,8 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids, positions, cache: PagedKVCache, meta: BatchMetadata, logits_indices) -> torch.Tensor:
         """input_ids, positions: [T]; logits_indices: [R] rows to score -> logits [R, vocab] float32."""
         x = self.embed(input_ids)  # [T, hidden]
+        plan = AttentionPlan(meta, input_ids.shape[0])
         for layer in self.layers:
-            x = layer(x, positions, cache, meta)
+            x = layer(x, positions, cache, plan)
         x = self.norm(x[logits_indices])  # [R, hidden]
         return self.lm_head(x).float()

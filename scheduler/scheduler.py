@@ -91,6 +91,8 @@ class Scheduler:
             self._schedule_swapped(step)
             if not self.swapped:
                 self._schedule_waiting(step)
+        if not (step.scheduled or step.preempted or self.running) and self.has_unfinished():
+            raise RuntimeError(f"scheduler stalled: {len(self.waiting)} waiting, {len(self.swapped)} swapped, none runnable")
         return step.output()
 
     def _schedule_running(self, step: StepBudget) -> None:
@@ -107,11 +109,12 @@ class Scheduler:
         """New-token counts for a running group's sequences within the remaining budgets."""
         plan, left = [], step.tokens_left
         for seq in group.unfinished():
-            n = seq.num_uncomputed
-            if not self.config.enable_chunked_prefill and n > left:
-                break
-            n = min(n, left)
-            if n <= 0 or len(plan) + step.num_seqs >= self.config.max_num_seqs:
+            n = min(seq.num_uncomputed, left)
+            if n <= 0 or step.num_seqs + len(plan) >= self.config.max_num_seqs:
+                if left <= 0:
+                    break
+                continue
+            if not self.config.enable_chunked_prefill and n < seq.num_uncomputed:
                 break
             plan.append((seq, n))
             left -= n
@@ -201,14 +204,18 @@ class Scheduler:
             self.running.append(group)
 
     def _plan_prefill(self, group: SequenceGroup, step: StepBudget) -> list[tuple[Sequence, int, int]] | None:
-        """(seq, cached tokens, new tokens) for every sequence of a waiting group, or None if it cannot start."""
+        """(seq, cached tokens, new tokens) for every sequence of a waiting group, or None if it cannot start.
+
+        Each sequence gets at least one token: the budget keeps one token per later sequence in reserve.
+        """
+        seqs = group.unfinished()
         plan, left = [], step.tokens_left
-        for seq in group.unfinished():
+        for i, seq in enumerate(seqs):
             cached = self.bm.num_cached_tokens(seq.token_ids)
-            n = seq.num_tokens - cached
-            if not self.config.enable_chunked_prefill and n > left:
+            n, mine = seq.num_tokens - cached, left - (len(seqs) - 1 - i)
+            if n > mine and not self.config.enable_chunked_prefill:
                 return None
-            n = min(n, left)
+            n = min(n, mine)
             if n <= 0:
                 return None
             plan.append((seq, cached, n))

@@ -1,0 +1,59 @@
+"""Shared fixtures: a tiny random Llama (with its transformers twin), its greedy references, SmolLM2."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sched_helpers import NUM_NEW, SHARED, VOCAB
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Small matmuls run fastest on one thread, and CI runs two test workers on two cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def tiny_hf():
+    """A seeded random LlamaForCausalLM: 2 layers, hidden 64, 4 heads, 2 KV heads, vocab 256, float32."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, eos_token_id=None,
+        bos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="session")
+def prompts() -> list[list[int]]:
+    """Prompts of different lengths; three share a 40-token prefix, one is a single token."""
+    g = torch.Generator().manual_seed(1)
+    rand = lambda n: torch.randint(0, VOCAB, (n,), generator=g).tolist()  # noqa: E731
+    return [rand(5), SHARED + rand(9), rand(33), SHARED + rand(23), rand(1), SHARED + rand(2), rand(64)]
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(tiny_hf, prompts) -> list[list[int]]:
+    """transformers' greedy continuation of every prompt (NUM_NEW tokens each)."""
+    refs = []
+    for p in prompts:
+        out = tiny_hf.generate(
+            torch.tensor([p]), do_sample=False, max_new_tokens=NUM_NEW, min_new_tokens=NUM_NEW, pad_token_id=0
+        )
+        refs.append(out[0, len(p) :].tolist())
+    return refs
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(transformers model, tokenizer) of SmolLM2-135M-Instruct, loaded once per session."""
+    from scheduler.hf import load_smollm2
+
+    return load_smollm2()

@@ -1,0 +1,136 @@
+"""Scheduler policy through the engine: budgets, decode first, FCFS without starvation, preemption, cleanup."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sched_helpers import make_engine
+from scheduler import SamplingParams
+
+
+def _prompts(num: int, seed: int = 3, low: int = 1, high: int = 60) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(low, high, (num,), generator=g).tolist()
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
+
+
+def _trace(engine) -> list[list[tuple]]:
+    """Record every step as (request_id, start, num_tokens, num_tokens_total, prompt_len) items, in order."""
+    steps = []
+    schedule = engine.scheduler.schedule
+
+    def traced():
+        out = schedule()
+        steps.append([(s.group.request_id, s.start, s.num_tokens, s.seq.num_tokens, s.seq.prompt_len) for s in out.scheduled])
+        return out
+
+    engine.scheduler.schedule = traced
+    return steps
+
+
+def _run(engine, prompts, params) -> dict[str, list[list[int]]]:
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            done[out.request_id] = [c.token_ids for c in out.outputs]
+    return done
+
+
+def test_token_and_sequence_budgets_hold_every_step(tiny_hf):
+    engine = make_engine(tiny_hf, max_num_batched_tokens=16, max_num_seqs=4)
+    steps = _trace(engine)
+    done = _run(engine, _prompts(12), SamplingParams(max_tokens=6, ignore_eos=True))
+    assert len(done) == 12
+    assert all(sum(n for _, _, n, _, _ in step) <= 16 and len(step) <= 4 for step in steps)
+    assert max(sum(n for _, _, n, _, _ in step) for step in steps) == 16  # the budget is actually filled
+    assert any(start + n < total for step in steps for _, start, n, total, _ in step)  # chunked prefill
+
+
+def test_decode_runs_before_prefill_and_every_step(tiny_hf):
+    engine = make_engine(tiny_hf, max_num_batched_tokens=20, max_num_seqs=6)
+    steps = _trace(engine)
+    _run(engine, _prompts(10, high=50), SamplingParams(max_tokens=8, ignore_eos=True))
+    mixed = 0
+    for step in steps:
+        kinds = [start >= prompt_len for _, start, _, _, prompt_len in step]  # True: a decode token
+        assert kinds == sorted(kinds, reverse=True), "a prefill chunk was scheduled before a decode"
+        mixed += any(kinds) and not all(kinds)
+    assert mixed > 0
+    # once a request decodes it is in every step until it finishes (no preemption with this pool)
+    for rid in {item[0] for step in steps for item in step}:
+        seen = [i for i, step in enumerate(steps) if any(item[0] == rid and item[1] >= item[4] for item in step)]
+        assert seen == list(range(seen[0], seen[0] + len(seen)))
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_fcfs_no_starvation_under_pressure(tiny_hf, mode):
+    """A pool far too small for the load: every request still finishes, admitted in arrival order."""
+    engine = make_engine(tiny_hf, num_blocks=24, num_cpu_blocks=64, preemption_mode=mode,
+                         max_num_batched_tokens=32, max_num_seqs=8)  # fmt: skip
+    done = _run(engine, _prompts(16, high=40), SamplingParams(max_tokens=20, ignore_eos=True))
+    assert sorted(done) == sorted(f"r{i}" for i in range(16))
+    assert all(len(outs[0]) == 20 for outs in done.values())
+    assert engine.scheduler.num_preemptions[mode] > 0
+    assert engine.block_manager.stats().num_used == 0
+
+
+def test_fcfs_admission_order(tiny_hf):
+    engine = make_engine(tiny_hf, num_blocks=40, max_num_batched_tokens=16, max_num_seqs=4)
+    prompts = _prompts(10, high=30)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=4, ignore_eos=True))
+    groups = list(engine.scheduler.waiting)
+    while engine.has_unfinished_requests():
+        engine.step()
+    first = [g.first_scheduled_time for g in groups]
+    assert first == sorted(first)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_leaves_outputs_unchanged(tiny_hf, mode):
+    """Seeded random sampling, n=2 groups included: a tiny pool gives the same tokens as a roomy one."""
+    prompts = _prompts(8, seed=5, high=40)
+    params = [SamplingParams(max_tokens=16, temperature=0.9, top_k=50, top_p=0.9, seed=i, n=1 + i % 2, ignore_eos=True)
+              for i in range(8)]  # fmt: skip
+    roomy = make_engine(tiny_hf, num_blocks=512, max_num_batched_tokens=32, max_num_seqs=8)
+    tight = make_engine(tiny_hf, num_blocks=28, num_cpu_blocks=64, preemption_mode=mode,
+                        max_num_batched_tokens=32, max_num_seqs=8)  # fmt: skip
+    expected = [[c.token_ids for c in o.outputs] for o in roomy.generate(prompts, params, use_tqdm=False)]
+    got = [[c.token_ids for c in o.outputs] for o in tight.generate(prompts, params, use_tqdm=False)]
+    assert got == expected
+    assert tight.scheduler.num_preemptions[mode] >= 3
+    assert roomy.scheduler.num_preemptions == {"recompute": 0, "swap": 0}
+
+
+def test_abort_frees_blocks_of_running_waiting_and_swapped(tiny_hf):
+    engine = make_engine(tiny_hf, num_blocks=24, num_cpu_blocks=64, preemption_mode="swap",
+                         max_num_batched_tokens=32, max_num_seqs=8)  # fmt: skip
+    for i, p in enumerate(_prompts(8, high=40)):
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=30, ignore_eos=True))
+    while not engine.scheduler.swapped:
+        engine.step()
+    bm = engine.block_manager
+    for queue in (engine.scheduler.running, engine.scheduler.swapped, engine.scheduler.waiting):
+        group = queue[-1]
+        ids = [s.seq_id for s in group.seqs]
+        out = engine.abort(group.request_id)
+        assert out.finished and all(c.finish_reason == "abort" for c in out.outputs)
+        assert not any(i in bm for i in ids)
+        bm.check()
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert bm.stats().num_used == 0 and bm.cpu.num_used == 0
+
+
+def test_every_block_free_or_cached_after_all_requests(tiny_hf):
+    engine = make_engine(tiny_hf, num_blocks=64, max_num_batched_tokens=32, max_num_seqs=8)
+    prompts = [list(range(30)) + p for p in _prompts(6, high=20)]  # a shared prefix leaves cached blocks
+    outs = engine.generate(prompts, SamplingParams(max_tokens=6, n=2, temperature=1.0, seed=0), use_tqdm=False)
+    assert all(len(o.outputs) == 2 for o in outs)
+    stats = engine.block_manager.stats()
+    assert stats.num_used == 0 and stats.num_sequences == 0
+    assert stats.num_free == stats.num_blocks and stats.num_evictable == stats.num_cached > 0
+    engine.block_manager.check()
