@@ -324,6 +324,7 @@ def test_a_hash_collision_never_serves_other_tokens(monkeypatch):
     monkeypatch.setattr(bm_mod, "hash_blocks", colliding)
     m = make(num_blocks=16)
     m.allocate("a", [1, 2, 3, 4, 5])
+    assert m.gpu.block_hash(m.block_table("a")[0]) == b"c" * 32  # the patch is in effect
     assert m.num_cached_tokens([1, 2, 3, 4, 5]) == 4  # same tokens: a real hit
     assert m.num_cached_tokens([9, 9, 9, 9, 5]) == 0  # same hash, other tokens
     assert m.allocate("b", [9, 9, 9, 9, 5]) == 0
