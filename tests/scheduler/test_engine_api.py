@@ -1,0 +1,162 @@
+"""The engine's public API: errors leave it unchanged, stop conditions, parallel samples, seeds, metrics."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from paged_kv.errors import (
+    DuplicateSequenceError,
+    InvalidArgumentError,
+    OutOfRangeError,
+    PagedKVError,
+    UnknownSequenceError,
+)
+from sched_helpers import NUM_NEW, make_engine
+from scheduler import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
+
+
+def _state(engine) -> tuple:
+    """Everything a rejected call must leave as it was."""
+    s = engine.scheduler
+    queues = tuple(tuple(g.request_id for g in q) for q in (s.waiting, s.running, s.swapped))
+    seqs = tuple((q.seq_id, q.num_computed, tuple(q.token_ids)) for g in s.groups() for q in g.seqs)
+    return queues, seqs, tuple(engine._groups), engine.block_manager.stats()
+
+
+@pytest.fixture
+def busy(tiny_hf, prompts):
+    """An engine mid-run: two requests running, one waiting."""
+    engine = make_engine(tiny_hf, num_blocks=40, max_num_batched_tokens=16, max_num_seqs=4)
+    for i, p in enumerate(prompts[:3]):
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=8))
+    engine.step()
+    engine.step()
+    return engine
+
+
+BAD_REQUESTS = {
+    "duplicate id": (lambda e: e.add_request("r0", [1, 2], None), DuplicateSequenceError),
+    "id not a str": (lambda e: e.add_request(7, [1, 2], None), InvalidArgumentError),
+    "empty prompt": (lambda e: e.add_request("x", [], None), InvalidArgumentError),
+    "prompt is a count": (lambda e: e.add_request("x", 5, None), InvalidArgumentError),
+    "token past vocab": (lambda e: e.add_request("x", [1, 256], None), OutOfRangeError),
+    "negative token": (lambda e: e.add_request("x", [1, -2], None), InvalidArgumentError),
+    "params not SamplingParams": (lambda e: e.add_request("x", [1], {"max_tokens": 3}), InvalidArgumentError),
+    "longer than the pool": (lambda e: e.add_request("x", [1] * 150, None), InvalidArgumentError),
+    "n samples past the pool": (lambda e: e.add_request("x", [1] * 40, SamplingParams(n=4)), InvalidArgumentError),
+    "n past max_num_seqs": (lambda e: e.add_request("x", [1], SamplingParams(n=5)), InvalidArgumentError),
+    "longer than the model": (lambda e: e.add_request("x", [1] * 10, SamplingParams(max_tokens=510)), InvalidArgumentError),
+    "abort unknown": (lambda e: e.abort("nope"), UnknownSequenceError),
+    "abort non-str": (lambda e: e.abort(["r0"]), UnknownSequenceError),
+    "generate with one bad prompt": (lambda e: e.generate([[1, 2], [300]], use_tqdm=False), OutOfRangeError),
+    "generate params count": (lambda e: e.generate([[1], [2]], [SamplingParams()], use_tqdm=False), InvalidArgumentError),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_requests_raise_typed_errors_and_change_nothing(busy, case):
+    call, error = BAD_REQUESTS[case]
+    before = _state(busy)
+    with pytest.raises(error) as info:
+        call(busy)
+    assert isinstance(info.value, PagedKVError)
+    assert _state(busy) == before
+
+
+BAD_PARAMS = [
+    dict(max_tokens=0), dict(max_tokens=2.5), dict(temperature=-0.1), dict(temperature=math.nan),
+    dict(temperature=math.inf), dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5), dict(seed=-1), dict(n=0),
+    dict(n=10_000), dict(stop_token_ids="12"), dict(stop_token_ids=[1, -1]), dict(ignore_eos="yes"),
+    dict(logprobs=-1), dict(logprobs=1000), dict(temperature=True),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("kwargs", BAD_PARAMS, ids=str)
+def test_sampling_params_validate_on_construction(kwargs):
+    with pytest.raises(PagedKVError) as info:
+        SamplingParams(**kwargs)
+    assert next(iter(kwargs)) in str(info.value)
+
+
+def test_config_errors_are_typed():
+    bad = [
+        lambda: SchedulerConfig(max_num_seqs=0), lambda: SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4),
+        lambda: SchedulerConfig(preemption_mode="drop"), lambda: CacheConfig(block_size=0),
+        lambda: CacheConfig(watermark=1.0), lambda: EngineConfig(scheduler=SchedulerConfig(preemption_mode="swap")),
+        lambda: EngineConfig(device="not-a-device"), lambda: CacheConfig(dtype="float16"),
+    ]  # fmt: skip
+    for make in bad:
+        with pytest.raises(PagedKVError):
+            make()
+
+
+def test_abort_twice_and_after_finish_raise(busy):
+    busy.abort("r2")
+    with pytest.raises(UnknownSequenceError):
+        busy.abort("r2")
+    while busy.has_unfinished_requests():
+        busy.step()
+    with pytest.raises(UnknownSequenceError):
+        busy.abort("r0")
+
+
+def test_stop_tokens_and_eos_end_a_sample_and_are_kept(tiny_hf, prompts, hf_greedy):
+    ref = hf_greedy[2]
+    eos = ref[4]
+    cut = ref.index(eos) + 1
+    engine = LLMEngine.from_hf(tiny_hf, EngineConfig(device="cpu"))
+    engine.eos_token_ids = frozenset([eos])
+    out = engine.generate([prompts[2]], SamplingParams(max_tokens=NUM_NEW), use_tqdm=False)[0].outputs[0]
+    assert (out.token_ids, out.finish_reason) == (ref[:cut], "stop")
+    out = engine.generate([prompts[2]], SamplingParams(max_tokens=NUM_NEW, ignore_eos=True), use_tqdm=False)[0]
+    assert (out.outputs[0].token_ids, out.outputs[0].finish_reason) == (ref, "length")
+    stop = ref[2]
+    params = SamplingParams(max_tokens=NUM_NEW, ignore_eos=True, stop_token_ids=[stop])
+    out = engine.generate([prompts[2]], params, use_tqdm=False)[0].outputs[0]
+    assert (out.token_ids, out.finish_reason) == (ref[: ref.index(stop) + 1], "stop")
+
+
+def test_parallel_samples_share_the_prompt_blocks(tiny_hf):
+    engine = make_engine(tiny_hf, num_blocks=64, max_num_batched_tokens=64, max_num_seqs=8)
+    prompt = list(range(1, 42))  # 10 full blocks + 1 token in a partial block
+    engine.add_request("p", prompt, SamplingParams(n=4, max_tokens=6, temperature=1.0, seed=7, ignore_eos=True))
+    peak = 0
+    while engine.has_unfinished_requests():
+        (out,) = engine.step() or [None]
+        peak = max(peak, engine.block_manager.stats().num_used)
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+    assert all(len(c.token_ids) == 6 for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    assert engine.block_manager.num_cow_copies == 3  # the partial block, once per sample but the last
+    assert peak <= 10 + 4 * 2  # shared prompt blocks + each sample's own tail; unshared would be 4 * 12
+
+
+def test_seeded_sampling_reproducible_across_batches(tiny_hf, prompts):
+    params = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.95, seed=123)
+    alone = make_engine(tiny_hf).generate([prompts[3]], params, use_tqdm=False)[0].outputs[0].token_ids
+    others = [SamplingParams(max_tokens=10, temperature=1.0) for _ in prompts]
+    mixed = make_engine(tiny_hf, max_num_batched_tokens=16, max_num_seqs=4)
+    batch = mixed.generate(prompts, others[:3] + [params] + others[4:], use_tqdm=False)
+    assert batch[3].outputs[0].token_ids == alone
+    other_seed = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.95, seed=124)
+    assert make_engine(tiny_hf).generate([prompts[3]], other_seed, use_tqdm=False)[0].outputs[0].token_ids != alone
+
+
+def test_logprobs_and_metrics(tiny_hf, prompts):
+    engine = make_engine(tiny_hf, max_num_batched_tokens=32, max_num_seqs=4)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=5, logprobs=3, ignore_eos=True), use_tqdm=False)
+    for out in outs:
+        c = out.outputs[0]
+        assert len(c.logprobs) == len(c.top_logprobs) == 5
+        for token, lp, top in zip(c.token_ids, c.logprobs, c.top_logprobs):
+            assert len(top) == 3 and max(top, key=top.get) == token and top[token] == pytest.approx(lp)
+        assert c.cumulative_logprob == pytest.approx(sum(c.logprobs))
+        assert out.first_token_time >= out.arrival_time and out.finish_time >= out.first_token_time
+    m = engine.metrics_summary()
+    assert m.generated_tokens == 5 * len(prompts) and m.prompt_tokens == sum(map(len, prompts))
+    assert m.computed_prompt_tokens < m.prompt_tokens and m.prefix_hit_rate > 0  # the shared prefix was reused
+    assert 0 < m.kv_usage_peak <= 1 and len(m.kv_usage_curve) > 0
+    assert 0 < m.ttft_p50 <= m.ttft_p99 and 0 < m.tpot_p50 <= m.tpot_p99
+    assert "tok/s" in m.format()

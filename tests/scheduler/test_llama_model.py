@@ -1,0 +1,95 @@
+"""The compact Llama: logits equal transformers' on packed batches, RoPE scalings, weight loading errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paged_kv.batch import build_batch_metadata
+from paged_kv.errors import InvalidArgumentError
+from paged_kv.kv_cache import PagedKVCache
+from scheduler import ModelConfig, from_hf_model, from_state_dict
+from scheduler.rope import inverse_frequencies
+
+BLOCK = 4
+
+
+def _forward(model, seqs: list[list[int]], chunks: list[list[int]]) -> list[torch.Tensor]:
+    """Run ``seqs`` through the model in steps (chunks[s] = new-token counts of seq s per step); all logits."""
+    cache = PagedKVCache(model.kv_cache_spec(BLOCK), 96)
+    tables = [list(range(32 * i, 32 * i + 32)) for i in range(len(seqs))][::-1]  # non-trivial block ids
+    done, logits = [0] * len(seqs), [[] for _ in seqs]
+    for step in range(len(chunks[0])):
+        counts = [c[step] for c in chunks]
+        ids = [t for s, n, d in zip(seqs, counts, done) for t in s[d : d + n]]
+        pos = [p for n, d in zip(counts, done) for p in range(d, d + n)]
+        meta = build_batch_metadata(tables, done, counts, BLOCK)
+        out = model(torch.tensor(ids), torch.tensor(pos), cache, meta, torch.arange(len(ids)))
+        for s, rows in enumerate(out.split(counts)):
+            logits[s].append(rows)
+        done = [d + n for d, n in zip(done, counts)]
+    return [torch.cat(rows) for rows in logits]
+
+
+def _hf_logits(hf, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([tokens])).logits[0].float()
+
+
+def test_packed_mixed_batches_match_transformers(tiny_hf, prompts):
+    model = from_hf_model(tiny_hf)
+    seqs = [prompts[3], prompts[2], prompts[6][:20]]  # 63, 33 and 20 tokens
+    # step 0: prefills of different lengths; later: chunks, single tokens (decode) and idle sequences mixed
+    chunks = [[30, 1, 30, 1, 1], [10, 20, 1, 1, 1], [1, 1, 16, 1, 1]]
+    for seq, got, n in zip(seqs, _forward(model, seqs, chunks), map(sum, chunks)):
+        assert torch.allclose(got, _hf_logits(tiny_hf, seq[:n]), atol=1e-4, rtol=1e-4)
+
+
+def test_llama3_rope_scaling_matches_transformers():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=16)  # fmt: skip
+    cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, max_position_embeddings=512, rope_scaling=scaling, initializer_range=0.2)  # fmt: skip
+    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
+    got = inverse_frequencies(64, 10000.0, scaling)
+    assert torch.allclose(got, expected, rtol=1e-6)
+    assert not torch.allclose(got, inverse_frequencies(64, 10000.0))  # the scaling changed something
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(cfg).eval()
+    model = from_hf_model(hf)
+    tokens = torch.randint(0, 256, (80,), generator=torch.Generator().manual_seed(0)).tolist()  # past 16 positions
+    (got_logits,) = _forward(model, [tokens], [[80]])
+    assert torch.allclose(got_logits, _hf_logits(hf, tokens), atol=1e-4, rtol=1e-4)
+
+
+def test_linear_scaling_divides_the_frequencies():
+    assert torch.allclose(inverse_frequencies(8, 100.0, {"rope_type": "linear", "factor": 4.0}),
+                          inverse_frequencies(8, 100.0) / 4)  # fmt: skip
+    with pytest.raises(InvalidArgumentError):
+        inverse_frequencies(8, 100.0, {"rope_type": "yarn", "factor": 4.0})
+
+
+def test_weight_loading_errors_are_typed(tiny_hf):
+    cfg = ModelConfig.from_hf(tiny_hf.config)
+    state = dict(tiny_hf.state_dict())
+    del state["model.layers.1.mlp.up_proj.weight"]
+    with pytest.raises(InvalidArgumentError, match="up_proj"):
+        from_state_dict(cfg, state)
+    state = dict(tiny_hf.state_dict())
+    state["model.norm.weight"] = torch.ones(3)
+    with pytest.raises(InvalidArgumentError):
+        from_state_dict(cfg, state)
+    with pytest.raises(InvalidArgumentError):
+        from_hf_model(object())
+    with pytest.raises(InvalidArgumentError):
+        ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=3, num_kv_heads=2, head_dim=4)
+
+
+def test_state_dict_loading_equals_model_loading(tiny_hf, prompts):
+    a = from_hf_model(tiny_hf)
+    b = from_state_dict(ModelConfig.from_hf(tiny_hf.config), tiny_hf.state_dict())
+    (la,), (lb,) = _forward(a, [prompts[2]], [[33]]), _forward(b, [prompts[2]], [[33]])
+    assert torch.equal(la, lb)
