@@ -172,7 +172,7 @@ def gather_kv(cache, scale, block_tables, seq_lens, kv_start, max_len: int, *, z
 
 
 def dense_attention(q, k, v, q_pos, seq_lens, *, scale, sliding_window, soft_cap):
-    """Masked softmax attention in float32: q ``[S, M, Hq, D]`` at positions q_pos ``[S, M]`` over k/v ``[Hkv, S, L, D]``.
+    """Masked float32 softmax attention: q ``[S, M, Hq, D]`` at positions q_pos ``[S, M]``, k/v ``[Hkv, S, L, D]``.
 
     Keys at or past seq_len, after the query or outside its window are masked (so K there may
     hold anything; V there must be finite). Returns (out ``[S, M, Hq, D]``, lse ``[S, M, Hq]``),
@@ -220,10 +220,27 @@ def _scaled_logits(s, qk_a, qk_b, SOFT_CAP: tl.constexpr):
 
 
 @triton.jit
+def _e4m3_bits_to_f32(codes):
+    """float8_e4m3fn codes read as uint8 -> float32 by moving bits into a float16 (exact, any GPU arch).
+
+    The fp16 with sign | exponent-mantissa << 7 equals the e4m3 value / 256, subnormals included;
+    the NaN codes (0x7F, 0xFF) decode as +-480.
+    """
+    bits = codes.to(tl.int32)
+    half = (((bits & 0x80) << 8) | ((bits & 0x7F) << 7)).to(tl.int16).to(tl.float16, bitcast=True)
+    return half.to(tl.float32) * 256.0
+
+
+@triton.jit
 def _kv_tile(ptr, blk, slot, head, offs_d, valid, d_mask, stride_b, stride_t, stride_h, stride_d):
     """Load ``[BLOCK_N, D_PAD]`` K or V rows of one head as float32; masked rows read as 0."""
     offs = blk[:, None] * stride_b + slot[:, None] * stride_t + head * stride_h + offs_d[None, :] * stride_d
-    return tl.load(ptr + offs, mask=valid[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+    x = tl.load(ptr + offs, mask=valid[:, None] & d_mask[None, :], other=0.0)
+    if ptr.dtype.element_ty == tl.uint8:  # a float8_e4m3fn cache, passed as bytes (see kernel_cache)
+        x = _e4m3_bits_to_f32(x)
+    else:
+        x = x.to(tl.float32)
+    return x
 
 
 @triton.jit
@@ -332,7 +349,8 @@ def _merge_splits_kernel(
     offs = seq * sp_s + head * sp_h + offs_p[:, None] * sp_p + offs_d[None, :] * sp_d
     part = tl.load(part_ptr + offs, mask=p_mask[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
     out = tl.sum(part * w[:, None], 0) / tl.where(total > 0, total, 1.0)  # [D_PAD]
-    tl.store(out_ptr + seq * so_s + head * so_h + offs_d * so_d, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+    out_ptrs = out_ptr + seq * so_s + head * so_h + offs_d * so_d
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
     merged = tl.where(total > 0, m_use + tl.log2(tl.where(total > 0, total, 1.0)) * 0.6931471805599453, float("-inf"))
     tl.store(lse_ptr + seq * sl_s + head * sl_h, merged)
 
@@ -362,6 +380,16 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_len: int, device: to
     return max(1, min(wanted, by_len, 32))
 
 
+def decode_tile(d_pad: int) -> tuple[int, int]:
+    """(BLOCK_N, num_warps) of the decode kernel: no register spills on sm80/sm90 for any cache dtype."""
+    return (64, 8) if d_pad <= 128 else (32, 8)
+
+
+def kernel_cache(cache: torch.Tensor) -> torch.Tensor:
+    """The cache as the kernels take it: float8_e4m3fn as uint8 bytes (Triton has no e4m3 type before sm89)."""
+    return cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
+
+
 def _strides(t: torch.Tensor | None, n: int) -> tuple[int, ...]:
     """Strides of ``t``, or n zeros when the tensor is absent."""
     return tuple(t.stride()) if t is not None else (0,) * n
@@ -381,16 +409,17 @@ def _decode_triton(q, k_cache, v_cache, block_tables, seq_lens, geo, opts, k_sca
         part = torch.empty(num_seqs, num_q_heads, num_splits, head_dim, device=q.device, dtype=torch.float32)
         part_lse = torch.empty(num_seqs, num_q_heads, num_splits, device=q.device, dtype=torch.float32)
     qk_a, qk_b = logit_coefficients(scale, soft_cap)
+    block_n, num_warps = decode_tile(d_pad)
     _decode_split_kernel[(num_seqs, geo.num_kv_heads, num_splits)](
-        q, k_cache, v_cache, k_scale if geo.quantized else k_cache, v_scale if geo.quantized else v_cache,
-        block_tables, seq_lens, part, part_lse,
+        q, kernel_cache(k_cache), kernel_cache(v_cache), k_scale if geo.quantized else k_cache,
+        v_scale if geo.quantized else v_cache, block_tables, seq_lens, part, part_lse,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *_strides(k_scale, 3), *_strides(v_scale, 3),
         *block_tables.stride(), *part.stride(), *part_lse.stride(),
         qk_a, qk_b, window or 0,
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_PAD=d_pad,
-        BLOCK_SIZE=geo.block_size, BLOCK_N=64 if d_pad <= 128 else 32, NUM_SPLITS=num_splits,
+        BLOCK_SIZE=geo.block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         QUANTIZED=geo.quantized, SOFT_CAP=soft_cap is not None, WINDOW=window is not None,
-        PRECISION=dot_precision(q, k_cache), num_warps=4,
+        PRECISION=dot_precision(q, k_cache), num_warps=num_warps,
     )  # fmt: skip
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_q_heads)](

@@ -34,6 +34,7 @@ from kernels.decode_attention import (
     dense_attention,
     dot_precision,
     gather_kv,
+    kernel_cache,
     logit_coefficients,
     window_start,
 )
@@ -108,28 +109,42 @@ def _prefill_kernel(
     tl.store(lse_ptr + row_t * sl_t + heads * sl_h, lse, mask=row_ok)
 
 
+def prefill_tile(d_pad: int, group: int, precision: str) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) of the prefill kernel; BLOCK_M holds at least one token's GROUP heads.
+
+    Chosen so sm80/sm90 builds do not spill registers; float32 data ('ieee' dots run on FMA
+    units and hold more registers) gets smaller query tiles.
+    """
+    if precision == "ieee":
+        block_m, block_n, num_warps = (16, 64, 4) if d_pad <= 128 else (16, 16, 4)
+    else:
+        block_m, block_n, num_warps = (64, 64, 8) if d_pad <= 128 else (32, 32, 8)
+    return max(block_m, triton.next_power_of_2(group)), block_n, num_warps
+
+
 def _prefill_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens, geo, opts, k_scale, v_scale, max_q):
     """Launch the prefill kernel; returns (out ``[T, Hq, D]``, lse ``[T, Hq]``)."""
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     scale, window, soft_cap = opts
     group = num_q_heads // geo.num_kv_heads
     d_pad = max(16, triton.next_power_of_2(head_dim))
-    block_m = max(32 if d_pad > 128 else 64, triton.next_power_of_2(group))
+    precision = dot_precision(q, k_cache)
+    block_m, block_n, num_warps = prefill_tile(d_pad, group, precision)
     tokens = block_m // group
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[0], num_q_heads, device=q.device, dtype=torch.float32)
     qk_a, qk_b = logit_coefficients(scale, soft_cap)
     grid = (triton.cdiv(max_q, tokens), geo.num_kv_heads, seq_lens.shape[0])
     _prefill_kernel[grid](
-        q, k_cache, v_cache, k_scale if geo.quantized else k_cache, v_scale if geo.quantized else v_cache,
-        block_tables, seq_lens, cu_seqlens, out, lse,
+        q, kernel_cache(k_cache), kernel_cache(v_cache), k_scale if geo.quantized else k_cache,
+        v_scale if geo.quantized else v_cache, block_tables, seq_lens, cu_seqlens, out, lse,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *_strides(k_scale, 3), *_strides(v_scale, 3),
         *block_tables.stride(), *out.stride(), *lse.stride(),
         qk_a, qk_b, window or 0,
         GROUP=group, TOKENS=tokens, BLOCK_M=block_m, HEAD_DIM=head_dim, D_PAD=d_pad,
-        BLOCK_SIZE=geo.block_size, BLOCK_N=32 if d_pad > 128 else 64,
+        BLOCK_SIZE=geo.block_size, BLOCK_N=block_n,
         QUANTIZED=geo.quantized, SOFT_CAP=soft_cap is not None, WINDOW=window is not None,
-        PRECISION=dot_precision(q, k_cache), num_warps=8 if d_pad > 128 else 4,
+        PRECISION=precision, num_warps=num_warps,
     )  # fmt: skip
     return out, lse
 
@@ -235,7 +250,9 @@ def paged_prefill_attention(
             q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, geo, opts, k_scale, v_scale, sizes[0]
         )
     else:
-        out, lse = _prefill_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, opts, k_scale, v_scale, sizes)
+        out, lse = _prefill_torch(
+            q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, opts, k_scale, v_scale, sizes
+        )
     return (out, lse) if return_lse else out
 
 

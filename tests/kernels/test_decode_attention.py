@@ -121,7 +121,9 @@ def naive_decode(q, paged: Paged, *, exact=False, scale=None, **opts):
     """Naive decode over the dense truth: q [S, Hq, D] -> (out [S, Hq, D], lse [S, Hq]) float64."""
     ks, vs = (paged.exact_k, paged.exact_v) if exact else (paged.dense_k, paged.dense_v)
     scale = 1 / math.sqrt(q.shape[2]) if scale is None else scale
-    outs = [naive_attention(q[s : s + 1], ks[s], vs[s], [ks[s].shape[0] - 1], scale=scale, **opts) for s in range(len(ks))]
+    outs = [
+        naive_attention(q[s : s + 1], ks[s], vs[s], [ks[s].shape[0] - 1], scale=scale, **opts) for s in range(len(ks))
+    ]
     return torch.cat([o for o, _ in outs]), torch.cat([lse for _, lse in outs])
 
 
@@ -155,8 +157,9 @@ DECODE_CASES = [
 @pytest.mark.parametrize("q_dtype,cache_dtype,hq,hkv,head_dim,block_size,lens,shared", DECODE_CASES)
 def test_decode_matches_naive(backend, q_dtype, cache_dtype, hq, hkv, head_dim, block_size, lens, shared):
     paged = build_paged(
-        lens, block_size=block_size, num_kv_heads=hkv, head_dim=head_dim, dtype=cache_dtype, seed=1, shared_blocks=shared
-    )
+        lens, block_size=block_size, num_kv_heads=hkv, head_dim=head_dim, dtype=cache_dtype, seed=1,
+        shared_blocks=shared,
+    )  # fmt: skip
     q = torch.randn(len(lens), hq, head_dim, generator=torch.Generator().manual_seed(2)).to(q_dtype)
     out, lse = run_decode(q, paged, return_lse=True, backend=backend)
     expected, expected_lse = naive_decode(q, paged)
@@ -172,7 +175,9 @@ QUANT_BOUND = {I8: 0.03, E4M3: 0.2, E5M2: 0.4}  # worst seen over 5 seeds: 0.013
 
 @pytest.mark.parametrize("cache_dtype,q_dtype", [(I8, F16), (E4M3, BF16), (E5M2, F32)])
 def test_decode_quantized_cache(cache_dtype, q_dtype):
-    paged = build_paged([1, 50, 33], block_size=16, num_kv_heads=2, head_dim=64, dtype=cache_dtype, seed=3, shared_blocks=1)
+    paged = build_paged(
+        [1, 50, 33], block_size=16, num_kv_heads=2, head_dim=64, dtype=cache_dtype, seed=3, shared_blocks=1
+    )
     q = torch.randn(3, 4, 64, generator=torch.Generator().manual_seed(4)).to(q_dtype)
     out = run_decode(q, paged, backend="triton", num_splits=2)
     ref = run_decode(q, paged, backend="torch")
@@ -180,6 +185,21 @@ def test_decode_quantized_cache(cache_dtype, q_dtype):
     assert_close(ref, naive_decode(q, paged)[0], TOL[q_dtype])
     err = (out.double() - naive_decode(q, paged, exact=True)[0]).abs().max().item()
     assert err < QUANT_BOUND[cache_dtype]
+
+
+def test_every_e4m3_code_decodes_exactly():
+    # One key per sequence: the output is that key's V row, dequantized. The kernel decodes e4m3
+    # from raw bytes; all 254 finite codes (normals, subnormals, +-0) must match torch's float().
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(2, 1, 1, 128)  # [blocks, bs, Hkv, D]
+    codes[(codes == 0x7F) | (codes == 0xFF)] = 0  # the two NaN codes
+    v_cache = codes.view(E4M3)
+    k_cache = torch.zeros_like(codes).view(E4M3)
+    scales = torch.full((2, 1, 1), 0.5)
+    out = paged_decode_attention(
+        torch.randn(2, 1, 128), k_cache, v_cache, torch.tensor([[0], [1]], dtype=torch.int32),
+        torch.tensor([1, 1], dtype=torch.int32), k_scale=scales, v_scale=scales, backend="triton",
+    )  # fmt: skip
+    assert torch.equal(out[:, 0], v_cache[:, 0, 0].float() * 0.5)
 
 
 def test_split_kv_gives_same_result():
@@ -246,13 +266,15 @@ def _fail(*args, **kwargs):
 def _valid_inputs():
     paged = build_paged([20, 9], block_size=8, num_kv_heads=2, head_dim=64, seed=11)
     q = torch.randn(2, 4, 64)
-    return dict(q=q, k_cache=paged.k_cache, v_cache=paged.v_cache, block_tables=paged.block_tables, seq_lens=paged.seq_lens)
+    cache = dict(k_cache=paged.k_cache, v_cache=paged.v_cache)
+    return dict(cache, q=q, block_tables=paged.block_tables, seq_lens=paged.seq_lens)
 
 
 def _quantized_inputs():
     paged = build_paged([20, 9], block_size=8, num_kv_heads=2, head_dim=64, dtype=I8, seed=12)
     inputs = dict(q=torch.randn(2, 4, 64), k_cache=paged.k_cache, v_cache=paged.v_cache)
-    return dict(inputs, block_tables=paged.block_tables, seq_lens=paged.seq_lens, k_scale=paged.k_scale, v_scale=paged.v_scale)
+    scales = dict(k_scale=paged.k_scale, v_scale=paged.v_scale)
+    return dict(inputs, **scales, block_tables=paged.block_tables, seq_lens=paged.seq_lens)
 
 
 def _set_table(value, row=0, col=0):

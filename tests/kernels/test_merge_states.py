@@ -9,6 +9,7 @@ import torch
 from test_decode_attention import BF16, F16, F32, TOL, assert_close, build_paged, run_decode
 
 import kernels.merge_states as ms
+from kernels.decode_attention import paged_decode_attention
 from kernels.merge_states import merge_attention_states, merge_attention_states_reference
 from paged_kv.errors import InvalidArgumentError, PagedKVError
 
@@ -76,8 +77,6 @@ def test_shared_prefix_then_suffix_equals_full_decode():
 
 def run_decode_on(q, caches, table, lens):
     """Triton decode over an explicit block table (a slice of the full one) with lse."""
-    from kernels.decode_attention import paged_decode_attention
-
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     return paged_decode_attention(q, *caches, table, seq_lens, backend="triton", return_lse=True)
 
@@ -98,7 +97,8 @@ def _fail(*args, **kwargs):
 
 
 def _valid():
-    return dict(out_a=torch.zeros(4, 2, 8), lse_a=torch.zeros(4, 2), out_b=torch.zeros(4, 2, 8), lse_b=torch.zeros(4, 2))
+    outs = dict(out_a=torch.zeros(4, 2, 8), out_b=torch.zeros(4, 2, 8))
+    return dict(outs, lse_a=torch.zeros(4, 2), lse_b=torch.zeros(4, 2))
 
 
 BAD_INPUTS = [

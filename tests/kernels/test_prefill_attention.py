@@ -42,7 +42,8 @@ def naive_prefill(q, paged: Paged, q_lens, *, scale=None, **opts):
     for s, q_len in enumerate(q_lens):
         length = paged.dense_k[s].shape[0]
         q_pos = list(range(length - q_len, length))
-        out, lse = naive_attention(q[start : start + q_len], paged.dense_k[s], paged.dense_v[s], q_pos, scale=scale, **opts)
+        kv = (paged.dense_k[s], paged.dense_v[s])
+        out, lse = naive_attention(q[start : start + q_len], *kv, q_pos, scale=scale, **opts)
         outs.append(out)
         lses.append(lse)
         start += q_len
