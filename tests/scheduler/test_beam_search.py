@@ -1,0 +1,296 @@
+"""Beam search on the engine: transformers' beams and scores, shared blocks, immediate frees, typed errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import scheduler.beam_search as beam_search
+from paged_kv.errors import InvalidArgumentError, OutOfRangeError, PagedKVError, SequenceStateError
+from scheduler import SamplingParams
+from scheduler.beam_search import BeamSearch, BeamSearchParams
+from sched_helpers import VOCAB, make_engine
+
+WIDTH = 4
+NEW = 16
+
+
+@pytest.fixture(scope="module")
+def beam_prompts() -> list[list[int]]:
+    """Prompts of 1, 6, 17 and 40 tokens (block size 4: partial and full last blocks)."""
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (1, 6, 17, 40)]
+
+
+def hf_beams(hf_model, prompt, *, width=WIDTH, new=NEW, eos=None, **kwargs):
+    """transformers' ``width`` best hypotheses (tokens cut after EOS), their scores, and its number of steps."""
+    calls = []
+    hook = hf_model.register_forward_hook(lambda *_: calls.append(1))
+    ids = torch.tensor([prompt])
+    out = hf_model.generate(  # an explicit mask: a prompt token equal to pad_token_id is not padding
+        ids, attention_mask=torch.ones_like(ids), do_sample=False, num_beams=width, num_return_sequences=width, max_new_tokens=new,
+        eos_token_id=eos, pad_token_id=0, output_scores=True, return_dict_in_generate=True, **kwargs,
+    )  # fmt: skip
+    hook.remove()
+    seqs = [row[len(prompt) :].tolist() for row in out.sequences]
+    stops = [eos] if isinstance(eos, int) else eos or []
+    seqs = [s[: next((i + 1 for i, t in enumerate(s) if t in stops), len(s))] for s in seqs]
+    return seqs, out.sequences_scores.tolist(), len(calls)
+
+
+def assert_same_beams(output, ref_seqs, ref_scores, ref_steps):
+    """Every hypothesis, in rank order, has transformers' tokens and (float32-close) score; it stopped as early."""
+    assert [h.token_ids for h in output.hypotheses] == ref_seqs
+    assert [h.score for h in output.hypotheses] == pytest.approx(ref_scores, rel=1e-5, abs=1e-5)
+    assert output.num_steps == ref_steps
+
+
+def assert_all_freed(engine):
+    """Nothing is left referenced: every block is free or only cached."""
+    stats = engine.block_manager.stats()
+    assert stats.num_used == 0 and stats.num_sequences == 0
+    engine.block_manager.check()
+    assert not engine.has_unfinished_requests()
+
+
+def test_beams_match_transformers_batched(tiny_hf, beam_prompts):
+    """Four prompts of different lengths in one batch: every beam and score equals generate(num_beams=4)."""
+    engine = make_engine(tiny_hf)
+    outs = BeamSearch(engine).generate(beam_prompts, BeamSearchParams(width=WIDTH, max_tokens=NEW))
+    for prompt, out in zip(beam_prompts, outs):
+        assert out.prompt_token_ids == prompt
+        assert_same_beams(out, *hf_beams(tiny_hf, prompt))
+        best = out.hypotheses[0]
+        assert len(best.token_ids) == NEW and best.finish_reason == "length"
+        assert best.cumulative_logprob == pytest.approx(sum(best.logprobs), abs=1e-4)
+        assert best.score == pytest.approx(best.cumulative_logprob / NEW)
+    assert_all_freed(engine)
+
+
+def test_width_one_is_greedy(tiny_hf, prompts, hf_greedy):
+    """Width 1 keeps the argmax path: transformers' greedy tokens."""
+    outs = BeamSearch(make_engine(tiny_hf)).generate(prompts, BeamSearchParams(width=1, max_tokens=len(hf_greedy[0])))
+    assert [o.hypotheses[0].token_ids for o in outs] == hf_greedy
+
+
+STOPPING = [(False, 1.0), (True, 1.0), ("never", 1.0), ("never", -0.5), (False, 0.0), (False, 2.0)]
+
+
+@pytest.mark.parametrize("early_stopping, length_penalty", STOPPING)
+def test_eos_and_stopping_rules_match_transformers(tiny_hf, beam_prompts, early_stopping, length_penalty):
+    """EOS ends hypotheses, length penalty ranks them, the search stops when transformers stops it."""
+    # EOS: the 4th token of the best EOS-free beam, so that EOS is actually reached
+    eos = [hf_beams(tiny_hf, p)[0][0][3] for p in beam_prompts]
+    params = [
+        BeamSearchParams(
+            width=WIDTH, max_tokens=NEW, stop_token_ids=(e,), early_stopping=early_stopping,
+            length_penalty=length_penalty,
+        )  # fmt: skip
+        for e in eos
+    ]
+    engine = make_engine(tiny_hf)
+    outs = BeamSearch(engine).generate(beam_prompts, params)
+    for prompt, out, e in zip(beam_prompts, outs, eos):
+        ref = hf_beams(tiny_hf, prompt, eos=e, early_stopping=early_stopping, length_penalty=length_penalty)
+        assert_same_beams(out, *ref)
+    for out, e in zip(outs, eos):
+        assert all(e not in h.token_ids[:-1] for h in out.hypotheses)  # EOS only ever ends a hypothesis
+        assert all((h.token_ids[-1] == e) == (h.finish_reason == "stop") for h in out.hypotheses)
+    if length_penalty <= 1.0:  # short EOS hypotheses are not ranked out by a strong length bonus
+        assert any(h.finish_reason == "stop" for o in outs for h in o.hypotheses)
+    assert_all_freed(engine)
+
+
+@pytest.mark.parametrize("early_stopping, length_penalty", STOPPING)
+def test_early_stop_with_many_eos_ids_matches_transformers(tiny_hf, beam_prompts, early_stopping, length_penalty):
+    """With a quarter of the vocabulary ending hypotheses, searches fill up early and stop when transformers does."""
+    eos = list(range(0, VOCAB - 4, 4))  # 63 ids: K = 64 * width = the whole vocabulary at the first step
+    params = BeamSearchParams(
+        width=WIDTH, max_tokens=NEW, stop_token_ids=eos, early_stopping=early_stopping, length_penalty=length_penalty
+    )
+    outs = BeamSearch(make_engine(tiny_hf)).generate(beam_prompts, params)
+    for prompt, out in zip(beam_prompts, outs):
+        ref = hf_beams(tiny_hf, prompt, eos=eos, early_stopping=early_stopping, length_penalty=length_penalty)
+        assert_same_beams(out, *ref)
+    # "never" with a length bonus, or a strong bonus, keeps hope that a longer beam wins: those run to the end
+    if length_penalty <= 1.0 and not (early_stopping == "never" and length_penalty > 0):
+        assert min(o.num_steps for o in outs) < NEW, "no search stopped before max_tokens"
+
+
+def test_engine_eos_ends_beams_unless_ignored(tiny_hf, beam_prompts):
+    """The engine's EOS id ends hypotheses like a stop token; ignore_eos turns it off."""
+    prompt = beam_prompts[2]
+    eos = hf_beams(tiny_hf, prompt)[0][0][2]
+    engine = make_engine(tiny_hf)
+    engine.eos_token_ids = frozenset([eos])
+    search = BeamSearch(engine)
+    out = search.generate([prompt], BeamSearchParams(width=WIDTH, max_tokens=NEW))[0]
+    assert_same_beams(out, *hf_beams(tiny_hf, prompt, eos=eos))
+    ignored = search.generate([prompt], BeamSearchParams(width=WIDTH, max_tokens=NEW, ignore_eos=True))[0]
+    assert_same_beams(ignored, *hf_beams(tiny_hf, prompt))
+
+
+def _trace_steps(engine):
+    """Wrap the scheduler: record, per step, (scheduled seqs, CoW copies, used blocks after scheduling)."""
+    steps, schedule = [], engine.scheduler.schedule
+
+    def traced():
+        out = schedule()
+        tables = {s.seq.seq_id: engine.block_manager.block_table(s.seq.seq_id) for s in out.scheduled}
+        steps.append(([(s.start, tables[s.seq.seq_id]) for s in out.scheduled], list(out.copies),
+                      engine.block_manager.gpu.num_used))  # fmt: skip
+        return out
+
+    engine.scheduler.schedule = traced
+    return steps
+
+
+def test_beams_share_blocks_and_copy_only_the_last_partial_block(tiny_hf, beam_prompts):
+    """Forks copy nothing; a diverging beam copies only the shared partial block it writes into."""
+    engine = make_engine(tiny_hf)
+    steps = _trace_steps(engine)
+    search = BeamSearch(engine)
+    outs = search.generate(beam_prompts, BeamSearchParams(width=WIDTH, max_tokens=NEW, ignore_eos=True))
+    bs = engine.block_manager.block_size
+    copies = 0
+    for scheduled, cow, _ in steps:
+        written = {table[start // bs]: start for start, table in scheduled}  # block each seq writes into
+        for src, dst in cow:
+            assert dst in written and written[dst] % bs != 0, "copied a block that was not a partial last block"
+        copies += len(cow)
+    assert 0 < copies == engine.block_manager.num_cow_copies
+    peak_used = max(used for _, _, used in steps)
+    assert search.last_memory.peak_blocks == peak_used  # the meter counts exactly the referenced blocks
+    for out in outs:
+        m = out.memory
+        assert 0 < m.peak_blocks < m.peak_blocks_unshared and 0 < m.saving < 1 and 0 < m.mean_saving < 1
+        assert m.peak_bytes == m.peak_blocks * engine.runner.gpu_cache.spec.bytes_per_block
+    # at the last step every beam holds ceil((prompt + NEW - 1) / bs) blocks when nothing is shared
+    longest = max(len(p) for p in beam_prompts)
+    assert outs[-1].memory.peak_blocks_unshared == WIDTH * math.ceil((longest + NEW - 1) / bs)
+    assert_all_freed(engine)
+
+
+def test_pruned_and_finished_beams_free_their_blocks_at_once(tiny_hf, beam_prompts):
+    """Every beam that leaves the search has no block right after, and usage drops with it."""
+    engine = make_engine(tiny_hf)
+    bm, finish = engine.block_manager, engine.finish_sequence
+    drops = []
+
+    def traced_finish(seq, reason, now=None):
+        before = bm.gpu.num_used
+        finish(seq, reason, now)
+        assert seq.seq_id not in bm
+        drops.append(before - bm.gpu.num_used)
+
+    engine.finish_sequence = traced_finish
+    BeamSearch(engine).generate(beam_prompts, BeamSearchParams(width=WIDTH, max_tokens=NEW))
+    assert len(drops) > WIDTH * len(beam_prompts)  # pruned mid-search, not only at the end
+    assert sum(d > 0 for d in drops) >= len(beam_prompts)
+    assert_all_freed(engine)
+
+
+PREEMPTION = {
+    # chunked re-prefill after recompute: some beams of a group reach their last token steps before the others
+    "recompute": dict(num_blocks=36, max_num_batched_tokens=64, max_num_seqs=28),
+    "swap": dict(num_blocks=36, num_cpu_blocks=128, preemption_mode="swap", max_num_batched_tokens=160, max_num_seqs=28),
+}
+
+
+@pytest.mark.parametrize("mode", list(PREEMPTION))
+def test_same_beams_under_constant_preemption(tiny_hf, mode, monkeypatch):
+    """A pool too small for all searches at once preempts them; the beams do not change."""
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (1, 5, 17, 9, 12, 3, 14)]
+    params = BeamSearchParams(width=WIDTH, max_tokens=NEW, ignore_eos=True)
+    reference = BeamSearch(make_engine(tiny_hf)).generate(prompts, params)
+    waits = []
+    all_ready = beam_search._Request.all_ready
+    monkeypatch.setattr(beam_search._Request, "all_ready", lambda r: waits.append(bool(r.ready) and not all_ready(r)) or all_ready(r))
+    engine = make_engine(tiny_hf, **PREEMPTION[mode])
+    outs = BeamSearch(engine).generate(prompts, params)
+    assert [[h.token_ids for h in o.hypotheses] for o in outs] == [[h.token_ids for h in o.hypotheses] for o in reference]
+    assert engine.scheduler.num_preemptions[mode] >= 2
+    if mode == "recompute":
+        assert any(waits), "no group waited on some of its beams"
+    assert_all_freed(engine)
+
+
+def test_params_are_validated():
+    """Each bad field raises a typed error naming it."""
+    bad = [
+        dict(width=0), dict(width=True), dict(max_tokens=0), dict(length_penalty=float("nan")),
+        dict(length_penalty="1"), dict(early_stopping="always"), dict(early_stopping=1), dict(ignore_eos=1),
+        dict(stop_token_ids=[-1]), dict(stop_token_ids="ab"),
+    ]
+    for kwargs in bad:
+        with pytest.raises(PagedKVError) as err:
+            BeamSearchParams(**kwargs)
+        assert next(iter(kwargs)) in str(err.value)
+    assert BeamSearchParams(stop_token_ids=[3, 4]).stop_token_ids == (3, 4)
+
+
+def test_bad_requests_leave_the_engine_unchanged(tiny_hf, beam_prompts):
+    """A bad prompt, width or parameter list raises before anything is queued."""
+    engine = make_engine(tiny_hf, num_blocks=64)
+    search = BeamSearch(engine)
+    good = BeamSearchParams(width=2, max_tokens=4)
+    cases = [
+        ([beam_prompts[0], [VOCAB]], good, OutOfRangeError),
+        ([beam_prompts[0], []], good, InvalidArgumentError),
+        (beam_prompts, [good], InvalidArgumentError),  # one params per prompt
+        (beam_prompts[:1], "width=2", InvalidArgumentError),
+        (beam_prompts[3:], BeamSearchParams(width=8, max_tokens=16), InvalidArgumentError),  # 8 x 14 blocks > 64
+        (beam_prompts[:1], BeamSearchParams(width=200, max_tokens=1), InvalidArgumentError),  # over max_num_seqs
+    ]
+    for prompts, params, error in cases:
+        with pytest.raises(error):
+            search.generate(prompts, params)
+        assert not engine.has_unfinished_requests() and engine.block_manager.stats().num_sequences == 0
+    engine.add_request("other", beam_prompts[0], SamplingParams(max_tokens=2))
+    with pytest.raises(SequenceStateError):  # the search drives the engine alone
+        search.generate(beam_prompts[:1], good)
+    assert [s.request_id for s in engine.scheduler.waiting] == ["other"]
+
+
+def test_error_mid_search_leaves_engine_clean(tiny_hf, beam_prompts):
+    """An error raised during a step aborts every search: no request left, every block freed."""
+    engine = make_engine(tiny_hf)
+    run_model, calls = engine.run_model, []
+
+    def failing(out):
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return run_model(out)
+
+    engine.run_model = failing
+    with pytest.raises(KeyboardInterrupt):
+        BeamSearch(engine).generate(beam_prompts, BeamSearchParams(width=WIDTH, max_tokens=NEW))
+    assert_all_freed(engine)
+    engine.run_model = run_model
+    out = BeamSearch(engine).generate(beam_prompts[:1], BeamSearchParams(width=WIDTH, max_tokens=NEW))[0]
+    assert_same_beams(out, *hf_beams(tiny_hf, beam_prompts[0]))
+
+
+def test_width_limited_by_vocabulary(tiny_hf):
+    """K = 2 * width candidates must exist among the first step's vocab-size continuations."""
+    engine = make_engine(tiny_hf, max_num_seqs=256, max_num_batched_tokens=512, num_blocks=1024)
+    with pytest.raises(InvalidArgumentError, match="width"):
+        BeamSearch(engine).generate([[1, 2]], BeamSearchParams(width=VOCAB // 2 + 1, max_tokens=1))
+
+
+@pytest.mark.slow
+def test_smollm2_best_beam_matches_transformers(smollm2):
+    """On the real model, the best beam of a real prompt equals transformers' num_beams=4 output."""
+    hf_model, tokenizer = smollm2
+    prompt = tokenizer("The three primary colors are")["input_ids"]
+    engine = make_engine(hf_model, block_size=16, num_blocks=64)
+    out = BeamSearch(engine).generate([prompt], BeamSearchParams(width=WIDTH, max_tokens=8, ignore_eos=True))[0]
+    ref_seqs, ref_scores, _ = hf_beams(hf_model, prompt, new=8)
+    assert out.hypotheses[0].token_ids == ref_seqs[0]
+    assert out.hypotheses[0].score == pytest.approx(ref_scores[0], abs=1e-4)
+    assert out.memory.peak_blocks < out.memory.peak_blocks_unshared
+    assert_all_freed(engine)
