@@ -9,11 +9,16 @@ The builder and the naive attention are imported by the prefill tests too.
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+import triton
 
 import kernels.decode_attention as dec
 from kernels.decode_attention import choose_num_splits, paged_decode_attention, paged_decode_attention_reference
@@ -95,6 +100,71 @@ def build_paged(
     block_tables = torch.tensor(rows, dtype=torch.int32)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     return Paged(caches[0], caches[1], scales[0], scales[1], block_tables, lens, nan_block=nan_block, **truth)
+
+
+# Compiles, for the CUDA archs in argv[1], every kernel launch that the wrapper calls in argv[2] make:
+# catches what the interpreter cannot (types, layouts, constexpr branches) without a GPU.
+GPU_BUILD_SCRIPT = r"""
+import sys, torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import kernels.decode_attention as dec, kernels.prefill_attention as pre, kernels.merge_states as ms
+
+TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int8: "i8",
+         torch.uint8: "u8", torch.int32: "i32", torch.int64: "i64", torch.float8_e5m2: "fp8e5",
+         torch.float8_e4m3fn: "fp8e4nv"}
+built = []
+
+def signature(fn, args, constexprs):
+    # Like the JIT: ints equal to 1 become constants; pointers and 16-divisible ints get the hint.
+    sig, consts, attrs = {}, dict(constexprs), {}
+    for i, (name, arg) in enumerate(zip(fn.arg_names, args)):
+        if isinstance(arg, torch.Tensor):
+            sig[name], attrs[(i,)] = "*" + TYPES[arg.dtype], [["tt.divisibility", 16]]
+        elif isinstance(arg, float):
+            sig[name] = "fp32"
+        elif arg == 1:
+            sig[name], consts[name] = "constexpr", 1
+        else:
+            sig[name] = "i32" if abs(arg) < 2**31 else "i64"
+            if arg % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    sig.update({name: "constexpr" for name in constexprs})
+    return sig, consts, attrs
+
+class Build:
+    def __init__(self, fn):
+        self.fn = fn
+    def __getitem__(self, grid):
+        def launch(*args, num_warps=4, **constexprs):
+            sig, consts, attrs = signature(self.fn, args, constexprs)
+            for arch in sys.argv[1].split(","):
+                target = GPUTarget("cuda", int(arch), 32)
+                triton.compile(ASTSource(self.fn, sig, consts, attrs), target=target, options={"num_warps": num_warps})
+            built.append(self.fn.__name__)
+        return launch
+
+for module, name in ((dec, "_decode_split_kernel"), (dec, "_merge_splits_kernel"), (pre, "_prefill_kernel"),
+                     (ms, "_merge_kernel")):
+    setattr(module, name, Build(getattr(module, name)))
+for module in (dec, pre, ms):
+    module.check_triton_device = lambda t: None
+exec(sys.argv[2])
+print(" ".join(built))
+"""
+
+
+def build_for_gpu(calls: str, archs: str = "80,90") -> list[str]:
+    """Compile, for CUDA sm80 and sm90 and without a GPU, the kernels that ``calls`` launch; return their names."""
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this triton build ships no ptxas")
+    root = str(Path(__file__).resolve().parents[2])
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    args = [sys.executable, "-c", GPU_BUILD_SCRIPT, archs, calls]
+    done = subprocess.run(args, env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stdout.split()
 
 
 def naive_attention(q, k, v, q_pos, *, scale, sliding_window=None, soft_cap=None):
@@ -245,6 +315,20 @@ def test_empty_batch():
         backend="triton", return_lse=True,
     )  # fmt: skip
     assert out.shape == (0, 2, 64) and lse.shape == (0, 2)
+
+
+def test_kernels_build_for_gpu():
+    # sm80 has no e4m3 type: the e4m3 cache must reach the kernel as bytes.
+    calls = """
+kc = torch.randn(6, 16, 2, 128)
+bt, lens = torch.arange(6, dtype=torch.int32).view(2, 3), torch.tensor([40, 20], dtype=torch.int32)
+q = torch.randn(2, 8, 128, dtype=torch.bfloat16)
+dec.paged_decode_attention(q, kc.bfloat16(), kc.bfloat16(), bt, lens, backend="triton",
+                           sliding_window=8, soft_cap=30.0, num_splits=3)
+e4m3, scale = kc.to(torch.float8_e4m3fn), torch.ones(6, 16, 2)
+dec.paged_decode_attention(q.float(), e4m3, e4m3, bt, lens, k_scale=scale, v_scale=scale, backend="triton")
+"""
+    assert build_for_gpu(calls) == ["_decode_split_kernel", "_merge_splits_kernel", "_decode_split_kernel"]
 
 
 def test_choose_num_splits(monkeypatch):

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from test_decode_attention import BF16, F16, F32, TOL, assert_close, build_paged, run_decode
+from test_decode_attention import BF16, F16, F32, TOL, assert_close, build_for_gpu, build_paged, run_decode
 
 import kernels.merge_states as ms
 from kernels.decode_attention import paged_decode_attention
@@ -90,6 +90,14 @@ def test_strided_inputs_and_reference():
     ref_out, ref_lse = merge_attention_states_reference(out_a, lse_a, out_b, lse_b)
     torch.testing.assert_close(out, ref_out, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(lse, ref_lse, atol=1e-6, rtol=1e-6)
+
+
+def test_kernel_builds_for_gpu():
+    calls = """
+out, lse = torch.randn(5, 4, 80, dtype=torch.bfloat16), torch.randn(5, 4)
+ms.merge_attention_states(out, lse, out, lse, backend="triton")
+"""
+    assert build_for_gpu(calls) == ["_merge_kernel"]
 
 
 def _fail(*args, **kwargs):

@@ -20,6 +20,7 @@ from test_decode_attention import (
     TOL,
     Paged,
     assert_close,
+    build_for_gpu,
     build_paged,
     naive_attention,
     run_decode,
@@ -159,6 +160,20 @@ def test_empty_inputs():
         torch.zeros(1, dtype=torch.int32), backend="triton",
     )  # fmt: skip
     assert empty.shape == (0, 2, 64)
+
+
+def test_kernel_builds_for_gpu():
+    calls = """
+kc = torch.randn(6, 16, 2, 256)
+bt, lens = torch.arange(6, dtype=torch.int32).view(2, 3), torch.tensor([40, 20], dtype=torch.int32)
+cu = torch.tensor([0, 30, 35], dtype=torch.int32)
+pre.paged_prefill_attention(torch.randn(35, 8, 256).half(), kc.half(), kc.half(), bt, lens, cu, backend="triton",
+                            sliding_window=8, soft_cap=30.0)
+codes, scale = kc[..., :96].to(torch.int8), torch.ones(6, 16, 2)
+pre.paged_prefill_attention(torch.randn(35, 12, 96), codes, codes, bt, lens, cu, k_scale=scale, v_scale=scale,
+                            backend="triton")
+"""
+    assert build_for_gpu(calls) == ["_prefill_kernel", "_prefill_kernel"]
 
 
 def _fail(*args, **kwargs):
