@@ -38,7 +38,8 @@ CopyOp = tuple[BlockId, BlockId]  # (src, dst)
 @dataclass(slots=True)
 class _Seq:
     """Per-sequence state. While ``cacheable``: ``full`` holds the int64 token bytes of each full
-    block, ``hashes`` their chained hashes and ``tail`` the ids past the last full block."""
+    block, ``hashes`` their chained hashes and ``tail`` the ids past the last full block.
+    ``root`` is the parent hash of ``hashes[0]``: the salt's root until ``drop_front``."""
 
     blocks: list[BlockId]
     num_tokens: int
@@ -288,6 +289,32 @@ class BlockManager:
             seq.tail = partial[:rest]
         del seq.full[nfull:], seq.hashes[nfull:]  # even uncacheable: swap_in re-registers them
         seq.num_tokens = num_tokens
+
+    def drop_front(self, seq_id: SeqId, num_blocks: int) -> None:
+        """Release the first ``num_blocks`` blocks of a sequence (a sliding window); later positions shift down.
+
+        Position ``p`` becomes ``p - num_blocks * block_size`` and ``num_tokens``
+        shrinks alike (to 0 at least). Full blocks computed before the drop stay
+        in the prefix cache under their hashes, but the sequence registers no new
+        ones: what is computed from now on has not seen the dropped tokens.
+        """
+        seq = self._get_resident(seq_id)
+        check_int("num_blocks", num_blocks, low=0, high=len(seq.blocks))
+        if not num_blocks:
+            return
+        self.gpu.release(reversed(seq.blocks[:num_blocks]))  # like free: the head is evicted last
+        del seq.blocks[:num_blocks]
+        seq.num_tokens = max(0, seq.num_tokens - num_blocks * self.block_size)
+        self._drop_front_hashes(seq, num_blocks)
+
+    def _drop_front_hashes(self, seq: _Seq, num_blocks: int) -> None:
+        """Keep the hash records of the blocks left, chained from the last dropped hash; stop caching."""
+        if num_blocks <= len(seq.hashes):  # swap_in re-registers the rest with their true parent
+            seq.root = seq.hashes[num_blocks - 1]
+            del seq.hashes[:num_blocks], seq.full[:num_blocks]
+        else:
+            seq.hashes, seq.full = [], []
+        seq.cacheable, seq.tail = False, _NO_IDS
 
     # -- swap -------------------------------------------------------------
     def can_swap_out(self, seq_id: SeqId) -> bool:

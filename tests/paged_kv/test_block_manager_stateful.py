@@ -5,7 +5,10 @@ keeps, per physical block, what was written into each slot. Copies and swap
 mappings returned by the manager are applied to the device exactly as a real
 engine would, and after every step every sequence, read through its block
 table, must give back exactly its content: copy-on-write, prefix hits and
-swapping never serve wrong data.
+swapping never serve wrong data. After ``drop_front`` a sequence's new tokens
+are written as ``("w", id)``: KV computed without the dropped tokens differs
+from the same ids' KV in a full prefix, so a block of it that reached the
+prefix cache would read back wrong.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ def copy_blocks(src: Device, dst: Device, pairs: list[tuple[int, int]]) -> None:
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
-    """Random allocate / append / fork / free / truncate / swap / reset / prepare_write."""
+    """Random allocate / append / fork / free / truncate / drop_front / swap / reset / prepare_write."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -67,6 +70,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.markers = itertools.count(-1, -1)  # content of anonymous or overwritten slots
         self.told: dict[int, list[int]] = {}  # token ids each sequence was given, up to its first anonymous one
         self.prompts: list[list[int]] = []  # recent id lists worth asking for again (they may be cached)
+        self.windowed: set[int] = set()  # sequences that dropped leading blocks (and their forks)
 
     # -- helpers --------------------------------------------------------------
     def pick(self, i: int, *, swapped: bool | None = None) -> int:
@@ -75,9 +79,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.last = self.last if i % 4 and self.last in ids else ids[i // 4 % len(ids)]
         return self.last
 
-    def values(self, spec: list[int] | int) -> list[object]:
-        """What a token spec writes: its ids, or fresh markers for anonymous tokens."""
-        return list(spec) if isinstance(spec, list) else [next(self.markers) for _ in range(spec)]
+    def values(self, spec: list[int] | int, sid: int | None = None) -> list[object]:
+        """What a token spec writes: its ids (tagged in a windowed sequence), or fresh markers for anonymous tokens."""
+        if not isinstance(spec, list):
+            return [next(self.markers) for _ in range(spec)]
+        return [("w", t) for t in spec] if sid in self.windowed else list(spec)
 
     def refused(self, call, can: bool) -> bool:
         """Run ``call``; True if it raised OutOfBlocksError, which ``can`` must have predicted."""
@@ -134,10 +140,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if self.refused(lambda: self.m.append(sid, spec, num_lookahead_slots=lookahead), can):
             return
         copy_blocks(self.gpu, self.gpu, self.result)
-        values = self.values(spec)
+        values = self.values(spec, sid)
         self.gpu.write(self.m.block_table(sid), len(self.content[sid]), values)
         if len(self.told[sid]) == len(self.content[sid]):
-            self.told[sid] += values if isinstance(spec, list) else []
+            self.told[sid] += list(spec) if isinstance(spec, list) else []
             self.remember(self.told[sid])
         self.content[sid] += values
 
@@ -148,6 +154,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.m.fork(parent, child)
         self.content[child], self.swapped[child] = list(self.content[parent]), False
         self.told[child] = list(self.told[parent])
+        if parent in self.windowed:
+            self.windowed.add(child)
 
     @precondition(lambda self: self.content)
     @rule(i=picks)
@@ -155,6 +163,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         sid = self.pick(i)
         self.m.free(sid)
         del self.content[sid], self.swapped[sid], self.told[sid]
+        self.windowed.discard(sid)
 
     @precondition(lambda self: self.has(False))
     @rule(i=picks, cut=st.integers(0, 1 << 10))
@@ -163,6 +172,17 @@ class BlockManagerMachine(RuleBasedStateMachine):
         n = cut % (len(self.content[sid]) + 1)
         self.m.truncate(sid, n)
         del self.content[sid][n:], self.told[sid][n:]
+
+    @precondition(lambda self: self.has(False))
+    @rule(i=picks, cut=st.integers(0, 1 << 10))
+    def drop_front(self, i, cut):
+        """A sliding window: the data loses its first ``num_blocks * BS`` tokens."""
+        sid = self.pick(i, swapped=False)
+        k = cut % (len(self.m.block_table(sid)) + 1)
+        self.m.drop_front(sid, k)
+        del self.content[sid][: k * BS], self.told[sid][: k * BS]
+        if k:
+            self.windowed.add(sid)
 
     @precondition(lambda self: self.has(False))
     @rule(i=picks)
@@ -276,6 +296,7 @@ RANDOM_RULES = {  # rule -> (precondition, random arguments), mirroring the rule
     "fork": (lambda s: s.has(False), lambda r: dict(i=rand_pick(r))),
     "free": (lambda s: s.content, lambda r: dict(i=rand_pick(r))),
     "truncate": (lambda s: s.has(False), lambda r: dict(i=rand_pick(r), cut=rand_pick(r))),
+    "drop_front": (lambda s: s.has(False), lambda r: dict(i=rand_pick(r), cut=rand_pick(r))),
     "swap_out": (lambda s: s.has(False), lambda r: dict(i=rand_pick(r))),
     "swap_in": (lambda s: s.has(True), lambda r: dict(i=rand_pick(r))),
     "reset_prefix_cache": (lambda s: True, lambda r: dict(now=r.random() < 1 / 8)),
@@ -326,7 +347,7 @@ PREFIXES = [[1, 2, 3, 0] * 4, [2, 2, 1, 0] * 4, [3, 1, 0, 2] * 4]
 
 def random_op(m: BlockManager, rng: random.Random, live: list[int], ids) -> None:
     """One random operation; OutOfBlocksError may escape (and must leave ``m`` unchanged)."""
-    op = rng.choice(["alloc", "alloc", "append", "append", "fork", "free", "free", "truncate", "swap", "write"])
+    op = rng.choice(["alloc", "alloc", "append", "append", "fork", "free", "free", "truncate", "swap", "write", "drop"])
     if rng.random() < 0.01:
         m.reset_prefix_cache()
     if op == "alloc" or not live:
@@ -350,6 +371,8 @@ def random_op(m: BlockManager, rng: random.Random, live: list[int], ids) -> None
         child = next(ids)
         m.fork(sid, child)
         live.append(child)
+    elif op == "drop":
+        m.drop_front(sid, rng.randrange(len(m.block_table(sid)) + 1))
     elif op == "write":
         end = rng.randrange(len(m.block_table(sid)) * BS + 1)
         m.prepare_write(sid, rng.randrange(end + 1), end)
