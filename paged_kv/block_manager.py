@@ -151,11 +151,16 @@ class BlockManager:
     # -- append -----------------------------------------------------------
     def can_append(self, seq_id: SeqId, num_new_tokens: int = 1, *, num_lookahead_slots: int = 0) -> bool:
         """Whether ``append`` of ``num_new_tokens`` (plus lookahead) would find enough free blocks."""
+        need = self.num_blocks_to_append(seq_id, num_new_tokens, num_lookahead_slots=num_lookahead_slots)
+        return need <= self.gpu.num_free
+
+    def num_blocks_to_append(self, seq_id: SeqId, num_new_tokens: int = 1, *, num_lookahead_slots: int = 0) -> int:
+        """Free blocks ``append`` of ``num_new_tokens`` (plus lookahead) takes: new blocks plus copy-on-write copies."""
         seq = self._get_resident(seq_id)
         check_int("num_new_tokens", num_new_tokens, low=0)
         check_int("num_lookahead_slots", num_lookahead_slots, low=0, high=1 << 20)
         cow, new = self._append_cost(seq, num_new_tokens, num_lookahead_slots)
-        return len(cow) + new <= self.gpu.num_free
+        return len(cow) + new
 
     def append(self, seq_id: SeqId, token_ids: Tokens, *, num_lookahead_slots: int = 0) -> list[CopyOp]:
         """Grow a sequence by new tokens; return the copy-on-write copies owed before writing them.

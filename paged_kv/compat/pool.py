@@ -3,9 +3,10 @@
 A :class:`KVPool` is one block manager plus the paged storage it governs; any
 number of facade caches can share one. A :class:`PagedSeq` is one facade's
 sequence in that pool: it grows page by page, writes and reads K/V by
-position, truncates, and forks copy-on-write. A private pool (the default
-when a facade gets no ``pool=``) starts small and doubles when it runs out,
-so memory follows the tokens held, never ``max_seq_len``.
+position, truncates, drops whole leading pages (a sliding window) and forks
+copy-on-write. A private pool (the default when a facade gets no ``pool=``)
+starts small and doubles when it runs out, so memory follows the tokens held,
+never ``max_seq_len``.
 """
 
 from __future__ import annotations
@@ -118,13 +119,16 @@ class PagedSeq:
         """The sequence's physical pages in logical order."""
         return self.pool.manager.block_table(self.seq_id)
 
+    def pages_to_append(self, n: int) -> int:
+        """Free pages ``extend(n)`` takes: new pages plus a private copy of a shared last page."""
+        check_int("n", n, low=0)
+        return self.pool.manager.num_blocks_to_append(self.seq_id, n)
+
     def extend(self, n: int) -> int:
         """Reserve slots for ``n`` more positions; return the first new position."""
-        check_int("n", n, low=0)
-        manager, start = self.pool.manager, self.length
-        if not manager.can_append(self.seq_id, n):
-            self.pool.ensure_free(self._pages_for(start, start + n))
-        self.pool.storage.copy_blocks(manager.append(self.seq_id, n))
+        start = self.length
+        self.pool.ensure_free(self.pages_to_append(n))  # raises (nothing changed) in a full fixed pool
+        self.pool.storage.copy_blocks(self.pool.manager.append(self.seq_id, n))
         return start
 
     def write(self, layer: int, start: int, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -153,6 +157,11 @@ class PagedSeq:
     def truncate(self, n: int) -> None:
         """Keep positions ``[0, n)``; whole pages past them return to the pool."""
         self.pool.manager.truncate(self.seq_id, n)
+
+    def drop_front(self, num_pages: int) -> None:
+        """Give the first ``num_pages`` pages back; position ``p`` becomes ``p - num_pages * block_size``."""
+        check_int("num_pages", num_pages, low=0, high=self.num_pages)
+        self.pool.manager.drop_front(self.seq_id, num_pages)
 
     def fork(self) -> PagedSeq:
         """A copy-on-write copy: O(pages), the two diverge safely on their next writes."""

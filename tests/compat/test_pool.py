@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from paged_kv.compat.pool import KVPool
-from paged_kv.errors import OutOfBlocksError, OutOfRangeError
+from paged_kv.errors import InvalidArgumentError, OutOfBlocksError, OutOfRangeError
 
 
 def pool(**kw) -> KVPool:
@@ -96,3 +96,40 @@ def test_bad_positions_raise():
         seq.write(0, 3, torch.zeros(1, 2, 4), torch.zeros(1, 2, 4))
     with pytest.raises(OutOfRangeError, match="end"):
         seq.read(0, 0, 4)
+
+
+def test_drop_front_gives_back_leading_pages_and_shifts_positions():
+    p = pool()
+    seq = p.new_seq()
+    k = fill(seq, 10)  # pages: 0-3 | 4-7 | 8-9
+    twin = seq.fork()
+    used = p.manager.gpu.num_used
+    seq.drop_front(1)
+    assert seq.length == 6 and seq.num_pages == 2 and p.manager.gpu.num_used == used  # the twin keeps page 0
+    assert torch.equal(seq.read(0)[0], k[4:]) and torch.equal(twin.read(0)[0], k)
+    k2 = fill(seq, 3, seed=1)  # grows at the new end: a private copy of the shared last page, then a new page
+    assert seq.length == 9 and torch.equal(seq.read(1)[0], torch.cat([k[4:], k2]))
+    assert torch.equal(twin.read(1)[0], k)
+    twin.drop_front(3)
+    assert twin.length == 0 and twin.num_pages == 0
+    p.manager.check()
+    with pytest.raises(OutOfRangeError, match="num_pages"):
+        seq.drop_front(4)
+    with pytest.raises(InvalidArgumentError, match="num_pages"):
+        seq.drop_front(1.5)
+    assert seq.length == 9 and seq.num_pages == 3
+
+
+def test_pages_to_append_counts_new_pages_and_a_shared_last_page():
+    p = pool(num_blocks=6)
+    seq = p.new_seq()
+    assert seq.pages_to_append(0) == 0 and seq.pages_to_append(1) == 1
+    fill(seq, 6)
+    assert [seq.pages_to_append(n) for n in (1, 2, 3, 6, 7)] == [0, 0, 1, 1, 2]
+    twin = seq.fork()
+    assert [twin.pages_to_append(n) for n in (0, 1, 3)] == [0, 1, 2]
+    free = p.manager.gpu.num_free
+    twin.extend(3)
+    assert p.manager.gpu.num_free == free - 2
+    with pytest.raises(InvalidArgumentError, match="n="):
+        seq.pages_to_append(-1)

@@ -104,6 +104,8 @@ ERROR_CASES = [
     ("can-append-unknown", lambda m: m.can_append("zz"), UnknownSequenceError, r"^seq_id='zz'"),
     ("can-append-swapped", lambda m: m.can_append("s"), SequenceStateError, r"^seq_id='s'"),
     ("can-append-neg", lambda m: m.can_append("a", -1), InvalidArgumentError, r"^num_new_tokens=-1"),
+    ("to-append-neg", lambda m: m.num_blocks_to_append("a", -1), InvalidArgumentError, r"^num_new_tokens=-1"),
+    ("to-append-swapped", lambda m: m.num_blocks_to_append("s"), SequenceStateError, r"^seq_id='s'"),
     ("can-append-look", lambda m: m.can_append("a", 1, num_lookahead_slots=-4), PagedKVError, r"^num_lookahead"),
     ("can-swap-out-unknown", lambda m: m.can_swap_out("zz"), UnknownSequenceError, r"^seq_id='zz'"),
     ("can-swap-out-swapped", lambda m: m.can_swap_out("s"), SequenceStateError, r"^seq_id='s'"),
@@ -248,6 +250,18 @@ def test_can_append_matches_append():
         m.append("a", 5, num_lookahead_slots=5)
     m.append("a", 9)
     assert m.block_table("a") == [0, 1, 2] and not m.can_append("a", 1)
+
+
+def test_num_blocks_to_append_counts_new_blocks_and_copies():
+    m = make()
+    m.allocate("a", [1, 2, 3, 4, 5, 6])
+    assert [m.num_blocks_to_append("a", n) for n in (0, 1, 2, 3, 10)] == [0, 0, 0, 1, 2]
+    assert m.num_blocks_to_append("a", 1, num_lookahead_slots=2) == 1
+    m.fork("a", "b")  # the half-full last block is shared now: the first write copies it
+    assert [m.num_blocks_to_append("b", n) for n in (0, 1, 3)] == [0, 1, 2]
+    free = m.gpu.num_free
+    m.append("b", 3)
+    assert m.gpu.num_free == free - 2
 
 
 def test_can_allocate_watermark():
