@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml Makefile
 
 .PHONY: run test bench
 run: $(STAMP)
-	$(VENV)/bin/python examples/prefix_sharing.py
+	$(VENV)/bin/python -m scheduler
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -n 2 -q tests
