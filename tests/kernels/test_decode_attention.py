@@ -298,6 +298,17 @@ def test_sliding_window_and_soft_cap(backend):
     assert (uncapped - expected).abs().max() > 0.05  # the cap changes the result
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_int64_tables_and_strided_q(backend):
+    paged = build_paged([33, 8], block_size=8, num_kv_heads=2, head_dim=64, seed=13)
+    wide = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(14))
+    q = wide[:, ::2]  # [2, 4, 64] with head stride 128
+    out = paged_decode_attention(
+        q, paged.k_cache, paged.v_cache, paged.block_tables.long(), paged.seq_lens.long(), backend=backend
+    )
+    assert_close(out, naive_decode(q, paged)[0], TOL[F32])
+
+
 def test_auto_backend_on_cpu_runs_torch(monkeypatch):
     paged = build_paged([20, 3], block_size=8, num_kv_heads=1, head_dim=64, seed=9)
     q = torch.randn(2, 2, 64, generator=torch.Generator().manual_seed(10))
