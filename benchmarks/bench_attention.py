@@ -150,7 +150,8 @@ def main() -> None:
     name = torch.cuda.get_device_name(device) if on_gpu else f"CPU, {torch.get_num_threads()} threads"
     path = "Triton kernel" if on_gpu else "torch reference path"
     print(f"# decode attention, {name}, {dtype}, ours = {path}")
-    print(f"# Hq={NUM_Q_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_DIM} block={BLOCK_SIZE}; copy bandwidth {copy_bw / 1e9:.1f} GB/s")
+    shape = f"Hq={NUM_Q_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_DIM} block={BLOCK_SIZE}"
+    print(f"# {shape}; device-to-device copy bandwidth {copy_bw / 1e9:.1f} GB/s")
     print("# gbps = moved bytes / ours time; copy_frac = gbps / copy bandwidth; vs_x = ours time / x time")
     print_table([run_case(case, dtype, device, time_ms, copy_bw) for case in grid(args.quick, on_gpu)])
 

@@ -100,7 +100,10 @@ def merge_attention_states(
     *,
     backend: Backend = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge attention over two disjoint key sets: outs ``[N, H, D]``, lse ``[N, H]`` -> (out in out_a's dtype, lse float32)."""
+    """Merge attention over two disjoint key sets: outs ``[N, H, D]``, lse ``[N, H]`` -> (out, lse float32).
+
+    The output has out_a's dtype; the lse is natural-log, -inf for a row whose both parts are empty.
+    """
     _check_states(out_a, lse_a, out_b, lse_b)
     run_triton = use_triton(backend, out_a, lse_a, out_b, lse_b)
     if out_a.numel() == 0:
