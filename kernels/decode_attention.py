@@ -29,7 +29,6 @@ from kernels.quant import as_storage
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError, check_int, describe
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 INDEX_DTYPES = (torch.int32, torch.int64)
 MAX_HEAD_DIM = 256
 MAX_SPLITS = 128
@@ -117,19 +116,24 @@ def check_triton_device(t: torch.Tensor) -> None:
 
 
 def block_id_bounds(block_tables, seq_lens, kv_start, block_size: int) -> list[torch.Tensor]:
-    """Device scalars [min, max] of the block ids covering positions [kv_start, seq_len) (no sync)."""
+    """Device scalars [min, max] of the block ids covering positions [kv_start, seq_len) (no sync).
+
+    With no block in use the pair is (int64 max, -1), which every range check accepts.
+    """
+    big = torch.iinfo(torch.int64).max
+    if block_tables.numel() == 0:
+        return [torch.tensor(big, device=block_tables.device), torch.tensor(-1, device=block_tables.device)]
     logical = torch.arange(block_tables.shape[1], device=block_tables.device)  # [max_blocks]
     first = (kv_start // block_size)[:, None]
     last = ((seq_lens - 1).div(block_size, rounding_mode="floor"))[:, None]
     used = (logical[None, :] >= first) & (logical[None, :] <= last)  # [S, max_blocks]
     ids = block_tables.long()
-    big = torch.iinfo(torch.int64).max
     return [torch.where(used, ids, big).min(), torch.where(used, ids, -1).max()]
 
 
 def check_block_ids(lo: int, hi: int, num_blocks: int) -> None:
     """Raise OutOfRangeError unless every block id in use lies in ``[0, num_blocks)``."""
-    if lo < 0 or hi >= num_blocks:  # no block in use gives lo = int64 max, hi = -1
+    if lo < 0 or hi >= num_blocks:
         bad = lo if lo < 0 else hi
         raise OutOfRangeError(describe("block_tables", bad, f"block ids in [0, {num_blocks}) where used"))
 

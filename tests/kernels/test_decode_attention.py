@@ -396,6 +396,7 @@ BAD_INPUTS = [
     ("lens-shape", lambda d: d.update(seq_lens=d["seq_lens"][:1]), InvalidArgumentError),
     ("lens-zero", lambda d: d.update(seq_lens=torch.tensor([20, 0], dtype=torch.int32)), OutOfRangeError),
     ("lens-over-capacity", lambda d: d.update(seq_lens=torch.tensor([20, 41], dtype=torch.int32)), OutOfRangeError),
+    ("table-no-columns", lambda d: d.update(block_tables=d["block_tables"][:, :0]), OutOfRangeError),
     ("block-id-high", _set_table(10_000, 0, 2), OutOfRangeError),
     ("block-id-negative", _set_table(-1, 1, 1), OutOfRangeError),
     ("scales-for-float-cache", lambda d: d.update(k_scale=torch.ones(d["k_cache"].shape[:3]),

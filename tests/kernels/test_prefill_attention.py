@@ -205,6 +205,7 @@ BAD_INPUTS = [
     ("lens-over-capacity", lambda d: d.update(seq_lens=torch.tensor([20, 41], dtype=torch.int32)), OutOfRangeError),
     ("block-id-high", lambda d: d["block_tables"].__setitem__((1, 1), 999), OutOfRangeError),
     ("table-rows", lambda d: d.update(block_tables=d["block_tables"][:1]), InvalidArgumentError),
+    ("table-no-columns", lambda d: d.update(block_tables=d["block_tables"][:, :0]), OutOfRangeError),
     ("window-negative", lambda d: d.update(sliding_window=-3), InvalidArgumentError),
     ("soft-cap-inf", lambda d: d.update(soft_cap=math.inf), InvalidArgumentError),
     ("missing-scales-unneeded", lambda d: d.update(v_scale=torch.ones(3)), InvalidArgumentError),
