@@ -12,9 +12,9 @@ signs of ``S r`` for a seeded Gaussian ``S`` of ``projections`` rows, plus
 
 A token's record (packed codes, packed signs, norm, residual norm) is one uint8
 row of a page in a :class:`~paged_kv.compat.pool.KVPool` (one layer, one
-"head" of ``record_bytes``); each head keeps one single-page sequence per page,
-so a sliding window drops whole leading pages and ``copy()`` shares every page
-copy-on-write.
+"head" of ``record_bytes``). Each head is one
+:class:`~paged_kv.compat.pool.PagedSeq`: a sliding window gives whole leading
+pages back with ``drop_front`` and ``copy()`` shares every page copy-on-write.
 """
 
 from __future__ import annotations
@@ -274,96 +274,18 @@ def _per_head(name: str, xs: object, count: int, dim: int, device: torch.device)
 
 
 # -- paged storage -------------------------------------------------------------
-class _PageChain:
-    """One head's token records in a pool, one single-page sequence per page, so leading pages can go."""
-
-    def __init__(self, pool: KVPool, pages: list[PagedSeq] | None = None, skip: int = 0, length: int = 0) -> None:
-        self.pool = pool
-        self.pages = pages if pages is not None else []  # every page but the last holds block_size records
-        self.skip = skip  # records evicted from the front of pages[0]; < block_size
-        self.length = length  # live records: positions [skip, skip + length) of the chained pages
-
-    @property
-    def num_pages(self) -> int:
-        """Pages held (shared pages counted once per holder)."""
-        return len(self.pages)
-
-    def pages_needed(self) -> int:
-        """Free pages the next append takes: a fresh page, or a private copy of a shared last page."""
-        if not self.pages or self.pages[-1].length == self.pool.block_size:
-            return 1
-        return int(self.pool.manager.gpu.ref_counts[self.pages[-1].block_table()[0]] > 1)
-
-    def reserve(self) -> int:
-        """Take one more record's slot and return its id; the caller made ``pages_needed()`` pages free."""
-        if not self.pages or self.pages[-1].length == self.pool.block_size:
-            self.pages.append(self.pool.new_seq())
-        page = self.pages[-1]
-        try:
-            pos = page.extend(1)  # copies a shared last page first (copy-on-write)
-        except BaseException:
-            if page.length == 0:
-                self.pages.pop().free()
-            raise
-        self.length += 1
-        return page.block_table()[0] * self.pool.block_size + pos
-
-    def pop(self) -> None:
-        """Drop the newest record (undoes a ``reserve``)."""
-        self.length -= 1
-        if self.length == 0:
-            self.clear()
-        else:
-            self._undo_tail(1)
-
-    def _undo_tail(self, n: int) -> None:
-        """Give back the last ``n`` slots of the last page, and the page itself once empty."""
-        page = self.pages[-1]
-        page.truncate(page.length - n)
-        if page.length == 0:
-            self.pages.pop().free()
-
-    def read(self, which: int) -> torch.Tensor:
-        """Live key (0) or value (1) records, ``[length, R]`` uint8, oldest first."""
-        table = [block for page in self.pages for block in page.block_table()]
-        slots = self.pool.storage.slots(table, self.skip, self.skip + self.length)
-        cache = self.pool.storage.layer(0)[which]  # [N, B, 1, R]
-        return cache.view(-1, cache.shape[-1])[slots]
-
-    def drop_front(self, n: int) -> None:
-        """Evict the ``n`` oldest records; pages left holding none go back to the pool."""
-        self.skip += n
-        self.length -= n
-        whole, self.skip = divmod(self.skip, self.pool.block_size)
-        for page in self.pages[:whole]:
-            page.free()
-        del self.pages[:whole]
-        if self.length == 0:
-            self.clear()
-
-    def fork(self) -> _PageChain:
-        """A copy sharing every page copy-on-write."""
-        return _PageChain(self.pool, [page.fork() for page in self.pages], self.skip, self.length)
-
-    def clear(self) -> None:
-        """Give every page back."""
-        for page in self.pages:
-            page.free()
-        self.pages, self.skip, self.length = [], 0, 0
-
-
-def _store(pool: KVPool, chains: list[_PageChain], records: torch.Tensor) -> None:
-    """Append one token's records ``[H, 2, R]`` (key, value) to each of ``H`` chains: all of them or none."""
-    pool.ensure_free(sum(chain.pages_needed() for chain in chains))  # raises before any change
+def _store(pool: KVPool, heads: list[KvCacheCompressor], records: torch.Tensor) -> None:
+    """Append one token's records ``[H, 2, R]`` (key, value) to each of ``H`` heads: all of them or none."""
+    pool.ensure_free(sum(head._seq.pages_to_append(1) for head in heads))  # raises before any change
     slots: list[int] = []
     try:
-        for chain in chains:
-            slots.append(chain.reserve())
+        for head in heads:
+            slots.append(head._reserve())
         index = torch.tensor(slots, dtype=torch.int64, device=pool.storage.device)
         pool.storage.write(0, records[:, :1], records[:, 1:], index)  # [H, 1 kv-head, R] each, one scatter
     except BaseException:
-        for chain in chains[: len(slots)]:
-            chain.pop()
+        for head in heads[: len(slots)]:
+            head._unreserve()
         raise
 
 
@@ -392,13 +314,14 @@ class KvCacheCompressor:
             block_size=block_size, device=device,
         )
         self.quantizer = TurboQuantizer([config], self.pool.storage.device)
-        self._chain = _PageChain(self.pool)
+        self._seq = self.pool.new_seq()  # record i at position i + _skip
+        self._skip = 0  # records evicted from the front of the first page, < block_size (0 when empty)
 
     @classmethod
-    def _assemble(cls, config: KvCacheConfig, pool: KVPool, quantizer: TurboQuantizer, chain: _PageChain):
+    def _assemble(cls, config: KvCacheConfig, pool: KVPool, quantizer: TurboQuantizer, seq: PagedSeq, skip: int = 0):
         """A compressor from its parts (no checks): for copies and multi-head caches."""
         self = object.__new__(cls)
-        self.config, self.pool, self.quantizer, self._chain = config, pool, quantizer, chain
+        self.config, self.pool, self.quantizer, self._seq, self._skip = config, pool, quantizer, seq, skip
         return self
 
     @property
@@ -410,44 +333,44 @@ class KvCacheCompressor:
         """Quantise and append one token's ``key`` and ``value`` (``head_dim`` floats each)."""
         d = self.config.head_dim
         kv = torch.stack([_vector("key", key, d, self.device), _vector("value", value, d, self.device)])
-        _store(self.pool, [self._chain], self.quantizer.encode(kv.unsqueeze(0)))  # records: [1, 2, R]
+        _store(self.pool, [self], self.quantizer.encode(kv.unsqueeze(0)))  # records: [1, 2, R]
 
     def len(self) -> int:
         """Number of (key, value) pairs stored."""
-        return self._chain.length
+        return self._seq.length - self._skip
 
     def __len__(self) -> int:
-        return self._chain.length
+        return self.len()
 
     def is_empty(self) -> bool:
         """Whether no pair is stored."""
-        return self._chain.length == 0
+        return self.len() == 0
 
     def attention_scores(self, query: object) -> np.ndarray:
         """Estimated ``q . k / sqrt(head_dim)`` for every cached key, oldest first (float32, no softmax)."""
         q = _vector("query", query, self.config.head_dim, self.device)
         if self.is_empty():
             return np.zeros(0, dtype=np.float32)
-        scores = self.quantizer.inner_products(self._chain.read(0).unsqueeze(0), q.unsqueeze(0))[0]
+        scores = self.quantizer.inner_products(self._records(0).unsqueeze(0), q.unsqueeze(0))[0]
         return to_numpy(scores / math.sqrt(self.config.head_dim))
 
     def decode_keys(self, *, with_residual: bool = False) -> np.ndarray:
         """Approximate keys ``[len, head_dim]`` float32; ``with_residual`` adds the unbiased residual estimate."""
-        return to_numpy(self.quantizer.decode(self._chain.read(0).unsqueeze(0), with_residual=with_residual)[0])
+        return to_numpy(self.quantizer.decode(self._records(0).unsqueeze(0), with_residual=with_residual)[0])
 
     def decode_values(self, *, with_residual: bool = False) -> np.ndarray:
         """Approximate values ``[len, head_dim]`` float32; ``with_residual`` as in :meth:`decode_keys`."""
-        return to_numpy(self.quantizer.decode(self._chain.read(1).unsqueeze(0), with_residual=with_residual)[0])
+        return to_numpy(self.quantizer.decode(self._records(1).unsqueeze(0), with_residual=with_residual)[0])
 
     @property
     def num_pages(self) -> int:
         """Pages this head holds (pages shared with a copy count for both)."""
-        return self._chain.num_pages
+        return self._seq.num_pages
 
     @property
     def nbytes(self) -> int:
         """Bytes of the pages actually held (keys and values), not a preallocated maximum."""
-        return self._chain.num_pages * self.pool.bytes_per_page
+        return self._seq.nbytes
 
     def compression_ratio(self) -> float:
         """Original float32 bytes of the stored keys and values / bytes of the pages held; 1.0 when empty."""
@@ -459,21 +382,41 @@ class KvCacheCompressor:
         """Keep only the newest ``window_size`` pairs; pages left holding none go back to the pool."""
         window = check_int("window_size", window_size, low=0)
         if self.len() > window:
-            self._chain.drop_front(self.len() - window)
+            pages, self._skip = divmod(self._skip + self.len() - window, self.pool.block_size)
+            self._seq.drop_front(pages)
+            if not window:
+                self.clear()  # also the page of evicted records left behind
 
     def clear(self) -> None:
         """Drop every pair and give every page back."""
-        self._chain.clear()
+        self._seq.truncate(0)
+        self._skip = 0
 
     def copy(self) -> KvCacheCompressor:
         """A clone sharing every page copy-on-write; the two diverge safely afterwards."""
-        return KvCacheCompressor._assemble(self.config, self.pool, self.quantizer, self._chain.fork())
+        return KvCacheCompressor._assemble(self.config, self.pool, self.quantizer, self._seq.fork(), self._skip)
 
     def __copy__(self) -> KvCacheCompressor:
         return self.copy()
 
     def __deepcopy__(self, memo: dict) -> KvCacheCompressor:
         return self.copy()  # copy-on-write already makes the clone independent
+
+    def _reserve(self) -> int:
+        """Take one more record's slot and return its id; the caller made ``pages_to_append(1)`` pages free."""
+        pos = self._seq.extend(1)  # copies a shared last page first (copy-on-write)
+        bs = self.pool.block_size
+        return self._seq.block_table()[pos // bs] * bs + pos % bs
+
+    def _unreserve(self) -> None:
+        """Give back the newest record's slot (undoes a ``_reserve``)."""
+        self._seq.truncate(self._seq.length - 1)
+
+    def _records(self, which: int) -> torch.Tensor:
+        """Live key (0) or value (1) records, ``[len, R]`` uint8, oldest first."""
+        slots = self.pool.storage.slots(self._seq.block_table(), self._skip, self._seq.length)
+        cache = self.pool.storage.layer(0)[which]  # [N, B, 1, R]
+        return cache.view(-1, cache.shape[-1])[slots]
 
     def __repr__(self) -> str:
         c = self.config
@@ -502,7 +445,7 @@ class MultiHeadKvCache:
         configs = [replace(config, seed=(config.seed + h) % SEED_MODULUS) for h in range(n)]
         self.quantizer = TurboQuantizer(configs, self.pool.storage.device)  # all heads, batched
         self._heads = [
-            KvCacheCompressor._assemble(c, self.pool, self.quantizer.head(h), _PageChain(self.pool))
+            KvCacheCompressor._assemble(c, self.pool, self.quantizer.head(h), self.pool.new_seq())
             for h, c in enumerate(configs)
         ]
 
@@ -511,14 +454,14 @@ class MultiHeadKvCache:
         h, d, dev = len(self._heads), self.config.head_dim, self.pool.storage.device
         k, v = _per_head("keys", keys, h, d, dev), _per_head("values", values, h, d, dev)  # [H, d] each
         records = self.quantizer.encode(torch.stack([k, v], dim=1))  # [H, 2, R]
-        _store(self.pool, [head._chain for head in self._heads], records)
+        _store(self.pool, self._heads, records)
 
     def attention_scores(self, queries: object) -> list[np.ndarray]:
         """Per head, the estimated ``q . k / sqrt(head_dim)`` of every cached key (``num_heads`` queries)."""
         q = _per_head("queries", queries, len(self._heads), self.config.head_dim, self.pool.storage.device)
         if len({head.len() for head in self._heads}) > 1:  # heads evicted separately: one at a time
             return [head.attention_scores(q[i]) for i, head in enumerate(self._heads)]
-        keys = torch.stack([head._chain.read(0) for head in self._heads])  # [H, T, R]
+        keys = torch.stack([head._records(0) for head in self._heads])  # [H, T, R]
         scores = self.quantizer.inner_products(keys, q) / math.sqrt(self.config.head_dim)  # [H, T]
         return list(to_numpy(scores))
 

@@ -9,10 +9,10 @@ read, following :mod:`kernels.quant` (one float32 scale per (position, head),
 saturating). Pages are taken as positions are written and given back by
 ``truncate``, ``reset`` and ``shift_left``; ``copy()`` shares them copy-on-write.
 
-``shift_left`` drops whole leading pages and moves nothing: the cache keeps an
-offset of dead slots (fewer than one page) at the front of its first page.
-That needs a page list with a droppable head, so every page is its own
-single-page :class:`~paged_kv.compat.pool.PagedSeq` (see :class:`_Pages`).
+The cache is one :class:`~paged_kv.compat.pool.PagedSeq` that always holds
+whole pages, zeroed when taken. ``shift_left`` moves nothing: the cache keeps
+an offset of dead slots (fewer than one page) at the front of its first page
+and gives whole leading pages back with ``PagedSeq.drop_front``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 from paged_kv.compat._common import (
     as_vector, check_count, check_finite, check_index, extend_zeroed, make_pool, readonly, to_numpy,
 )
-from paged_kv.compat.pool import KVPool, PagedSeq
+from paged_kv.compat.pool import KVPool
 from paged_kv.errors import InvalidArgumentError, check_int, describe
 
 __all__ = ["KVCacheFormat", "QuantizedKVCache"]
@@ -74,84 +74,6 @@ def _as_format(fmt: object) -> KVCacheFormat:
     raise InvalidArgumentError(describe("format", fmt, f"a KVCacheFormat ({', '.join(m.name for m in KVCacheFormat)})"))
 
 
-class _Pages:
-    """A list of pages, one single-page ``PagedSeq`` each, addressed by logical position.
-
-    Logical position ``p`` lives at physical position ``p + offset`` of the list,
-    ``0 <= offset < block_size``. Fresh pages are zeroed. Invariant: every page
-    holds at least one position below ``capacity`` (no trailing empty page).
-    """
-
-    def __init__(self, pool: KVPool, pages: list[PagedSeq] | None = None, offset: int = 0) -> None:
-        self.pool, self.pages, self.offset = pool, pages or [], offset
-
-    @property
-    def capacity(self) -> int:
-        """Logical positions the held pages can store."""
-        return len(self.pages) * self.pool.block_size - self.offset
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the pages held (scales included)."""
-        return len(self.pages) * self.pool.bytes_per_page
-
-    def table(self) -> list[int]:
-        """Physical block ids, in order."""
-        return [page.block_table()[0] for page in self.pages]
-
-    def ensure(self, n: int) -> None:
-        """Hold pages for logical positions ``[0, n)``; all or nothing."""
-        held = len(self.pages)
-        try:
-            while self.capacity < n:
-                page = self.pool.new_seq()
-                self.pages.append(page)
-                extend_zeroed(page, self.pool.block_size)
-        except BaseException:
-            self.keep_pages(held)
-            raise
-
-    def keep_pages(self, count: int) -> None:
-        """Give back every page after the first ``count``."""
-        for page in self.pages[count:]:
-            page.free()
-        del self.pages[count:]
-        if not self.pages:
-            self.offset = 0
-
-    def keep(self, n: int) -> None:
-        """Keep pages for logical positions ``[0, n)`` only."""
-        self.keep_pages(-(-(self.offset + n) // self.pool.block_size) if n else 0)
-
-    def drop_front(self, n: int) -> None:
-        """Forget logical positions ``[0, n)`` (``n < capacity``): whole leading pages go back."""
-        whole, self.offset = divmod(self.offset + n, self.pool.block_size)
-        for page in self.pages[:whole]:
-            page.free()
-        del self.pages[:whole]
-
-    def write(self, layer: int, start: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Write ``key`` / ``value`` ``[T, H, D]`` at logical ``[start, start + T)`` (pages held)."""
-        bs, pos, done = self.pool.block_size, start + self.offset, 0
-        while done < key.shape[0]:
-            page, slot = divmod(pos + done, bs)
-            n = min(bs - slot, key.shape[0] - done)
-            self.pages[page].write(layer, slot, key[done:done + n], value[done:done + n])
-            done += n
-
-    def slots(self, start: int, end: int) -> torch.Tensor:
-        """Storage slot ids of logical positions ``[start, end)``."""
-        return self.pool.storage.slots(self.table(), start + self.offset, end + self.offset)
-
-    def fork(self) -> _Pages:
-        """A copy-on-write copy: every page shared until either side writes it."""
-        return _Pages(self.pool, [page.fork() for page in self.pages], self.offset)
-
-    def clear(self) -> None:
-        """Give back every page."""
-        self.keep_pages(0)
-
-
 class QuantizedKVCache:
     """K/V of ``num_layers`` layers stored in ``format``, one position at a time, in pages."""
 
@@ -172,7 +94,8 @@ class QuantizedKVCache:
         self._pool = make_pool(pool, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                dtype=self._format.dtype, block_size=block_size, device=device)
         self._num_layers = num_layers
-        self._pages = _Pages(self._pool)
+        self._seq = self._pool.new_seq()  # whole pages; logical position p at slot p + _offset
+        self._offset = 0  # dead slots at the front of the first page, < block_size (0 with no page)
         self._len = 0
         self._dirty = 0  # positions [_len, _dirty) may still hold data from before a truncate
 
@@ -248,13 +171,13 @@ class QuantizedKVCache:
         layer = check_index("layer", layer, self.num_layers)
         pos = check_index("pos", pos, self._max_seq_len)
         k, v = (self._vector(name, x) for name, x in (("k_data", k_data), ("v_data", v_data)))
-        held = len(self._pages.pages)
-        self._pages.ensure(pos + 1)
+        held = self._seq.length
+        self._hold(pos + 1)
         try:
             self._zero_stale(self._len, min(pos + 1, self._dirty))
-            self._pages.write(layer, pos, k, v)
+            self._seq.write(layer, pos + self._offset, k, v)
         except BaseException:
-            self._pages.keep_pages(held)
+            self._seq.truncate(held)  # the pages it took go back
             raise
         self._len = max(self._len, pos + 1)
 
@@ -278,7 +201,7 @@ class QuantizedKVCache:
 
     def reset(self) -> None:
         """Empty the cache for a new sequence; every page goes back to the pool."""
-        self._pages.clear()
+        self._keep(0)
         self._len = self._dirty = 0
 
     def remaining_capacity(self) -> int:
@@ -295,14 +218,14 @@ class QuantizedKVCache:
         Counts whole pages actually held, not ``max_seq_len``; pages shared with a
         ``copy()`` count for each cache holding them.
         """
-        return self._pages.nbytes
+        return self._seq.nbytes
 
     def truncate(self, new_len: int) -> None:
         """Keep positions ``[0, min(new_len, seq_len))`` (never extends); whole pages past them go back."""
         new_len = check_count("new_len", new_len)
         if new_len < self._len:
-            self._pages.keep(new_len)
-            self._dirty = min(max(self._dirty, self._len), self._pages.capacity)
+            self._keep(new_len)
+            self._dirty = min(max(self._dirty, self._len), self._capacity)
             self._len = new_len
 
     def shift_left(self, amount: int) -> None:
@@ -314,8 +237,9 @@ class QuantizedKVCache:
         amount = check_count("amount", amount)
         if amount >= self._len:
             self.reset()
-        elif amount:
-            self._pages.drop_front(amount)
+        elif amount:  # whole pages of dead slots go back; fewer than one page stay as the offset
+            pages, self._offset = divmod(self._offset + amount, self._pool.block_size)
+            self._seq.drop_front(pages)
             self._len -= amount
             self._dirty = max(self._dirty - amount, 0)
 
@@ -324,7 +248,7 @@ class QuantizedKVCache:
         """An independent cache sharing this one's pages copy-on-write (no data copied)."""
         twin = object.__new__(type(self))
         twin.__dict__.update(self.__dict__)
-        twin._pages = self._pages.fork()
+        twin._seq = self._seq.fork()
         return twin
 
     __copy__ = copy
@@ -336,9 +260,28 @@ class QuantizedKVCache:
     def __repr__(self) -> str:
         return (f"QuantizedKVCache(num_layers={self.num_layers}, num_kv_heads={self.num_kv_heads}, "
                 f"max_seq_len={self._max_seq_len}, head_dim={self.head_dim}, format={self._format.name}, "
-                f"seq_len={self._len}, pages={len(self._pages.pages)})")
+                f"seq_len={self._len}, pages={self._seq.num_pages})")
 
     # -- internals -------------------------------------------------------------------
+    @property
+    def _capacity(self) -> int:
+        """Logical positions the held pages can store."""
+        return self._seq.length - self._offset
+
+    def _hold(self, n: int) -> None:
+        """Hold zeroed pages for logical positions ``[0, n)``; all or nothing."""
+        if self._capacity < n:
+            bs = self._pool.block_size
+            extend_zeroed(self._seq, -(-(n - self._capacity) // bs) * bs)  # at a page boundary: fresh pages only
+
+    def _keep(self, n: int) -> None:
+        """Keep only the pages of logical positions ``[0, n)``; the offset goes with the last page."""
+        bs = self._pool.block_size
+        pages = -(-(self._offset + n) // bs) if n else 0
+        self._seq.truncate(pages * bs)
+        if not pages:
+            self._offset = 0
+
     def _vector(self, name: str, x: object) -> torch.Tensor:
         """``x`` as float32 ``[1, H, D]`` on the pool's device; finite for scaled formats."""
         t = as_vector(name, x, self.num_kv_heads * self.head_dim, device=self._pool.storage.device)
@@ -355,7 +298,7 @@ class QuantizedKVCache:
         if end > start:
             zeros = torch.zeros(end - start, self.num_kv_heads, self.head_dim, device=self._pool.storage.device)
             for layer in range(self.num_layers):
-                self._pages.write(layer, start, zeros, zeros)
+                self._seq.write(layer, start + self._offset, zeros, zeros)
 
     def _read_range(self, which: int, layer: object, head: object, start: object, end: object) -> np.ndarray:
         """Dequantized K (``which=0``) or V (1) of one head over ``[start, end)``, flat float32."""
@@ -363,15 +306,15 @@ class QuantizedKVCache:
         head = check_index("head", head, self.num_kv_heads)
         end = check_int("end_pos", end, low=0, high=self._len)
         start = check_int("start_pos", start, low=0, high=end)
-        off = self._pages.offset
-        pair = self._pool.storage.gather(layer, self._pages.table(), start + off, end + off, torch.float32)
+        pair = self._seq.read(layer, start + self._offset, end + self._offset, torch.float32)
         return to_numpy(pair[which][:, head].reshape(-1))  # [T, H, D] dequantized -> head's [T * D]
 
     def _raw(self, layer: int, which: int) -> tuple[np.ndarray, np.ndarray]:
         """Codes as bytes ``[H * max_seq_len * D * itemsize]`` and scales ``[H * max_seq_len]`` of one layer."""
         t, scale = self._pool.storage.layer(layer)[which::2]
         raw = t.view(torch.uint8)  # [N, B, H, D * itemsize]: fp8 has no indexing kernels everywhere
-        heads, width, slots = self.num_kv_heads, raw.shape[-1], self._pages.slots(0, self._len)
+        slots = self._pool.storage.slots(self._seq.block_table(), self._offset, self._offset + self._len)
+        heads, width = self.num_kv_heads, raw.shape[-1]
         data = torch.zeros(heads, self._max_seq_len, width, dtype=torch.uint8, device=t.device)
         data[:, : self._len] = raw.view(-1, heads, width)[slots].transpose(0, 1)  # [H, T, D * itemsize]
         scales = torch.zeros(heads, self._max_seq_len if scale is not None else 0, device=t.device)

@@ -306,7 +306,7 @@ def test_copy_shares_pages_and_diverges_both_ways():
     snap = state(a)
     b = a.copy()
     assert a.pool.manager.gpu.num_used == used  # no page copied
-    assert [p.block_table() for p in b._chain.pages] == [p.block_table() for p in a._chain.pages]
+    assert b._seq.block_table() == a._seq.block_table()
     k = randn(D, seed=5)
     b.push(k, k)  # lands in the shared, half-full last page: copied for b only
     assert state(a)[3:] == snap[3:] and a.len() == 6
@@ -318,6 +318,42 @@ def test_copy_shares_pages_and_diverges_both_ways():
     for clone in (copy.copy(a), copy.deepcopy(a)):
         assert np.array_equal(clone.decode_values(), a.decode_values())
     a.pool.manager.check()
+
+
+def test_random_push_evict_copy_clear_match_a_model():
+    rng = np.random.default_rng(5)
+    keys, q = randn(60, D, seed=6), randn(D, seed=7)
+    ref, _, _ = filled(0)
+    for k in keys:
+        ref.push(k, -k)
+    want = ref.attention_scores(q)  # per token: a score does not depend on the other keys held
+    pool = compressed_pool(CFG, block_size=4)
+    caches = [(KvCacheCompressor(CFG, pool=pool), [])]  # (cache, indices of the keys it holds)
+    pushed = 0
+    for step in range(100):
+        cache, held = caches[int(rng.integers(len(caches)))]
+        op = rng.choice(["push", "evict", "copy", "clear"], p=[0.55, 0.25, 0.15, 0.05])
+        if op == "push" and pushed < len(keys):
+            cache.push(keys[pushed], -keys[pushed])
+            held.append(pushed)
+            pushed += 1
+        elif op == "evict":
+            window = int(rng.integers(len(held) + 2))
+            cache.evict_outside_window(window)
+            del held[: max(0, len(held) - window)]
+        elif op == "copy":  # at most 4 caches: a fifth copy replaces an older copy
+            twin = (cache.copy(), list(held))
+            if len(caches) < 4:
+                caches.append(twin)
+            else:
+                caches[int(rng.integers(1, 4))] = twin
+        elif op == "clear":
+            cache.clear()
+            held.clear()
+        for c, h in caches:
+            assert c.len() == len(h) and np.array_equal(c.attention_scores(q), want[h]), step
+            assert c.num_pages <= -(-len(h) // 4) + (1 if h else 0)  # at most one page of evicted slots
+        pool.manager.check()
 
 
 def test_caches_sharing_one_pool_stay_isolated():
@@ -434,6 +470,23 @@ def test_multi_head_push_that_runs_out_of_pages_writes_no_head():
         m.push_token(randn(3, D), randn(3, D))
     assert mh_state(m) == before
     pool.manager.check()
+
+
+@pytest.mark.parametrize("tokens", [0, 3, 4])
+def test_multi_head_push_that_fails_mid_write_gives_every_slot_back(monkeypatch, tokens):
+    m = MultiHeadKvCache(2, CFG, block_size=4)
+    for t in range(tokens):
+        m.push_token(randn(2, D, seed=t), randn(2, D, seed=t + 1))
+    before = mh_state(m)
+
+    def broken(*args):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(m.pool.storage, "write", broken)
+    with pytest.raises(RuntimeError):
+        m.push_token(randn(2, D), randn(2, D))
+    assert mh_state(m) == before
+    m.pool.manager.check()
 
 
 def test_multi_head_copy_shares_pages_and_diverges():

@@ -404,3 +404,4 @@ def test_random_operations_match_a_dense_model(fmt):
             assert c.seq_len == m.len
             np.testing.assert_array_equal(read_all(c).reshape(L, 2, m.len, H * D), m.data[:, :, : m.len], err_msg=f"{step}")
             assert c.memory_usage() <= (-(-m.len // BS) + 1) * c.pool.bytes_per_page
+        cache.pool.manager.check()
