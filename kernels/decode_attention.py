@@ -170,8 +170,10 @@ def gather_kv(cache, scale, block_tables, seq_lens, kv_start, max_len: int, *, z
     x = x.view(num_kv_heads, num_seqs, -1, head_dim).to(torch.float32)  # fresh tensor: safe to modify in place
     if scale is not None:
         x.mul_(scale.reshape(-1).index_select(0, rows).view(num_kv_heads, num_seqs, -1, 1))
-    if zero_invalid:
-        x.masked_fill_(~valid[None, :, :, None], 0.0)
+    if zero_invalid:  # touch only the invalid rows: [Hkv, S*L] row h*S*L + s*L + l
+        bad = (~valid).flatten().nonzero().squeeze(1)  # [n_bad]
+        heads = torch.arange(num_kv_heads, device=ids.device)[:, None] * valid.numel()
+        x.view(-1, head_dim).index_fill_(0, (heads + bad[None]).flatten(), 0.0)
     return x
 
 
