@@ -112,6 +112,14 @@ def check_count(name: str, value: object, *, low: int = 0) -> int:
     return check_int(name, value, low=low)
 
 
+def check_between(name: str, value: object, low: int, high: int) -> int:
+    """Return ``value`` as an int in ``[low, high]``, else raise InvalidArgumentError (even when out of range)."""
+    v = check_int(name, value, low=low)
+    if v > high:
+        raise InvalidArgumentError(describe(name, value, f"an integer in [{low}, {high}]"))
+    return v
+
+
 def to_numpy(t: torch.Tensor, dtype: np.dtype | type = np.float32) -> np.ndarray:
     """A fresh, writable NumPy array of ``dtype`` holding ``t`` (moved to the CPU)."""
     return t.detach().to("cpu").numpy().astype(dtype, copy=True)
