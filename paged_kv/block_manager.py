@@ -12,6 +12,7 @@ computes what it needs, checks it, and only then mutates.
 
 from __future__ import annotations
 
+import functools
 from array import array
 from collections.abc import Hashable
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from paged_kv.tokens import Tokens, as_token_array
 
 SeqId = Hashable
 CopyOp = tuple[BlockId, BlockId]  # (src, dst)
+ROOT_CACHE_SIZE = 1024  # root hashes kept for recently used cache salts
 
 
 @dataclass(slots=True)
@@ -461,11 +463,7 @@ def len_of(token_ids: Tokens) -> int:
     return token_ids if isinstance(token_ids, int) else len(token_ids)
 
 
-_ROOTS: dict[str | None, BlockHash] = {}
-
-
+@functools.lru_cache(maxsize=ROOT_CACHE_SIZE)
 def _root_cached(cache_salt: str | None) -> BlockHash:
-    root = _ROOTS.get(cache_salt)
-    if root is None:
-        root = _ROOTS[cache_salt] = root_hash(cache_salt)
-    return root
+    """``root_hash(cache_salt)``, remembered for the most recently used salts (bounded: salts are per tenant)."""
+    return root_hash(cache_salt)

@@ -336,6 +336,16 @@ def test_cache_salts_never_share():
     m.check()
 
 
+def test_root_hashes_of_many_salts_stay_bounded_and_correct():
+    m = make(num_blocks=16)
+    m.allocate("a", list(range(9)), cache_salt="tenant-0")
+    for i in range(bm_mod.ROOT_CACHE_SIZE + 10):  # more salts than the root cache keeps
+        m.num_cached_tokens([1], cache_salt=f"other-{i}")
+    assert bm_mod._root_cached.cache_info().currsize <= bm_mod.ROOT_CACHE_SIZE
+    assert m.num_cached_tokens(list(range(9)), cache_salt="tenant-0") == 8  # its root, recomputed, still hits
+    assert m.num_cached_tokens(list(range(9))) == 0
+
+
 def test_a_hash_collision_never_serves_other_tokens(monkeypatch):
     def colliding(parent, token_ids, block_size):
         return [b"c" * 32] * (len(token_ids) // block_size)
