@@ -21,6 +21,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -150,11 +151,11 @@ def window_start(seq_lens: torch.Tensor, sliding_window: int | None, q_lens: tor
 # ----------------------------------------------------------------------------- torch reference core
 
 
-def gather_kv(cache, scale, block_tables, seq_lens, kv_start, max_len: int, *, zero_invalid: bool) -> torch.Tensor:
+def gather_kv(cache, scale, block_tables, seq_lens, kv_start, max_len: int) -> torch.Tensor:
     """Dense float32 ``[Hkv, S, L, D]`` (L = max_len rounded up to whole blocks) of the cache through block tables.
 
-    Table entries covering no position of ``[kv_start, seq_len)`` are never read; with ``zero_invalid``
-    the positions outside that range are 0 (stale slots may hold NaN, and 0 * NaN is NaN).
+    Table entries covering no position of ``[kv_start, seq_len)`` are never read, and positions
+    outside that range are 0: stale slots may hold NaN, and 0 * NaN is NaN.
     """
     num_seqs, block_size = block_tables.shape[0], cache.shape[1]
     num_logical = -(-max_len // block_size)
@@ -164,40 +165,51 @@ def gather_kv(cache, scale, block_tables, seq_lens, kv_start, max_len: int, *, z
     ids = torch.where(in_use, block_tables[:, :num_logical].long(), 0)  # padding entries never read
     # One row gather straight into head-major [Hkv, S, L, D]: its (Hkv, S) batch collapses for bmm.
     num_kv_heads, head_dim = cache.shape[2], cache.shape[3]
-    slots = (ids[:, :, None] * block_size + torch.arange(block_size, device=ids.device)).flatten(1)  # [S, L]
-    rows = (slots[None] * num_kv_heads + torch.arange(num_kv_heads, device=ids.device)[:, None, None]).flatten()
+    heads = torch.arange(num_kv_heads, device=ids.device)[:, None]
+    slots = (ids[:, :, None] * block_size + torch.arange(block_size, device=ids.device)).flatten()  # [S*L]
+    rows = (slots[None] * num_kv_heads + heads).flatten()  # [Hkv*S*L] rows of the [N*bs*Hkv, D] cache
     x = as_storage(cache).reshape(-1, head_dim).index_select(0, rows).view(cache.dtype)  # [Hkv*S*L, D]
-    x = x.view(num_kv_heads, num_seqs, -1, head_dim).to(torch.float32)  # fresh tensor: safe to modify in place
+    x = x.to(torch.float32)  # a fresh tensor either way: safe to modify in place
     if scale is not None:
-        x.mul_(scale.reshape(-1).index_select(0, rows).view(num_kv_heads, num_seqs, -1, 1))
-    if zero_invalid:  # touch only the invalid rows: [Hkv, S*L] row h*S*L + s*L + l
-        bad = (~valid).flatten().nonzero().squeeze(1)  # [n_bad]
-        heads = torch.arange(num_kv_heads, device=ids.device)[:, None] * valid.numel()
-        x.view(-1, head_dim).index_fill_(0, (heads + bad[None]).flatten(), 0.0)
-    return x
+        x.mul_(scale.reshape(-1).index_select(0, rows)[:, None])
+    bad = (~valid).flatten().nonzero().squeeze(1)  # [n_bad] invalid (s, l) of each head
+    x.index_fill_(0, (heads * valid.numel() + bad[None]).flatten(), 0.0)
+    return x.view(num_kv_heads, num_seqs, -1, head_dim)
 
 
-def dense_attention(q, k, v, q_pos, seq_lens, *, scale, sliding_window, soft_cap):
+def _visible(q_pos, seq_lens, length: int, sliding_window: int | None) -> torch.Tensor:
+    """Mask ``[S, M, L]``: key l is visible to query m when l <= pos, l < seq_len and inside the window."""
+    kpos = torch.arange(length, device=q_pos.device)[None, None, :]
+    visible = (kpos <= q_pos[:, :, None]) & (kpos < seq_lens[:, None, None].long())
+    if sliding_window is not None:
+        visible &= kpos > q_pos[:, :, None] - sliding_window
+    return visible
+
+
+def dense_attention(q, k, v, q_pos, seq_lens, *, scale, sliding_window, soft_cap, need_lse=True):
     """Masked float32 softmax attention: q ``[S, M, Hq, D]`` at positions q_pos ``[S, M]``, k/v ``[Hkv, S, L, D]``.
 
-    Keys at or past seq_len, after the query or outside its window are masked (so K there may
-    hold anything; V there must be finite). Returns (out ``[S, M, Hq, D]``, lse ``[S, M, Hq]``),
-    float32; rows with no visible key give 0 and -inf.
+    Returns (out ``[S, M, Hq, D]``, lse ``[S, M, Hq]`` or None when not ``need_lse``), float32. Without
+    soft cap and lse it runs torch SDPA with the mask; otherwise explicit matmuls, where rows with no
+    visible key give 0 and -inf. K and V must be finite (gather_kv zeroes stale positions).
     """
     num_seqs, m, num_q_heads, head_dim = q.shape
     num_kv_heads, length = k.shape[0], k.shape[2]
     group = num_q_heads // num_kv_heads
+    visible = _visible(q_pos, seq_lens, length, sliding_window)  # [S, M, L]
+    if soft_cap is None and not need_lse:
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(0, 1), v.transpose(0, 1), attn_mask=visible[:, None], scale=scale,
+            enable_gqa=True,
+        )  # fmt: skip
+        return out.transpose(1, 2), None  # [S, M, Hq, D]
     qh = q.reshape(num_seqs, m, num_kv_heads, group, head_dim).permute(2, 0, 3, 1, 4)  # [Hkv, S, G, M, D]
     qh = qh.reshape(num_kv_heads, num_seqs, group * m, head_dim)
     logits = torch.matmul(qh, k.transpose(-1, -2)).mul_(scale)  # [Hkv, S, G*M, L]
     if soft_cap is not None:
         logits.div_(soft_cap).tanh_().mul_(soft_cap)
-    kpos = torch.arange(length, device=q.device)
-    allowed = (kpos[None, None, :] <= q_pos[:, :, None]) & (kpos[None, None, :] < seq_lens[:, None, None].long())
-    if sliding_window is not None:
-        allowed &= kpos[None, None, :] > q_pos[:, :, None] - sliding_window  # [S, M, L]
     logits = logits.view(num_kv_heads, num_seqs, group, m, length)
-    logits.masked_fill_(~allowed[None, :, None], float("-inf"))
+    logits.masked_fill_(~visible[None, :, None], float("-inf"))
     lse = torch.logsumexp(logits, dim=-1)  # [Hkv, S, G, M]
     probs = logits.sub_(torch.where(torch.isinf(lse), 0.0, lse)[..., None]).exp_()
     out = torch.matmul(probs.view(num_kv_heads, num_seqs, group * m, length), v)  # [Hkv, S, G*M, D]
@@ -435,17 +447,18 @@ def _decode_triton(q, k_cache, v_cache, block_tables, seq_lens, geo, opts, k_sca
     return out, lse
 
 
-def _decode_torch(q, k_cache, v_cache, block_tables, seq_lens, opts, k_scale, v_scale, max_len):
+def _decode_torch(q, k_cache, v_cache, block_tables, seq_lens, opts, k_scale, v_scale, max_len, need_lse):
     """Batched torch path: gather to a padded dense cache, masked softmax by matmuls; returns (out, lse)."""
     scale, window, soft_cap = opts
     kv_start = window_start(seq_lens, window)
-    k = gather_kv(k_cache, k_scale, block_tables, seq_lens, kv_start, max_len, zero_invalid=False)  # [Hkv, S, L, D]
-    v = gather_kv(v_cache, v_scale, block_tables, seq_lens, kv_start, max_len, zero_invalid=True)
+    k = gather_kv(k_cache, k_scale, block_tables, seq_lens, kv_start, max_len)  # [Hkv, S, L, D]
+    v = gather_kv(v_cache, v_scale, block_tables, seq_lens, kv_start, max_len)
     q_pos = (seq_lens.long() - 1)[:, None]  # [S, 1]
     out, lse = dense_attention(
-        q.float()[:, None], k, v, q_pos, seq_lens, scale=scale, sliding_window=window, soft_cap=soft_cap
-    )
-    return out[:, 0].to(q.dtype), lse[:, 0]
+        q.float()[:, None], k, v, q_pos, seq_lens, scale=scale, sliding_window=window, soft_cap=soft_cap,
+        need_lse=need_lse,
+    )  # fmt: skip
+    return out[:, 0].to(q.dtype), None if lse is None else lse[:, 0]
 
 
 def _validate_decode(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, scale, window, cap, splits):
@@ -503,7 +516,9 @@ def paged_decode_attention(
         splits = num_splits or choose_num_splits(q.shape[0], geo.num_kv_heads, max_len, q.device)
         out, lse = _decode_triton(q, k_cache, v_cache, block_tables, seq_lens, geo, opts, k_scale, v_scale, splits)
     else:
-        out, lse = _decode_torch(q, k_cache, v_cache, block_tables, seq_lens, opts, k_scale, v_scale, max_len)
+        out, lse = _decode_torch(
+            q, k_cache, v_cache, block_tables, seq_lens, opts, k_scale, v_scale, max_len, return_lse
+        )
     return (out, lse) if return_lse else out
 
 

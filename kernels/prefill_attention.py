@@ -149,29 +149,34 @@ def _prefill_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens, geo
     return out, lse
 
 
-def _prefill_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens, opts, k_scale, v_scale, sizes):
-    """Batched torch path: pad queries to ``[S, max_q]``, gather dense K/V, attend in query chunks."""
+def _prefill_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens, opts, k_scale, v_scale, sizes, need_lse):
+    """Batched torch path: pad queries to ``[S, max_q]``, gather dense K/V, attend in query chunks.
+
+    Chunk c..c+n only needs keys below max_ctx + c + n (causal), so it attends that prefix of the
+    gathered K/V: a view whose (Hkv, S) batch still collapses for bmm, no copy.
+    """
     scale, window, soft_cap = opts
-    max_q, max_len = sizes
+    max_q, max_len, max_ctx = sizes
     q_lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()  # [S]
     steps = torch.arange(max_q, device=q.device)
     valid_q = steps[None, :] < q_lens[:, None]  # [S, max_q]
     q_pad = q[torch.where(valid_q, cu_seqlens[:-1, None].long() + steps, 0)].float()  # [S, max_q, Hq, D]
     q_pos = seq_lens.long()[:, None] - q_lens[:, None] + steps[None, :]  # [S, max_q]
     kv_start = window_start(seq_lens, window, q_lens)
-    k = gather_kv(k_cache, k_scale, block_tables, seq_lens, kv_start, max_len, zero_invalid=False)  # [Hkv, S, L, D]
-    v = gather_kv(v_cache, v_scale, block_tables, seq_lens, kv_start, max_len, zero_invalid=True)
+    k = gather_kv(k_cache, k_scale, block_tables, seq_lens, kv_start, max_len)  # [Hkv, S, L, D]
+    v = gather_kv(v_cache, v_scale, block_tables, seq_lens, kv_start, max_len)
     chunk = max(1, MAX_LOGITS // max(1, q.shape[1] * max_len * seq_lens.shape[0]))
     outs, lses = [], []
     for c in range(0, max_q, chunk):
+        keys = min(k.shape[2], max_ctx + c + chunk)
         out, lse = dense_attention(
-            q_pad[:, c : c + chunk], k, v, q_pos[:, c : c + chunk], seq_lens,
-            scale=scale, sliding_window=window, soft_cap=soft_cap,
+            q_pad[:, c : c + chunk], k[:, :, :keys], v[:, :, :keys], q_pos[:, c : c + chunk], seq_lens,
+            scale=scale, sliding_window=window, soft_cap=soft_cap, need_lse=need_lse,
         )  # fmt: skip
         outs.append(out)
         lses.append(lse)
-    out, lse = torch.cat(outs, 1), torch.cat(lses, 1)  # [S, max_q, Hq, D], [S, max_q, Hq]
-    return out[valid_q].to(q.dtype), lse[valid_q]  # row-major mask order == packed order
+    out = torch.cat(outs, 1)[valid_q].to(q.dtype)  # row-major mask order == packed order
+    return out, torch.cat(lses, 1)[valid_q] if need_lse else None  # [T, Hq, D], [T, Hq]
 
 
 def _check_cu_seqlens(cu_seqlens, device: torch.device) -> int:
@@ -184,7 +189,7 @@ def _check_cu_seqlens(cu_seqlens, device: torch.device) -> int:
 
 def _check_values(stats: list[int], total_q: int, capacity: int, num_blocks: int) -> None:
     """Check the synced values: cu_seqlens monotone from 0 to total_q, q_len <= seq_len <= capacity, block ids."""
-    cu_first, cu_last, min_q_len, min_ctx, max_len, _, lo_blk, hi_blk = stats
+    cu_first, cu_last, min_q_len, min_ctx, max_len, _, _, lo_blk, hi_blk = stats
     if cu_first != 0 or cu_last != total_q or min_q_len < 0:
         got = f"first={cu_first}, last={cu_last}, min step={min_q_len}"
         raise InvalidArgumentError(describe("cu_seqlens_q", got, f"non-decreasing from 0 to total_q={total_q}"))
@@ -196,7 +201,10 @@ def _check_values(stats: list[int], total_q: int, capacity: int, num_blocks: int
 
 
 def _validate_prefill(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens, k_scale, v_scale, options):
-    """Every check of the prefill contract, with one host sync; returns (geometry, options, (max_q, max_len))."""
+    """Every check of the prefill contract, with one host sync; returns (geometry, options, sizes).
+
+    sizes = (max_q, max_len, max_ctx): longest new-token run, longest sequence, longest cached prefix.
+    """
     geo = check_cache(q, k_cache, v_cache, k_scale, v_scale)
     opts = check_options(geo.head_dim, *options)
     num_seqs = _check_cu_seqlens(cu_seqlens, q.device)
@@ -204,14 +212,15 @@ def _validate_prefill(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens, k
     if num_seqs == 0:
         if q.shape[0] != 0:
             raise InvalidArgumentError(describe("q.shape[0]", q.shape[0], "0 for an empty batch"))
-        return geo, opts, (0, 0)
+        return geo, opts, (0, 0, 0)
     q_lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     ctx = seq_lens.long() - q_lens
     bounds = block_id_bounds(block_tables, seq_lens, window_start(seq_lens, opts[1], q_lens), geo.block_size)
-    ends = [cu_seqlens[0].long(), cu_seqlens[-1].long(), q_lens.min(), ctx.min(), seq_lens.max().long(), q_lens.max()]
+    ends = [cu_seqlens[0].long(), cu_seqlens[-1].long(), q_lens.min(), ctx.min(), seq_lens.max().long()]
+    ends += [q_lens.max(), ctx.max()]
     stats = torch.stack([*ends, *bounds]).tolist()
     _check_values(stats, q.shape[0], block_tables.shape[1] * geo.block_size, geo.num_blocks)
-    return geo, opts, (stats[5], stats[4])  # (max_q, max_len)
+    return geo, opts, (stats[5], stats[4], stats[6])  # (max_q, max_len, max_ctx)
 
 
 def paged_prefill_attention(
@@ -251,7 +260,7 @@ def paged_prefill_attention(
         )
     else:
         out, lse = _prefill_torch(
-            q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, opts, k_scale, v_scale, sizes
+            q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, opts, k_scale, v_scale, sizes, return_lse
         )
     return (out, lse) if return_lse else out
 

@@ -86,6 +86,7 @@ def test_prefill_matches_naive(backend, q_dtype, cache_dtype, hq, hkv, head_dim,
     assert out.dtype == q_dtype and out.shape == q.shape and lse.shape == q.shape[:2]
     assert_close(out, expected, TOL[q_dtype])
     assert_close(lse, expected_lse, TOL[q_dtype])
+    assert_close(run_prefill(q, paged, q_lens, backend=backend), expected, TOL[q_dtype])  # torch: the SDPA path
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
