@@ -226,7 +226,8 @@ class BeamSearch:
         if engine.has_unfinished_requests():
             raise SequenceStateError(describe("engine", "busy", "an engine with no unfinished request"))
         per_prompt = _per_prompt(params, len(prompts))
-        eos = [frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else engine.eos_token_ids) for p in per_prompt]
+        no_eos = frozenset()
+        eos = [frozenset(p.stop_token_ids) | (no_eos if p.ignore_eos else engine.eos_token_ids) for p in per_prompt]
         checked = []
         for prompt, p, stops in zip(prompts, per_prompt, eos):
             request_id = f"beam-search-{next(self._ids)}"
@@ -236,7 +237,8 @@ class BeamSearch:
                 raise InvalidArgumentError(describe("width", p.width, f"at most vocab_size / {k // p.width}"))
         requests = []
         for (request_id, prompt, sp), p, stops in zip(checked, per_prompt, eos):
-            group = SequenceGroup(request_id, [Sequence(engine.scheduler.new_seq_id(), 0, prompt)], sp, max_seqs=p.width)
+            seq = Sequence(engine.scheduler.new_seq_id(), 0, prompt)
+            group = SequenceGroup(request_id, [seq], sp, max_seqs=p.width)
             engine.add_group(group)
             requests.append(_Request(group, p, stops))
         return requests
@@ -255,12 +257,10 @@ class BeamSearch:
         for row, s in enumerate(x for x in out.scheduled if x.samples):
             by_id[s.group.request_id].ready[s.seq.seq_id] = logits[row]
         generated = 0
-        for req in live:
+        for req in live:  # after a chunked re-prefill some beams may wait a step for the others
             if req.all_ready():
                 generated += len(req.beams)
                 self._advance(req)
-            else:  # beams still owed logits go first, so a scheduler planning a group in order reaches them
-                req.group.seqs.sort(key=lambda s: s.seq_id in req.ready)
         engine.collect_finished()
         _record_step(engine, out, start, generated)
 
@@ -335,7 +335,8 @@ class BeamSearch:
     def _output(self, req: _Request, block_size: int, bytes_per_block: int) -> BeamSearchOutput:
         return BeamSearchOutput(
             request_id=req.group.request_id, prompt_token_ids=req.group.prompt_token_ids,
-            hypotheses=list(req.finished), num_steps=req.num_steps, memory=req.meter.freeze(block_size, bytes_per_block),
+            hypotheses=list(req.finished), num_steps=req.num_steps,
+            memory=req.meter.freeze(block_size, bytes_per_block),
         )  # fmt: skip
 
 
