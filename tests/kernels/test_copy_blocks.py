@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
-import kernels.copy_blocks as copy_module
 from kernels.copy_blocks import copy_blocks, copy_blocks_reference, mapping_to_pairs, swap_blocks
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError
+
+# The module itself: the package rebinds the name kernels.copy_blocks to its function.
+copy_module = importlib.import_module("kernels.copy_blocks")
 
 NUM_BLOCKS = 7
 
