@@ -19,6 +19,7 @@ Backend = Literal["auto", "triton", "torch"]
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
 CACHE_DTYPES = FLOAT_DTYPES + QUANT_DTYPES
+INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def use_triton(backend: Backend, *tensors: torch.Tensor) -> bool:
@@ -82,6 +83,31 @@ def check_same_device(named: dict[str, torch.Tensor]) -> torch.device:
         if t.device != device:
             raise InvalidArgumentError(describe(f"{name}.device", t.device, f"{device} like {items[0][0]}"))
     return device
+
+
+def check_cache_pair(k_cache: object, v_cache: object, device: torch.device | None = None) -> None:
+    """Check K/V caches ``[num_blocks, block_size, num_kv_heads, head_dim]`` of one cache dtype and one shape."""
+    check_tensor("k_cache", k_cache, ndim=4, dtypes=CACHE_DTYPES, device=device)
+    check_tensor("v_cache", v_cache, ndim=4, dtypes=(k_cache.dtype,), device=device)
+    check_shape("v_cache", v_cache, tuple(k_cache.shape))
+
+
+def check_scales(k_scale: object, v_scale: object, k_cache: torch.Tensor, device: torch.device | None = None) -> bool:
+    """Check the scales: float32 ``[num_blocks, block_size, num_kv_heads]`` for a quantized cache, else None.
+
+    Returns whether the cache is quantized.
+    """
+    quantized = k_cache.dtype in QUANT_DTYPES
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not quantized:
+            if scale is not None:
+                raise InvalidArgumentError(describe(name, "a tensor", f"None for a {k_cache.dtype} cache"))
+            continue
+        if scale is None:
+            raise InvalidArgumentError(describe(name, None, f"a float32 scale tensor for a {k_cache.dtype} cache"))
+        check_tensor(name, scale, ndim=3, dtypes=(torch.float32,), device=device)
+        check_shape(name, scale, tuple(k_cache.shape[:3]))
+    return quantized
 
 
 def check_triton_device(*tensors: torch.Tensor) -> None:

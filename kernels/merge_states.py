@@ -14,8 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import FLOAT_DTYPES, Backend, check_shape, check_tensor, use_triton
-from kernels.decode_attention import check_triton_device
+from kernels._checks import FLOAT_DTYPES, Backend, check_shape, check_tensor, check_triton_device, use_triton
 
 ROWS_PER_PROGRAM = 16
 

@@ -8,6 +8,7 @@ cached prefix, optionally limited to a sliding window. Decode is the case q_len 
 The Triton kernel is tiled over (query tile, kv head, sequence): one program packs
 ``BLOCK_M // GROUP`` query tokens times the GROUP query heads of one KV head into the
 rows of its tile, so the K/V it reads through the block table serve every head of the group.
+Checks, Triton tile steps and the dense torch core are shared with decode (``kernels.attention_*``).
 """
 
 from __future__ import annotations
@@ -16,27 +17,25 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import Backend, check_tensor, use_triton
-from kernels.decode_attention import (
-    INDEX_DTYPES,
-    _finish,
-    _kv_scale,
-    _kv_tile,
-    _scaled_logits,
-    _softmax_step,
-    _strides,
+from kernels._checks import INDEX_DTYPES, Backend, check_tensor, check_triton_device, use_triton
+from kernels.attention_checks import (
     block_id_bounds,
     check_block_ids,
     check_cache,
     check_options,
     check_tables,
-    check_triton_device,
-    dense_attention,
-    dot_precision,
-    gather_kv,
-    kernel_cache,
-    logit_coefficients,
     window_start,
+)
+from kernels.attention_torch import dense_attention, gather_kv
+from kernels.attention_triton import (
+    cache_arguments,
+    dot_precision,
+    finish_softmax,
+    kv_scale,
+    kv_tile,
+    logit_coefficients,
+    scaled_logits,
+    softmax_step,
 )
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError, describe
 
@@ -90,19 +89,19 @@ def _prefill_kernel(
         valid = (pos >= kv_lo) & (pos < kv_hi)
         blk = tl.load(bt_ptr + seq * sbt_s + (pos // BLOCK_SIZE) * sbt_b, mask=valid, other=0).to(tl.int64)
         slot = pos % BLOCK_SIZE
-        k = _kv_tile(k_ptr, blk, slot, kvh, offs_d, valid, d_mask, sk_b, sk_t, sk_h, sk_d)  # [BLOCK_N, D_PAD]
+        k = kv_tile(k_ptr, blk, slot, kvh, offs_d, valid, d_mask, sk_b, sk_t, sk_h, sk_d)  # [BLOCK_N, D_PAD]
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
         if QUANTIZED:
-            s = s * _kv_scale(ks_ptr, blk, slot, kvh, valid, sks_b, sks_t, sks_h)[None, :]
-            vs = _kv_scale(vs_ptr, blk, slot, kvh, valid, svs_b, svs_t, svs_h)
+            s = s * kv_scale(ks_ptr, blk, slot, kvh, valid, sks_b, sks_t, sks_h)[None, :]
+            vs = kv_scale(vs_ptr, blk, slot, kvh, valid, svs_b, svs_t, svs_h)
         allowed = valid[None, :] & (pos[None, :] <= q_pos[:, None])
         if WINDOW:
             allowed = allowed & (pos[None, :] > q_pos[:, None] - window)
-        s = tl.where(allowed, _scaled_logits(s, qk_a, qk_b, SOFT_CAP), float("-inf"))
-        v = _kv_tile(v_ptr, blk, slot, kvh, offs_d, valid, d_mask, sv_b, sv_t, sv_h, sv_d)
-        m_i, l_i, acc = _softmax_step(s, v, vs, m_i, l_i, acc, QUANTIZED, PRECISION)
+        s = tl.where(allowed, scaled_logits(s, qk_a, qk_b, SOFT_CAP), float("-inf"))
+        v = kv_tile(v_ptr, blk, slot, kvh, offs_d, valid, d_mask, sv_b, sv_t, sv_h, sv_d)
+        m_i, l_i, acc = softmax_step(s, v, vs, m_i, l_i, acc, QUANTIZED, PRECISION)
 
-    out, lse = _finish(m_i, l_i, acc)
+    out, lse = finish_softmax(m_i, l_i, acc)
     row_t = q_start + tok.to(tl.int64)
     o_offs = row_t[:, None] * so_t + heads[:, None] * so_h + offs_d[None, :] * so_d
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_mask[None, :])
@@ -135,11 +134,10 @@ def _prefill_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens, geo
     lse = torch.empty(q.shape[0], num_q_heads, device=q.device, dtype=torch.float32)
     qk_a, qk_b = logit_coefficients(scale, soft_cap)
     grid = (triton.cdiv(max_q, tokens), geo.num_kv_heads, seq_lens.shape[0])
+    cache_pointers, cache_strides = cache_arguments(k_cache, v_cache, k_scale, v_scale)
     _prefill_kernel[grid](
-        q, kernel_cache(k_cache), kernel_cache(v_cache), k_scale if geo.quantized else k_cache,
-        v_scale if geo.quantized else v_cache, block_tables, seq_lens, cu_seqlens, out, lse,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *_strides(k_scale, 3), *_strides(v_scale, 3),
-        *block_tables.stride(), *out.stride(), *lse.stride(),
+        q, *cache_pointers, block_tables, seq_lens, cu_seqlens, out, lse,
+        *q.stride(), *cache_strides, *block_tables.stride(), *out.stride(), *lse.stride(),
         qk_a, qk_b, window or 0,
         GROUP=group, TOKENS=tokens, BLOCK_M=block_m, HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=geo.block_size, BLOCK_N=block_n,

@@ -20,11 +20,13 @@ import triton
 import triton.language as tl
 
 from kernels._checks import (
-    CACHE_DTYPES,
     FLOAT_DTYPES,
+    INDEX_DTYPES,
     Backend,
+    check_cache_pair,
     check_contiguous,
     check_same_device,
+    check_scales,
     check_shape,
     check_tensor,
     check_triton_device,
@@ -33,7 +35,6 @@ from kernels._checks import (
 from kernels.quant import as_storage, is_quantized, quant_max, quantize_per_token_head
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError, describe
 
-SLOT_DTYPES = (torch.int32, torch.int64)
 _TILE_ELEMS = 4096  # max elements of one program's [BLOCK_H, BLOCK_D] tile
 _FP8_FORMAT = {torch.float8_e4m3fn: (3, 7), torch.float8_e5m2: (2, 15)}  # (mantissa bits, bias)
 _MODE_FLOAT, _MODE_INT8, _MODE_FP8, _MODE_BF16 = 0, 1, 2, 3
@@ -97,7 +98,7 @@ def _check_inputs(key, value, slot_mapping) -> tuple[int, int, int]:
     check_tensor("key", key, ndim=3, dtypes=FLOAT_DTYPES)
     check_tensor("value", value, ndim=3, dtypes=FLOAT_DTYPES)
     check_shape("value", value, tuple(key.shape))
-    check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=SLOT_DTYPES)
+    check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=INDEX_DTYPES)
     check_shape("slot_mapping", slot_mapping, (key.shape[0],))
     if key.shape[1] == 0 or key.shape[2] == 0:
         raise InvalidArgumentError(describe("key.shape", tuple(key.shape), "num_kv_heads >= 1 and head_dim >= 1"))
@@ -106,9 +107,7 @@ def _check_inputs(key, value, slot_mapping) -> tuple[int, int, int]:
 
 def _check_caches(k_cache, v_cache, num_heads: int, head_dim: int) -> None:
     """Caches: contiguous [NB, BS, H, D] of one cache dtype, matching key's heads and head_dim."""
-    check_tensor("k_cache", k_cache, ndim=4, dtypes=CACHE_DTYPES)
-    check_tensor("v_cache", v_cache, ndim=4, dtypes=(k_cache.dtype,))
-    check_shape("v_cache", v_cache, tuple(k_cache.shape))
+    check_cache_pair(k_cache, v_cache)
     if tuple(k_cache.shape[2:]) != (num_heads, head_dim):
         raise InvalidArgumentError(
             describe("k_cache.shape", tuple(k_cache.shape), f"[num_blocks, block_size, {num_heads}, {head_dim}]")
@@ -118,18 +117,10 @@ def _check_caches(k_cache, v_cache, num_heads: int, head_dim: int) -> None:
 
 
 def _check_scales(k_scale, v_scale, k_cache) -> None:
-    """Scales: required float32 [NB, BS, H] for quantized caches, forbidden otherwise."""
-    if not is_quantized(k_cache.dtype):
-        for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-            if s is not None:
-                raise InvalidArgumentError(describe(name, "a tensor", f"None for a {k_cache.dtype} cache"))
-        return
-    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if s is None:
-            raise InvalidArgumentError(describe(name, None, f"a float32 scale tensor for a {k_cache.dtype} cache"))
-        check_tensor(name, s, ndim=3, dtypes=(torch.float32,))
-        check_shape(name, s, tuple(k_cache.shape[:3]))
-        check_contiguous(name, s)
+    """Scales: required float32 [NB, BS, H] for quantized caches, forbidden otherwise; contiguous."""
+    if check_scales(k_scale, v_scale, k_cache):
+        check_contiguous("k_scale", k_scale)
+        check_contiguous("v_scale", v_scale)
 
 
 def check_slots(slot_mapping: torch.Tensor, num_slots: int) -> None:
