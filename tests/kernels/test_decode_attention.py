@@ -1,191 +1,37 @@
 """Paged decode attention: Triton kernel (interpreter on CPU) and torch reference vs a dense float64 softmax.
 
-The paged caches built here put sequences in shuffled physical blocks, share prefix
-blocks between sequences, and fill every slot no sequence owns, every unused block
-and every padding table entry's block with NaN, so any stale read shows up as NaN.
-The builder and the naive attention are imported by the prefill tests too.
+Caches come from :mod:`attention_cases` (shuffled, shared prefix blocks, NaN in every
+slot no sequence owns), the truth from its dense float64 ``naive_attention``.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
-from dataclasses import dataclass
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-import triton
+from attention_cases import (
+    BF16,
+    E4M3,
+    E5M2,
+    F16,
+    F32,
+    I8,
+    TOL,
+    Paged,
+    assert_close,
+    assert_rejected,
+    build_for_gpu,
+    build_paged,
+    fail_launch,
+    naive_attention,
+    run_decode,
+)
 
 import kernels.decode_attention as dec
 from kernels.decode_attention import choose_num_splits, paged_decode_attention, paged_decode_attention_reference
-from kernels.quant import quantize_per_token_head
-from paged_kv.errors import InvalidArgumentError, OutOfRangeError, PagedKVError
-
-F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
-I8, E4M3, E5M2 = torch.int8, torch.float8_e4m3fn, torch.float8_e5m2
-TOL = {F32: 2e-5, F16: 2e-3, BF16: 1.6e-2}  # output rounding of q's dtype, on outputs of size ~1
-
-
-@dataclass
-class Paged:
-    """A paged K/V cache plus the dense float64 truth it encodes."""
-
-    k_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D]
-    v_cache: torch.Tensor
-    k_scale: torch.Tensor | None  # [num_blocks, block_size, Hkv] for quantized caches
-    v_scale: torch.Tensor | None
-    block_tables: torch.Tensor  # [S, max_blocks] int32
-    seq_lens: torch.Tensor  # [S] int32
-    dense_k: list[torch.Tensor]  # per sequence [L, Hkv, D] float64 (dequantized values)
-    dense_v: list[torch.Tensor]
-    exact_k: list[torch.Tensor]  # per sequence, the float values before quantization
-    exact_v: list[torch.Tensor]
-    nan_block: int  # a NaN-filled block id that no sequence owns
-
-
-def _fill_value(dtype: torch.dtype) -> float:
-    """Stale-slot filler: NaN where the dtype has one, else the largest int8 code (its scale is NaN)."""
-    return 127 if dtype == I8 else math.nan
-
-
-def _store(cache, scale, table, data, dtype):
-    """Write ``data`` [L, Hkv, D] (float) into the blocks of ``table``; returns the dequantized float64 copy."""
-    if scale is not None:
-        codes, scales = quantize_per_token_head(data, dtype)
-        dense = codes.double() * scales.double()[..., None]
-    else:
-        codes, scales, dense = data.to(dtype), None, data.to(dtype).double()
-    block_size = cache.shape[1]
-    for pos in range(data.shape[0]):
-        blk, slot = table[pos // block_size], pos % block_size
-        cache[blk, slot] = codes[pos]
-        if scale is not None:
-            scale[blk, slot] = scales[pos]
-    return dense
-
-
-def build_paged(
-    seq_lens, *, block_size, num_kv_heads, head_dim, dtype=F32, seed=0, shared_blocks=0, pad_blocks=2
-) -> Paged:
-    """Random paged caches: shuffled block ids, sequence 1 shares its first ``shared_blocks`` blocks with sequence 0."""
-    gen = torch.Generator().manual_seed(seed)
-    counts = [-(-n // block_size) for n in seq_lens]
-    shared = min(shared_blocks, *(n // block_size for n in seq_lens[:2])) if len(seq_lens) > 1 else 0
-    num_blocks = sum(counts) - shared + 3
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    nan_block, tables, used = perm.pop(), [], 0
-    for i, count in enumerate(counts):
-        own = count - (shared if i == 1 else 0)
-        tables.append((tables[0][:shared] if i == 1 else []) + perm[used : used + own])
-        used += own
-    quantized = dtype in (I8, E4M3, E5M2)
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    storage = F32 if quantized else dtype
-    caches = [torch.full(shape, _fill_value(dtype), dtype=storage).to(dtype) for _ in range(2)]
-    scales = [torch.full(shape[:3], math.nan) if quantized else None for _ in range(2)]
-    truth = {"dense_k": [], "dense_v": [], "exact_k": [], "exact_v": []}
-    for i, (n, table) in enumerate(zip(seq_lens, tables)):
-        for name, cache, scale in (("k", caches[0], scales[0]), ("v", caches[1], scales[1])):
-            data = torch.randn(n, num_kv_heads, head_dim, generator=gen)
-            if i == 1 and shared:
-                data[: shared * block_size] = truth[f"exact_{name}"][0][: shared * block_size].float()
-            truth[f"dense_{name}"].append(_store(cache, scale, table, data, dtype))
-            truth[f"exact_{name}"].append(data.double())
-    max_blocks = max(counts) + pad_blocks
-    rows = [t + [nan_block] * (max_blocks - len(t)) for t in tables]  # padding points at NaN
-    block_tables = torch.tensor(rows, dtype=torch.int32)
-    lens = torch.tensor(seq_lens, dtype=torch.int32)
-    return Paged(caches[0], caches[1], scales[0], scales[1], block_tables, lens, nan_block=nan_block, **truth)
-
-
-# Compiles, for the CUDA archs in argv[1], every kernel launch that the wrapper calls in argv[2] make:
-# catches what the interpreter cannot (types, layouts, constexpr branches) without a GPU.
-GPU_BUILD_SCRIPT = r"""
-import sys, torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-import kernels.decode_attention as dec, kernels.prefill_attention as pre, kernels.merge_states as ms
-
-TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int8: "i8",
-         torch.uint8: "u8", torch.int32: "i32", torch.int64: "i64", torch.float8_e5m2: "fp8e5",
-         torch.float8_e4m3fn: "fp8e4nv"}
-built = []
-
-def signature(fn, args, constexprs):
-    # Like the JIT: ints equal to 1 become constants; pointers and 16-divisible ints get the hint.
-    sig, consts, attrs = {}, dict(constexprs), {}
-    for i, (name, arg) in enumerate(zip(fn.arg_names, args)):
-        if isinstance(arg, torch.Tensor):
-            sig[name], attrs[(i,)] = "*" + TYPES[arg.dtype], [["tt.divisibility", 16]]
-        elif isinstance(arg, float):
-            sig[name] = "fp32"
-        elif arg == 1:
-            sig[name], consts[name] = "constexpr", 1
-        else:
-            sig[name] = "i32" if abs(arg) < 2**31 else "i64"
-            if arg % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    sig.update({name: "constexpr" for name in constexprs})
-    return sig, consts, attrs
-
-class Build:
-    def __init__(self, fn):
-        self.fn = fn
-    def __getitem__(self, grid):
-        def launch(*args, num_warps=4, **constexprs):
-            sig, consts, attrs = signature(self.fn, args, constexprs)
-            for arch in sys.argv[1].split(","):
-                target = GPUTarget("cuda", int(arch), 32)
-                triton.compile(ASTSource(self.fn, sig, consts, attrs), target=target, options={"num_warps": num_warps})
-            built.append(self.fn.__name__)
-        return launch
-
-for module, name in ((dec, "_decode_split_kernel"), (dec, "_merge_splits_kernel"), (pre, "_prefill_kernel"),
-                     (ms, "_merge_kernel")):
-    setattr(module, name, Build(getattr(module, name)))
-for module in (dec, pre, ms):
-    module.check_triton_device = lambda t: None
-exec(sys.argv[2])
-print(" ".join(built))
-"""
-
-
-def build_for_gpu(calls: str, archs: str = "80,90") -> list[str]:
-    """Compile, for CUDA sm80 and sm90 and without a GPU, the kernels that ``calls`` launch; return their names."""
-    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
-        pytest.skip("this triton build ships no ptxas")
-    root = str(Path(__file__).resolve().parents[2])
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
-    args = [sys.executable, "-c", GPU_BUILD_SCRIPT, archs, calls]
-    done = subprocess.run(args, env=env, cwd=root, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return done.stdout.split()
-
-
-def naive_attention(q, k, v, q_pos, *, scale, sliding_window=None, soft_cap=None):
-    """Dense float64 softmax attention: q [M, Hq, D] at positions q_pos over k/v [L, Hkv, D] -> (out, lse)."""
-    q, k, v = q.double(), k.double(), v.double()
-    group = q.shape[1] // k.shape[1]
-    out, lse = torch.zeros(q.shape, dtype=torch.float64), torch.zeros(q.shape[:2], dtype=torch.float64)
-    kpos = torch.arange(k.shape[0])
-    for h in range(q.shape[1]):
-        logits = q[:, h] @ k[:, h // group].T * scale  # [M, L]
-        if soft_cap is not None:
-            logits = soft_cap * torch.tanh(logits / soft_cap)
-        pos = torch.as_tensor(q_pos)[:, None]
-        allowed = kpos[None] <= pos
-        if sliding_window is not None:
-            allowed &= kpos[None] > pos - sliding_window
-        logits = logits.masked_fill(~allowed, -math.inf)
-        lse[:, h] = torch.logsumexp(logits, -1)
-        out[:, h] = torch.softmax(logits, -1) @ v[:, h // group]
-    return out, lse
-
+from paged_kv.errors import InvalidArgumentError, OutOfRangeError
 
 def naive_decode(q, paged: Paged, *, exact=False, scale=None, **opts):
     """Naive decode over the dense truth: q [S, Hq, D] -> (out [S, Hq, D], lse [S, Hq]) float64."""
@@ -195,21 +41,6 @@ def naive_decode(q, paged: Paged, *, exact=False, scale=None, **opts):
         naive_attention(q[s : s + 1], ks[s], vs[s], [ks[s].shape[0] - 1], scale=scale, **opts) for s in range(len(ks))
     ]
     return torch.cat([o for o, _ in outs]), torch.cat([lse for _, lse in outs])
-
-
-def run_decode(q, paged: Paged, **kwargs):
-    """Call paged_decode_attention on a Paged bundle."""
-    return paged_decode_attention(
-        q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens,
-        k_scale=paged.k_scale, v_scale=paged.v_scale, **kwargs,
-    )  # fmt: skip
-
-
-def assert_close(actual, expected, tol):
-    """Elementwise |a - e| <= tol * (1 + |e|), no NaN anywhere."""
-    actual = actual.double()
-    assert not torch.isnan(actual).any()
-    torch.testing.assert_close(actual, expected.double(), atol=tol, rtol=tol)
 
 
 # (q dtype, cache dtype, Hq, Hkv, head_dim, block_size, seq_lens, shared blocks)
@@ -314,7 +145,7 @@ def test_auto_backend_on_cpu_runs_torch(monkeypatch):
     paged = build_paged([20, 3], block_size=8, num_kv_heads=1, head_dim=64, seed=9)
     q = torch.randn(2, 2, 64, generator=torch.Generator().manual_seed(10))
     expected = run_decode(q, paged, backend="torch")
-    monkeypatch.setattr(dec, "_decode_triton", _fail)
+    monkeypatch.setattr(dec, "_decode_triton", fail_launch)
     torch.testing.assert_close(run_decode(q, paged), expected, atol=0, rtol=0)
     torch.testing.assert_close(paged_decode_attention_reference(
         q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens), expected, atol=0, rtol=0)
@@ -353,10 +184,6 @@ def test_choose_num_splits(monkeypatch):
     assert choose_num_splits(1, 8, 8192, cuda) == 32  # few programs, long context: split widely
     assert choose_num_splits(1, 8, 1024, cuda) == 4  # capped by >= 256 tokens per split
     assert choose_num_splits(64, 8, 8192, cuda) == 1  # 512 programs already fill 132 SMs
-
-
-def _fail(*args, **kwargs):
-    raise AssertionError("launched despite invalid input")
 
 
 def _valid_inputs():
@@ -423,13 +250,9 @@ BAD_QUANT_INPUTS = [
     ids=[name for name, _, _ in BAD_INPUTS + BAD_QUANT_INPUTS],
 )
 def test_invalid_input_raises_before_launch(monkeypatch, backend, make, change, error):
-    monkeypatch.setattr(dec, "_decode_triton", _fail)
-    monkeypatch.setattr(dec, "_decode_torch", _fail)
     inputs = dict(make(), backend=backend)
     change(inputs)
-    with pytest.raises(error) as info:
-        paged_decode_attention(**inputs)
-    assert isinstance(info.value, PagedKVError)
+    assert_rejected(monkeypatch, dec, ("_decode_triton", "_decode_torch"), paged_decode_attention, inputs, error)
 
 
 def test_unused_table_entries_are_not_validated():

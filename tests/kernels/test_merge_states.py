@@ -6,12 +6,12 @@ import math
 
 import pytest
 import torch
-from test_decode_attention import BF16, F16, F32, TOL, assert_close, build_for_gpu, build_paged, run_decode
+from attention_cases import BF16, F16, F32, TOL, assert_close, assert_rejected, build_for_gpu, build_paged, run_decode
 
 import kernels.merge_states as ms
 from kernels.decode_attention import paged_decode_attention
 from kernels.merge_states import merge_attention_states, merge_attention_states_reference
-from paged_kv.errors import InvalidArgumentError, PagedKVError
+from paged_kv.errors import InvalidArgumentError
 
 
 def softmax_state(logits, values):
@@ -100,10 +100,6 @@ ms.merge_attention_states(out, lse, out, lse, backend="triton")
     assert build_for_gpu(calls) == ["_merge_kernel"]
 
 
-def _fail(*args, **kwargs):
-    raise AssertionError("launched despite invalid input")
-
-
 def _valid():
     outs = dict(out_a=torch.zeros(4, 2, 8), out_b=torch.zeros(4, 2, 8))
     return dict(outs, lse_a=torch.zeros(4, 2), lse_b=torch.zeros(4, 2))
@@ -125,10 +121,7 @@ BAD_INPUTS = [
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("change", [c for _, c in BAD_INPUTS], ids=[n for n, _ in BAD_INPUTS])
 def test_invalid_input_raises_before_launch(monkeypatch, backend, change):
-    monkeypatch.setattr(ms, "_merge_triton", _fail)
-    monkeypatch.setattr(ms, "_merge_torch", _fail)
     inputs = dict(_valid(), backend=backend)
     change(inputs)
-    with pytest.raises(InvalidArgumentError) as info:
-        merge_attention_states(**inputs)
-    assert isinstance(info.value, PagedKVError)
+    paths = ("_merge_triton", "_merge_torch")
+    assert_rejected(monkeypatch, ms, paths, merge_attention_states, inputs, InvalidArgumentError)

@@ -1,7 +1,7 @@
 """Paged prefill / extend attention: Triton kernel (interpreter on CPU) and torch reference vs dense float64.
 
 Batches mix full prefills, chunked extends over a cached prefix, decode-like q_len = 1
-and empty (q_len = 0) sequences; caches come from the decode tests' builder (shuffled,
+and empty (q_len = 0) sequences; caches come from attention_cases' builder (shuffled,
 shared blocks, NaN in every slot no sequence owns).
 """
 
@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from test_decode_attention import (
+from attention_cases import (
     BF16,
     E5M2,
     F16,
@@ -20,15 +20,17 @@ from test_decode_attention import (
     TOL,
     Paged,
     assert_close,
+    assert_rejected,
     build_for_gpu,
     build_paged,
+    fail_launch,
     naive_attention,
     run_decode,
 )
 
 import kernels.prefill_attention as pre
 from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_reference
-from paged_kv.errors import InvalidArgumentError, OutOfRangeError, PagedKVError
+from paged_kv.errors import InvalidArgumentError, OutOfRangeError
 
 
 def cu_seqlens(q_lens) -> torch.Tensor:
@@ -136,7 +138,7 @@ def test_auto_backend_on_cpu_runs_torch(monkeypatch):
     paged = build_paged([12, 5], block_size=8, num_kv_heads=1, head_dim=64, seed=29)
     q = random_q([4, 5], 2, 64, F32, seed=30)
     expected = run_prefill(q, paged, [4, 5], backend="torch")
-    monkeypatch.setattr(pre, "_prefill_triton", _fail)
+    monkeypatch.setattr(pre, "_prefill_triton", fail_launch)
     torch.testing.assert_close(run_prefill(q, paged, [4, 5]), expected, atol=0, rtol=0)
     ref = paged_prefill_attention_reference(
         q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, cu_seqlens([4, 5])
@@ -177,10 +179,6 @@ pre.paged_prefill_attention(torch.randn(35, 12, 96), codes, codes, bt, lens, cu,
     assert build_for_gpu(calls) == ["_prefill_kernel", "_prefill_kernel"]
 
 
-def _fail(*args, **kwargs):
-    raise AssertionError("launched despite invalid input")
-
-
 def _valid_inputs():
     paged = build_paged([20, 9], block_size=8, num_kv_heads=2, head_dim=64, seed=33)
     q = torch.randn(12, 4, 64)
@@ -217,10 +215,6 @@ BAD_INPUTS = [
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("change,error", [(c, e) for _, c, e in BAD_INPUTS], ids=[n for n, _, _ in BAD_INPUTS])
 def test_invalid_input_raises_before_launch(monkeypatch, backend, change, error):
-    monkeypatch.setattr(pre, "_prefill_triton", _fail)
-    monkeypatch.setattr(pre, "_prefill_torch", _fail)
     inputs = dict(_valid_inputs(), backend=backend)
     change(inputs)
-    with pytest.raises(error) as info:
-        paged_prefill_attention(**inputs)
-    assert isinstance(info.value, PagedKVError)
+    assert_rejected(monkeypatch, pre, ("_prefill_triton", "_prefill_torch"), paged_prefill_attention, inputs, error)
