@@ -28,7 +28,8 @@ def main() -> None:
     step = 0
     while step <= max(arrivals) or engine.has_unfinished_requests():
         for i in arrivals.get(step, []):
-            params = SamplingParams(max_tokens=40, n=2, temperature=0.8, seed=0) if i == 1 else SamplingParams(max_tokens=40)
+            sampled = SamplingParams(max_tokens=40, n=2, temperature=0.8, seed=0)  # two samples, shared prompt
+            params = sampled if i == 1 else SamplingParams(max_tokens=40)
             engine.add_request(f"q{i}", prompts[i], params)
             print(f"step {step}: q{i} joins ({len(prompts[i])} prompt tokens)")
         if step == 10:

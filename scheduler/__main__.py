@@ -26,10 +26,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m scheduler", description=__doc__.splitlines()[0])
     p.add_argument("--num-requests", type=int, default=24, help="chat requests in the workload (default 24)")
     p.add_argument("--max-tokens", type=int, default=48, help="longest answer; each request draws its own limit")
-    p.add_argument("--arrivals-per-step", type=int, default=2, help="requests that join per engine step (0: all at once)")
+    p.add_argument("--arrivals-per-step", type=int, default=2,
+                   help="requests that join per engine step (0: all at once)")
     p.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
     p.add_argument("--kv-blocks", type=int, default=128, help="GPU KV pool size in blocks (the KV budget)")
-    p.add_argument("--cpu-blocks", type=int, default=None, help="CPU swap pool in blocks (default: 2x kv-blocks with swap)")
+    p.add_argument("--cpu-blocks", type=int, default=None,
+                   help="CPU swap pool in blocks (default: 2x kv-blocks with swap, else 0)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--max-num-seqs", type=int, default=16, help="sequences per step")
     p.add_argument("--max-batched-tokens", type=int, default=256, help="new tokens per step (prefill chunks + decodes)")
@@ -46,7 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def build_engine(hf_model, args: argparse.Namespace) -> LLMEngine:
     """The engine over SmolLM2's weights with the command line's pool and budgets."""
-    cpu_blocks = args.cpu_blocks if args.cpu_blocks is not None else (2 * args.kv_blocks if args.preemption_mode == "swap" else 0)
+    cpu_blocks = args.cpu_blocks
+    if cpu_blocks is None:
+        cpu_blocks = 2 * args.kv_blocks if args.preemption_mode == "swap" else 0
     cache = CacheConfig(
         block_size=args.block_size, num_gpu_blocks=args.kv_blocks, num_cpu_blocks=cpu_blocks,
         enable_prefix_caching=not args.no_prefix_caching,

@@ -44,7 +44,10 @@ class AttentionPlan:
             return
         rows = torch.arange(num_tokens, device=q_lens.device)
         seq_of_row = torch.repeat_interleave(torch.arange(len(q_lens), device=q_lens.device), q_lens.long())
-        self.parts = [self._part(meta, decode, rows, seq_of_row, None), self._part(meta, ~decode, rows, seq_of_row, q_lens)]
+        self.parts = [
+            self._part(meta, decode, rows, seq_of_row, None),
+            self._part(meta, ~decode, rows, seq_of_row, q_lens),
+        ]
 
     @staticmethod
     def _part(meta: BatchMetadata, seqs: torch.Tensor, rows, seq_of_row, q_lens) -> _Part:
@@ -58,7 +61,8 @@ class AttentionPlan:
         """Attention of the step's queries q ``[T, Hq, D]`` over one layer's paged K/V -> ``[T, Hq, D]``."""
         meta = self.meta
         if self.parts is None:
-            whole = _Part(None, meta.block_tables, meta.seq_lens, None if meta.max_query_len == 1 else meta.cu_seqlens_q)
+            cu = None if meta.max_query_len == 1 else meta.cu_seqlens_q
+            whole = _Part(None, meta.block_tables, meta.seq_lens, cu)
             return _run(q, kv, whole, scale)
         out = torch.empty_like(q)
         for part in self.parts:

@@ -212,6 +212,8 @@ class LLMEngine:
         *, use_tqdm: bool = True,
     ) -> list[RequestOutput]:  # fmt: skip
         """Run prompts (token id lists) to completion; outputs in prompt order."""
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Seq):
+            raise InvalidArgumentError(describe("prompts", type(prompts).__name__, "a list of token id lists"))
         params = _per_prompt(sampling_params, len(prompts))
         ids = [f"generate-{next(self._auto_ids)}" for _ in prompts]
         checked = [self.check_request(i, prompt, p) for i, prompt, p in zip(ids, prompts, params)]  # all or none

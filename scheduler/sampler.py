@@ -37,12 +37,15 @@ def sample(
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
         rows = torch.tensor(random_rows, device=logits.device)
-        tokens[rows] = _sample_rows(logits[rows], [params[i] for i in random_rows], [generators[i] for i in random_rows])
+        picked = [params[i] for i in random_rows], [generators[i] for i in random_rows]
+        tokens[rows] = _sample_rows(logits[rows], *picked)
     chosen = logprobs.gather(1, tokens[:, None])[:, 0]  # [R]
     return SampleResult(tokens.tolist(), chosen.tolist(), _top_logprobs(logprobs, params))
 
 
-def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator | None]) -> torch.Tensor:
+def _sample_rows(
+    logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator | None]
+) -> torch.Tensor:
     """Random draws for rows with temperature > 0: logits [R, V] -> tokens [R]."""
     device = logits.device
     temperature = torch.tensor([p.temperature for p in params], device=device, dtype=torch.float32)
@@ -89,4 +92,7 @@ def _top_logprobs(logprobs: torch.Tensor, params: Sequence[SamplingParams]) -> l
         return [None] * len(params)
     values, ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)  # [R, k]
     values, ids = values.tolist(), ids.tolist()
-    return [dict(zip(ids[i][: p.logprobs], values[i][: p.logprobs])) if p.logprobs else None for i, p in enumerate(params)]
+    return [
+        dict(zip(ids[i][: p.logprobs], values[i][: p.logprobs])) if p.logprobs else None
+        for i, p in enumerate(params)
+    ]

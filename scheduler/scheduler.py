@@ -3,7 +3,8 @@
 Each step it fills a token budget and a sequence budget in this order:
 1. running groups: decode groups first, then groups still prefilling (chunked);
    when the pool cannot hold a group's new tokens it preempts the
-   latest-admitted group not yet scheduled this step (or the group itself);
+   latest-admitted group not yet scheduled this step (or the group itself),
+   requeued (waiting for recompute, swapped for swap) in arrival order;
 2. swapped groups, FCFS, if nothing was preempted this step;
 3. waiting groups, FCFS with head-of-line blocking (no starvation), only when
    nothing was preempted and nothing is swapped out, and only while the block
@@ -92,7 +93,8 @@ class Scheduler:
             if not self.swapped:
                 self._schedule_waiting(step)
         if not (step.scheduled or step.preempted or self.running) and self.has_unfinished():
-            raise RuntimeError(f"scheduler stalled: {len(self.waiting)} waiting, {len(self.swapped)} swapped, none runnable")
+            queued = f"{len(self.waiting)} waiting, {len(self.swapped)} swapped"
+            raise RuntimeError(f"scheduler stalled: {queued}, none runnable")
         return step.output()
 
     def _schedule_running(self, step: StepBudget) -> None:
@@ -160,13 +162,13 @@ class Scheduler:
             for seq in seqs:
                 step.swap_out += self.bm.swap_out(seq.seq_id)
             group.set_status(SequenceStatus.SWAPPED)
-            self.swapped.append(group)
+            _insert_by_arrival(self.swapped, group)
             self.num_preemptions["swap"] += 1
             return
         for seq in seqs:
             self.bm.free(seq.seq_id)
             seq.reset_for_recompute()
-        self.waiting.appendleft(group)
+        _insert_by_arrival(self.waiting, group)
         self.num_preemptions["recompute"] += 1
 
     def _can_swap_out(self, seqs: list[Sequence]) -> bool:
@@ -231,6 +233,12 @@ class Scheduler:
         """Whether the running groups' reserved sequences leave room for ``group``'s."""
         running = sum(g.num_seqs_reserved() for g in self.running)
         return running + group.num_seqs_reserved() <= self.config.max_num_seqs
+
+
+def _insert_by_arrival(queue: deque[SequenceGroup], group: SequenceGroup) -> None:
+    """Requeue a preempted group ahead of every group that arrived after it (FCFS)."""
+    at = next((i for i, g in enumerate(queue) if g.arrival_time > group.arrival_time), len(queue))
+    queue.insert(at, group)
 
 
 def _is_decode(group: SequenceGroup) -> bool:

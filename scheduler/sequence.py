@@ -95,7 +95,8 @@ class Sequence:
         self.status = SequenceStatus.WAITING
 
     def __repr__(self) -> str:
-        return f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, computed={self.num_computed}, {self.status.value})"
+        state = f"tokens={self.num_tokens}, computed={self.num_computed}, {self.status.value}"
+        return f"Sequence(id={self.seq_id}, {state})"
 
 
 @dataclass(eq=False)

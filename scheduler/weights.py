@@ -31,7 +31,8 @@ def from_state_dict(
     try:
         model.load_state_dict(convert_state_dict(cfg, state), strict=True)
     except RuntimeError as e:  # shape mismatches
-        raise InvalidArgumentError(describe("state_dict", str(e).splitlines()[-1].strip(), f"weights for {cfg}")) from None
+        problem = str(e).splitlines()[-1].strip()
+        raise InvalidArgumentError(describe("state_dict", problem, f"weights for {cfg}")) from None
     return model.to(device=device, dtype=dtype).eval()
 
 
@@ -48,7 +49,8 @@ def convert_state_dict(cfg: ModelConfig, state: Mapping[str, torch.Tensor]) -> d
         if cfg.attention_bias:
             out[dst + "attn.qkv.bias"] = torch.cat([get(attn + f"{p}_proj.bias") for p in "qkv"])
         out[dst + "attn.o.weight"] = get(attn + "o_proj.weight")
-        out[dst + "mlp.gate_up.weight"] = torch.cat([get(src + "mlp.gate_proj.weight"), get(src + "mlp.up_proj.weight")])
+        mlp = src + "mlp."
+        out[dst + "mlp.gate_up.weight"] = torch.cat([get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight")])
         out[dst + "mlp.down.weight"] = get(src + "mlp.down_proj.weight")
         out[dst + "input_norm.weight"] = get(src + "input_layernorm.weight")
         out[dst + "post_attn_norm.weight"] = get(src + "post_attention_layernorm.weight")
@@ -57,6 +59,7 @@ def convert_state_dict(cfg: ModelConfig, state: Mapping[str, torch.Tensor]) -> d
 
 def _getter(state: Mapping[str, torch.Tensor]):
     def get(key: str) -> torch.Tensor:
+        """The tensor under ``key``, or a typed error naming the missing key."""
         if key not in state:
             raise InvalidArgumentError(describe("state_dict", f"missing {key!r}", "transformers Llama key names"))
         return state[key]

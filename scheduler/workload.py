@@ -38,7 +38,8 @@ QUESTIONS = [
     "How does a rainbow form?", "What is the tallest mountain in the world?", "Describe a thunderstorm.",
     "What are the primary colors?", "How do bees make honey?", "What is democracy?",
     "Recommend a classic novel for a teenager.", "What does a librarian do?", "How far away is the Moon?",
-    "What is the speed of light?", "Why do leaves change color in the fall?", "What is a good way to study for an exam?",
+    "What is the speed of light?", "Why do leaves change color in the fall?",
+    "What is a good way to study for an exam?",
 ]  # fmt: skip
 
 

@@ -47,11 +47,16 @@ BAD_REQUESTS = {
     "longer than the pool": (lambda e: e.add_request("x", [1] * 150, None), InvalidArgumentError),
     "n samples past the pool": (lambda e: e.add_request("x", [1] * 40, SamplingParams(n=4)), InvalidArgumentError),
     "n past max_num_seqs": (lambda e: e.add_request("x", [1], SamplingParams(n=5)), InvalidArgumentError),
-    "longer than the model": (lambda e: e.add_request("x", [1] * 10, SamplingParams(max_tokens=510)), InvalidArgumentError),
+    "longer than the model": (
+        lambda e: e.add_request("x", [1] * 10, SamplingParams(max_tokens=510)), InvalidArgumentError
+    ),
     "abort unknown": (lambda e: e.abort("nope"), UnknownSequenceError),
     "abort non-str": (lambda e: e.abort(["r0"]), UnknownSequenceError),
     "generate with one bad prompt": (lambda e: e.generate([[1, 2], [300]], use_tqdm=False), OutOfRangeError),
-    "generate params count": (lambda e: e.generate([[1], [2]], [SamplingParams()], use_tqdm=False), InvalidArgumentError),
+    "generate from an iterator": (lambda e: e.generate(iter([[1]]), use_tqdm=False), InvalidArgumentError),
+    "generate params count": (
+        lambda e: e.generate([[1], [2]], [SamplingParams()], use_tqdm=False), InvalidArgumentError
+    ),
 }
 
 

@@ -16,7 +16,10 @@ CASES = {
     "whole_prefill": (dict(enable_chunked_prefill=False, max_num_batched_tokens=128), None),
     "no_prefix_cache": (dict(prefix=False), None),
     "preempt_recompute": (dict(num_blocks=20, max_num_batched_tokens=32, max_num_seqs=8), "recompute"),
-    "preempt_swap": (dict(num_blocks=20, num_cpu_blocks=64, preemption_mode="swap", max_num_batched_tokens=32, max_num_seqs=8), "swap"),
+    "preempt_swap": (
+        dict(num_blocks=20, num_cpu_blocks=64, preemption_mode="swap", max_num_batched_tokens=32, max_num_seqs=8),
+        "swap",
+    ),
 }
 
 

@@ -51,8 +51,10 @@ def test_llama3_rope_scaling_matches_transformers():
 
     scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                    original_max_position_embeddings=16)  # fmt: skip
-    cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=1, max_position_embeddings=512, rope_scaling=scaling, initializer_range=0.2)  # fmt: skip
+    cfg = LlamaConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=512, rope_scaling=scaling, initializer_range=0.2,
+    )  # fmt: skip
     expected, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
     got = inverse_frequencies(64, 10000.0, scaling)
     assert torch.allclose(got, expected, rtol=1e-6)
@@ -85,7 +87,9 @@ def test_weight_loading_errors_are_typed(tiny_hf):
     with pytest.raises(InvalidArgumentError):
         from_hf_model(object())
     with pytest.raises(InvalidArgumentError):
-        ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=3, num_kv_heads=2, head_dim=4)
+        ModelConfig(
+            vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=3, num_kv_heads=2, head_dim=4
+        )
 
 
 def test_state_dict_loading_equals_model_loading(tiny_hf, prompts):

@@ -44,7 +44,10 @@ def test_low_temperature_sharpens_and_top_k_one_is_greedy():
     assert _draw(SamplingParams(temperature=2.0, top_k=1), rows=500).tolist() == [1.0, 0.0, 0.0, 0.0]
 
 
-@pytest.mark.parametrize("top_k, top_p, kept", [(2, 1.0, 2), (3, 1.0, 3), (0, 0.7, 2), (0, 0.85, 3), (0, 0.5, 1), (2, 0.9, 2)])
+FILTERS = [(2, 1.0, 2), (3, 1.0, 3), (0, 0.7, 2), (0, 0.85, 3), (0, 0.5, 1), (2, 0.9, 2)]  # (top_k, top_p, kept)
+
+
+@pytest.mark.parametrize("top_k, top_p, kept", FILTERS)
 def test_top_k_and_top_p_renormalize_over_the_kept_tokens(top_k, top_p, kept):
     freq = _draw(SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p))
     expected = torch.cat([PROBS[:kept] / PROBS[:kept].sum(), torch.zeros(4 - kept)])

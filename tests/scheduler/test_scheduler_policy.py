@@ -22,7 +22,8 @@ def _trace(engine) -> list[list[tuple]]:
 
     def traced():
         out = schedule()
-        steps.append([(s.group.request_id, s.start, s.num_tokens, s.seq.num_tokens, s.seq.prompt_len) for s in out.scheduled])
+        items = [(s.group.request_id, s.start, s.num_tokens, s.seq.num_tokens, s.seq.prompt_len) for s in out.scheduled]
+        steps.append(items)
         return out
 
     engine.scheduler.schedule = traced
