@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 from array import array
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
 from paged_kv.block_hash import BlockHash, block_bytes, hash_blocks, root_hash
@@ -163,6 +163,46 @@ class BlockManager:
         check_int("num_lookahead_slots", num_lookahead_slots, low=0, high=1 << 20)
         cow, new = self._append_cost(seq, num_new_tokens, num_lookahead_slots)
         return len(cow) + new
+
+    def num_blocks_to_append_all(self, requests: Iterable[tuple[SeqId, int]]) -> int:
+        """Free blocks that ``append`` of each ``(seq_id, num_new_tokens)`` in turn takes, copies included."""
+        spans = []
+        for seq_id, n in _pairs(requests, "(seq_id, num_new_tokens) pairs"):
+            start = self._get_resident(seq_id).num_tokens
+            spans.append((seq_id, start, start + check_int("num_new_tokens", n, low=0)))
+        return self.num_blocks_to_write_all(spans)
+
+    def num_blocks_to_write_all(self, requests: Iterable[tuple[SeqId, int, int]]) -> int:
+        """Free blocks that readying positions ``[start, end)`` of each ``(seq_id, start, end)`` in turn takes.
+
+        Per sequence, as ``append`` up to ``end`` followed by ``prepare_write(start,
+        end)`` does: new blocks past its table, plus a private copy of each shared
+        block in the range. Copy-on-write gives up the shared block, so when ``k``
+        listed sequences share a block and all write it, ``k - 1`` copies are
+        made: the last writer holds it alone. Each sequence may appear once.
+        """
+        holders: dict[BlockId, int] = {}  # shared block -> refcount left after the copies counted so far
+        need = 0
+        for seq, start, end in self._write_spans(requests):
+            need += max(0, self._blocks_for(end) - len(seq.blocks))
+            touched = seq.blocks[start // self.block_size : self._blocks_for(end)] if end > start else []
+            for b in touched:
+                refs = holders.get(b, self.gpu.ref_counts[b])
+                if refs > 1:
+                    need, holders[b] = need + 1, refs - 1
+        return need
+
+    def _write_spans(self, requests: Iterable[tuple[SeqId, int, int]]) -> list[tuple[_Seq, int, int]]:
+        """Checked ``(seq, start, end)``: resident, distinct, ``start`` within the tokens held, ``end >= start``."""
+        spans, seen = [], set()
+        for seq_id, start, end in _pairs(requests, "(seq_id, start, end) triples", size=3):
+            seq = self._get_resident(seq_id)
+            if seq_id in seen:
+                raise InvalidArgumentError(describe("seq_id", seq_id, "each sequence at most once"))
+            seen.add(seq_id)
+            check_int("start", start, low=0, high=seq.num_tokens)
+            spans.append((seq, start, check_int("end", end, low=start)))
+        return spans
 
     def append(self, seq_id: SeqId, token_ids: Tokens, *, num_lookahead_slots: int = 0) -> list[CopyOp]:
         """Grow a sequence by new tokens; return the copy-on-write copies owed before writing them.
@@ -456,6 +496,18 @@ def _ids_of(data: bytes) -> array:
     ids = array("q")
     ids.frombytes(data)
     return ids
+
+
+def _pairs(requests: Iterable[tuple], expected: str, size: int = 2) -> list[tuple]:
+    """``requests`` as a list of ``size``-tuples, or InvalidArgumentError naming the first bad item."""
+    try:
+        items = list(requests)
+    except TypeError:
+        raise InvalidArgumentError(describe("requests", requests, f"an iterable of {expected}")) from None
+    for item in items:
+        if not isinstance(item, (tuple, list)) or len(item) != size:
+            raise InvalidArgumentError(describe("requests", item, f"an iterable of {expected}"))
+    return items
 
 
 def len_of(token_ids: Tokens) -> int:

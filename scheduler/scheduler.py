@@ -133,17 +133,7 @@ class Scheduler:
 
     def _blocks_needed(self, plan: list[tuple[Sequence, int]]) -> int:
         """Exact blocks ``append`` will take for ``plan``: new blocks plus copy-on-write copies."""
-        bs, refs, need = self.bm.block_size, {}, 0
-        for seq, n in plan:
-            table = self.bm.block_table(seq.seq_id)
-            first, end = seq.num_computed // bs, -(-(seq.num_computed + n) // bs)
-            for b in table[first:end]:
-                r = refs.get(b, self.bm.gpu.ref_counts[b])
-                if r > 1:  # shared: this sequence takes a private copy, the others keep b
-                    need += 1
-                    refs[b] = r - 1
-            need += max(0, end - len(table))
-        return need
+        return self.bm.num_blocks_to_append_all((seq.seq_id, n) for seq, n in plan)
 
     def _commit(self, group: SequenceGroup, plan: list[tuple[Sequence, int]], step: StepBudget) -> None:
         for seq, n in plan:

@@ -395,22 +395,11 @@ def _check_indices(indices: object, batch: int) -> list[int]:
 
 def _pages_needed(pool: KVPool, rows: list[PagedSeq], riders: list[bool], start: int, end: int) -> int:
     """Exact count of free pages that writing ``[start, end)`` of every row takes: new pages plus CoW copies."""
-    bs = pool.block_size
     if not rows:
-        return riders.count(False) * -(-end // bs)
-    refs = pool.manager.gpu.ref_counts
-    left: dict[int, int] = {}  # shared page -> holders still to copy it away
-    need = 0
-    for row, run in zip(rows, _in_run(riders)):
-        if run:
-            continue  # writes its run's pages in place, which it already holds
-        table = row.block_table()
-        need += max(0, -(-end // bs) - len(table))
-        for b in table[start // bs : min(len(table), -(-end // bs))] if end > start else ():
-            holders = left.get(b, refs[b])
-            if holders > 1:
-                need, left[b] = need + 1, holders - 1
-    return need
+        return riders.count(False) * -(-end // pool.block_size)
+    # a row in a run writes its run's pages in place, which it already holds
+    writes = [(row.seq_id, start, end) for row, run in zip(rows, _in_run(riders)) if not run]
+    return pool.manager.num_blocks_to_write_all(writes)
 
 
 def _new_rows(pool: KVPool, riders: list[bool], end: int) -> list[PagedSeq]:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import random
 
 import pytest
 
@@ -106,6 +108,17 @@ ERROR_CASES = [
     ("can-append-neg", lambda m: m.can_append("a", -1), InvalidArgumentError, r"^num_new_tokens=-1"),
     ("to-append-neg", lambda m: m.num_blocks_to_append("a", -1), InvalidArgumentError, r"^num_new_tokens=-1"),
     ("to-append-swapped", lambda m: m.num_blocks_to_append("s"), SequenceStateError, r"^seq_id='s'"),
+    ("to-append-all-neg", lambda m: m.num_blocks_to_append_all([("a", 1), ("b", -1)]), InvalidArgumentError,
+     r"^num_new_tokens=-1"),
+    ("to-append-all-unknown", lambda m: m.num_blocks_to_append_all([("zz", 1)]), UnknownSequenceError, r"^seq_id"),
+    ("to-append-all-swapped", lambda m: m.num_blocks_to_append_all([("s", 1)]), SequenceStateError, r"^seq_id='s'"),
+    ("to-append-all-dup", lambda m: m.num_blocks_to_append_all([("a", 1), ("a", 1)]), InvalidArgumentError,
+     r"^seq_id='a': expected each sequence at most once"),
+    ("to-append-all-shape", lambda m: m.num_blocks_to_append_all(["a"]), InvalidArgumentError, r"^requests='a'"),
+    ("to-append-all-iter", lambda m: m.num_blocks_to_append_all(3), InvalidArgumentError, r"^requests=3"),
+    ("to-write-all-gap", lambda m: m.num_blocks_to_write_all([("a", 7, 8)]), OutOfRangeError, r"^start=7: .*\[0, 6\]"),
+    ("to-write-all-reversed", lambda m: m.num_blocks_to_write_all([("a", 3, 2)]), InvalidArgumentError, r"^end=2"),
+    ("to-write-all-pair", lambda m: m.num_blocks_to_write_all([("a", 3)]), InvalidArgumentError, r"^requests="),
     ("can-append-look", lambda m: m.can_append("a", 1, num_lookahead_slots=-4), PagedKVError, r"^num_lookahead"),
     ("can-swap-out-unknown", lambda m: m.can_swap_out("zz"), UnknownSequenceError, r"^seq_id='zz'"),
     ("can-swap-out-swapped", lambda m: m.can_swap_out("s"), SequenceStateError, r"^seq_id='s'"),
@@ -262,6 +275,78 @@ def test_num_blocks_to_append_counts_new_blocks_and_copies():
     free = m.gpu.num_free
     m.append("b", 3)
     assert m.gpu.num_free == free - 2
+
+
+def test_num_blocks_to_append_all_counts_k_minus_1_copies_of_a_block_k_sequences_share():
+    m = make(num_blocks=16)
+    m.allocate("a", [1, 2, 3, 4, 5, 6])  # blocks [0, 1], the last half full
+    m.fork("a", "b")
+    m.fork("a", "c")
+    assert m.num_blocks_to_append_all([]) == 0
+    assert m.num_blocks_to_append_all([("a", 1)]) == 1
+    assert m.num_blocks_to_append_all([("a", 1), ("b", 1)]) == 2
+    assert m.num_blocks_to_append_all([("a", 1), ("b", 1), ("c", 1)]) == 2  # c finds block 1 its own
+    assert m.num_blocks_to_append_all([("a", 0), ("b", 1), ("c", 1)]) == 2  # a holds it: c copies too
+    assert m.num_blocks_to_append_all([("a", 3), ("b", 1), ("c", 3)]) == 4  # 2 copies + 2 new blocks
+    free = m.gpu.num_free
+    for seq_id in "abc":
+        m.append(seq_id, [7])
+    assert m.gpu.num_free == free - 2 and m.num_cow_copies == 2
+    m.check()
+
+
+def _random_shared_manager(rng: random.Random) -> BlockManager:
+    """Sequences forked from one another at random lengths, with shared partial and full blocks."""
+    m = make(num_blocks=64, block_size=4, enable_prefix_caching=rng.random() < 0.5)
+    m.allocate(0, [rng.randrange(50) for _ in range(rng.randrange(1, 12))])
+    for seq_id in range(1, rng.randrange(2, 7)):
+        m.fork(rng.randrange(seq_id), seq_id)
+        if rng.random() < 0.5:
+            m.append(seq_id, [rng.randrange(50) for _ in range(rng.randrange(0, 6))])
+    return m
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_num_blocks_to_append_all_is_what_the_appends_take(seed):
+    rng = random.Random(seed)
+    m = _random_shared_manager(rng)
+    ids = m.seq_ids()
+    rng.shuffle(ids)
+    requests = [(s, rng.randrange(0, 7)) for s in ids[: rng.randrange(1, len(ids) + 1)]]
+    expected = m.num_blocks_to_append_all(requests)
+    work = copy.deepcopy(m)
+    for seq_id, n in requests:
+        work.append(seq_id, [rng.randrange(50) for _ in range(n)])
+    assert m.gpu.num_free - work.gpu.num_free == expected
+    grown = sum(len(work.block_table(s)) - len(m.block_table(s)) for s, _ in requests)
+    assert work.num_cow_copies - m.num_cow_copies == expected - grown
+    work.check()
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_num_blocks_to_write_all_is_what_append_then_prepare_write_take(seed):
+    rng = random.Random(1000 + seed)
+    m = _random_shared_manager(rng)
+    requests = []
+    for seq_id in m.seq_ids():
+        start = rng.randrange(m.num_tokens(seq_id) + 1)
+        requests.append((seq_id, start, start + rng.randrange(0, 7)))
+    rng.shuffle(requests)
+    expected = m.num_blocks_to_write_all(requests)
+    work = copy.deepcopy(m)
+    for seq_id, start, end in requests:
+        work.append(seq_id, max(0, end - work.num_tokens(seq_id)))
+        work.prepare_write(seq_id, start, end)
+    assert m.gpu.num_free - work.gpu.num_free == expected
+    work.check()
+
+
+def test_num_blocks_to_append_all_matches_num_blocks_to_append_for_one_sequence():
+    m = populated()
+    for seq_id in "ab":
+        for n in range(10):
+            assert m.num_blocks_to_append_all([(seq_id, n)]) == m.num_blocks_to_append(seq_id, n)
+            assert m.num_blocks_to_append_all(iter([(seq_id, n)])) == m.num_blocks_to_append(seq_id, n)
 
 
 def test_can_allocate_watermark():
