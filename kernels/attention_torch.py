@@ -1,8 +1,9 @@
 """The torch core of the paged attention references: gather K/V through block tables, attend densely.
 
 The decode and prefill torch paths (the CPU engine's paths) both gather each cache into a
-dense head-major float32 ``[Hkv, S, L, D]`` and run one masked softmax attention over it;
-they differ only in where their queries sit (``q_pos``).
+dense float32 cache by whole blocks and run one masked softmax attention over it; they differ
+only in where their queries sit (``q_pos``). Decode attends the token-major ``[S, L, Hkv, D]``
+gather with SDPA directly; prefill copies it head-major ``[Hkv, S, L, D]`` for its bmm chunks.
 """
 
 from __future__ import annotations
@@ -13,30 +14,39 @@ import torch.nn.functional as F
 from kernels.quant import as_storage
 
 
-def gather_kv(cache, scale, block_tables, seq_lens, kv_start, max_len: int) -> torch.Tensor:
-    """Dense float32 ``[Hkv, S, L, D]`` (L = max_len rounded up to whole blocks) of the cache through block tables.
+def gather_blocks(cache, scale, block_tables, seq_lens, kv_start, max_len: int, *, zero_invalid: bool = True):
+    """Dense float32 ``[S, L, Hkv, D]`` (L = max_len rounded up to whole blocks) of the cache through block tables.
 
-    Table entries covering no position of ``[kv_start, seq_len)`` are never read, and positions
-    outside that range are 0: stale slots may hold NaN, and 0 * NaN is NaN.
+    Whole blocks are gathered (one contiguous row per block). Table entries covering no position of
+    ``[kv_start, seq_len)`` are never read; positions outside that range are 0 unless the caller
+    knows there are none (``zero_invalid=False``): stale slots may hold NaN, and 0 * NaN is NaN.
+    The result is a fresh tensor, safe to modify in place.
     """
     num_seqs, block_size = block_tables.shape[0], cache.shape[1]
     num_logical = -(-max_len // block_size)
     pos = torch.arange(num_logical * block_size, device=cache.device)  # [L]
     valid = (pos[None, :] >= kv_start[:, None]) & (pos[None, :] < seq_lens[:, None].long())  # [S, L]
     in_use = valid.view(num_seqs, num_logical, block_size).any(-1)  # [S, num_logical]
-    ids = torch.where(in_use, block_tables[:, :num_logical].long(), 0)  # padding entries never read
-    # One row gather straight into head-major [Hkv, S, L, D]: its (Hkv, S) batch collapses for bmm.
-    num_kv_heads, head_dim = cache.shape[2], cache.shape[3]
-    heads = torch.arange(num_kv_heads, device=ids.device)[:, None]
-    slots = (ids[:, :, None] * block_size + torch.arange(block_size, device=ids.device)).flatten()  # [S*L]
-    rows = (slots[None] * num_kv_heads + heads).flatten()  # [Hkv*S*L] rows of the [N*bs*Hkv, D] cache
-    x = as_storage(cache).reshape(-1, head_dim).index_select(0, rows).view(cache.dtype)  # [Hkv*S*L, D]
-    x = x.to(torch.float32)  # a fresh tensor either way: safe to modify in place
+    ids = torch.where(in_use, block_tables[:, :num_logical].long(), 0).flatten()  # padding entries never read
+    x = as_storage(cache).index_select(0, ids).view(cache.dtype)  # [S*num_logical, bs, Hkv, D]
+    if x.dtype != torch.float32:
+        x = x.to(torch.float32)
     if scale is not None:
-        x.mul_(scale.reshape(-1).index_select(0, rows)[:, None])
-    bad = (~valid).flatten().nonzero().squeeze(1)  # [n_bad] invalid (s, l) of each head
-    x.index_fill_(0, (heads * valid.numel() + bad[None]).flatten(), 0.0)
-    return x.view(num_kv_heads, num_seqs, -1, head_dim)
+        x.mul_(scale.index_select(0, ids)[..., None])  # scale: [num_blocks, bs, Hkv]
+    x = x.view(num_seqs, num_logical * block_size, *cache.shape[2:])  # [S, L, Hkv, D]
+    if zero_invalid:
+        bad = (~valid).flatten().nonzero().squeeze(1)  # [n_bad] invalid (s, l) rows
+        x.view(valid.numel(), -1).index_fill_(0, bad, 0.0)
+    return x
+
+
+def gather_kv(cache, scale, block_tables, seq_lens, kv_start, max_len: int) -> torch.Tensor:
+    """Dense float32 head-major ``[Hkv, S, L, D]`` (contiguous) of :func:`gather_blocks`; invalid positions are 0.
+
+    Head-major so that a prefix view ``[:, :, :keys]`` still collapses its (Hkv, S) batch for bmm.
+    """
+    x = gather_blocks(cache, scale, block_tables, seq_lens, kv_start, max_len)  # [S, L, Hkv, D]
+    return x.permute(2, 0, 1, 3).contiguous()
 
 
 def _visible(q_pos, seq_lens, length: int, sliding_window: int | None) -> torch.Tensor:

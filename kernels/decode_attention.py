@@ -17,6 +17,7 @@ core are shared with :mod:`kernels.prefill_attention` (``kernels.attention_*``).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -29,7 +30,7 @@ from kernels.attention_checks import (
     check_tables,
     window_start,
 )
-from kernels.attention_torch import dense_attention, gather_kv
+from kernels.attention_torch import dense_attention, gather_blocks
 from kernels.attention_triton import (
     cache_arguments,
     dot_precision,
@@ -181,29 +182,47 @@ def _decode_triton(q, k_cache, v_cache, block_tables, seq_lens, geo, opts, k_sca
     return out, lse
 
 
-def _decode_torch(q, k_cache, v_cache, block_tables, seq_lens, opts, k_scale, v_scale, max_len, need_lse):
-    """Batched torch path: gather to a padded dense cache, masked softmax by matmuls; returns (out, lse)."""
+def _decode_torch(q, k_cache, v_cache, block_tables, seq_lens, opts, k_scale, v_scale, lens, need_lse):
+    """Batched torch path: gather whole blocks to a padded dense cache, masked softmax attention; returns (out, lse).
+
+    ``lens`` are the synced (min, max) seq_lens. When every gathered position is visible (equal
+    lengths filling whole blocks, window covering them) no mask is built and nothing is zeroed.
+    """
     scale, window, soft_cap = opts
+    min_len, max_len = lens
+    padded = -(-max_len // k_cache.shape[1]) * k_cache.shape[1]
+    full = min_len == padded and (window is None or window >= max_len)
     kv_start = window_start(seq_lens, window)
-    k = gather_kv(k_cache, k_scale, block_tables, seq_lens, kv_start, max_len)  # [Hkv, S, L, D]
-    v = gather_kv(v_cache, v_scale, block_tables, seq_lens, kv_start, max_len)
+    k = gather_blocks(k_cache, k_scale, block_tables, seq_lens, kv_start, max_len, zero_invalid=not full)
+    v = gather_blocks(v_cache, v_scale, block_tables, seq_lens, kv_start, max_len, zero_invalid=not full)
+    # k, v: [S, L, Hkv, D]
+    if soft_cap is None and not need_lse:
+        mask = None
+        if not full:
+            kpos = torch.arange(padded, device=q.device)  # [L]
+            mask = (kpos >= kv_start[:, None]) & (kpos < seq_lens.long()[:, None])  # [S, L]
+            mask = mask[:, None, None]  # [S, 1, 1, L]
+        out = F.scaled_dot_product_attention(
+            q.float()[:, :, None], k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=True
+        )  # [S, Hq, 1, D]
+        return out[:, :, 0].to(q.dtype), None
     q_pos = (seq_lens.long() - 1)[:, None]  # [S, 1]
     out, lse = dense_attention(
-        q.float()[:, None], k, v, q_pos, seq_lens, scale=scale, sliding_window=window, soft_cap=soft_cap,
-        need_lse=need_lse,
+        q.float()[:, None], k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3), q_pos, seq_lens, scale=scale,
+        sliding_window=window, soft_cap=soft_cap, need_lse=need_lse,
     )  # fmt: skip
     return out[:, 0].to(q.dtype), None if lse is None else lse[:, 0]
 
 
 def _validate_decode(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, scale, window, cap, splits):
-    """Every check of the decode contract, with one host sync; returns (geometry, options, max_len)."""
+    """Every check of the decode contract, with one host sync; returns (geometry, options, (min_len, max_len))."""
     geo = check_cache(q, k_cache, v_cache, k_scale, v_scale)
     opts = check_options(geo.head_dim, scale, window, cap)
     check_tables(block_tables, seq_lens, q.shape[0], q.device)
     if splits is not None:
         check_int("num_splits", splits, low=1, high=MAX_SPLITS)
     if q.shape[0] == 0:
-        return geo, opts, 0
+        return geo, opts, (0, 0)
     kv_start = window_start(seq_lens, opts[1])
     bounds = block_id_bounds(block_tables, seq_lens, kv_start, geo.block_size)
     lo_len, hi_len, lo_blk, hi_blk = torch.stack([seq_lens.min().long(), seq_lens.max().long(), *bounds]).tolist()
@@ -212,7 +231,7 @@ def _validate_decode(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_sca
         bad = lo_len if lo_len < 1 else hi_len
         raise OutOfRangeError(describe("seq_lens", bad, f"lengths in [1, {capacity}] (max_blocks * block_size)"))
     check_block_ids(lo_blk, hi_blk, geo.num_blocks)
-    return geo, opts, hi_len
+    return geo, opts, (lo_len, hi_len)
 
 
 def paged_decode_attention(
@@ -239,7 +258,7 @@ def paged_decode_attention(
     ``return_lse`` also returns the float32 natural-log logsumexp ``[S, Hq]`` of the (capped) logits.
     ``num_splits`` sets flash-decoding's KV split count (None: chosen from batch, heads and SMs).
     """
-    geo, opts, max_len = _validate_decode(
+    geo, opts, lens = _validate_decode(
         q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, scale, sliding_window, soft_cap, num_splits
     )
     run_triton = use_triton(backend, q, k_cache, v_cache, block_tables, seq_lens)
@@ -247,11 +266,11 @@ def paged_decode_attention(
         out, lse = torch.empty_like(q), torch.empty(0, q.shape[1], device=q.device, dtype=torch.float32)
     elif run_triton:
         check_triton_device(q)
-        splits = num_splits or choose_num_splits(q.shape[0], geo.num_kv_heads, max_len, q.device)
+        splits = num_splits or choose_num_splits(q.shape[0], geo.num_kv_heads, lens[1], q.device)
         out, lse = _decode_triton(q, k_cache, v_cache, block_tables, seq_lens, geo, opts, k_scale, v_scale, splits)
     else:
         out, lse = _decode_torch(
-            q, k_cache, v_cache, block_tables, seq_lens, opts, k_scale, v_scale, max_len, return_lse
+            q, k_cache, v_cache, block_tables, seq_lens, opts, k_scale, v_scale, lens, return_lse
         )
     return (out, lse) if return_lse else out
 
