@@ -41,12 +41,17 @@ def prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="session")
 def hf_greedy(tiny_hf, prompts) -> list[list[int]]:
-    """transformers' greedy continuation of every prompt (NUM_NEW tokens each)."""
+    """transformers' greedy continuation of every prompt (NUM_NEW tokens each).
+
+    The explicit all-ones mask keeps a prompt token equal to ``pad_token_id`` from being taken for padding.
+    """
     refs = []
     for p in prompts:
+        ids = torch.tensor([p])
         out = tiny_hf.generate(
-            torch.tensor([p]), do_sample=False, max_new_tokens=NUM_NEW, min_new_tokens=NUM_NEW, pad_token_id=0
-        )
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NUM_NEW,
+            min_new_tokens=NUM_NEW, pad_token_id=0,
+        )  # fmt: skip
         refs.append(out[0, len(p) :].tolist())
     return refs
 
