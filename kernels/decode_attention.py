@@ -45,6 +45,7 @@ from paged_kv.errors import OutOfRangeError, check_int, describe
 
 MAX_SPLITS = 128
 MIN_TOKENS_PER_SPLIT = 256
+TORCH_CHUNK_BYTES = 16 * 2**20  # dense K per sequence group of the torch path
 
 
 @triton.jit
@@ -183,10 +184,32 @@ def _decode_triton(q, k_cache, v_cache, block_tables, seq_lens, geo, opts, k_sca
 
 
 def _decode_torch(q, k_cache, v_cache, block_tables, seq_lens, opts, k_scale, v_scale, lens, need_lse):
-    """Batched torch path: gather whole blocks to a padded dense cache, masked softmax attention; returns (out, lse).
+    """Batched torch path over groups of sequences whose dense K fits in TORCH_CHUNK_BYTES; returns (out, lse).
 
-    ``lens`` are the synced (min, max) seq_lens. When every gathered position is visible (equal
-    lengths filling whole blocks, window covering them) no mask is built and nothing is zeroed.
+    Sequences are independent, so groups need no merging; bounded groups keep the gathered
+    buffers small enough for the allocator to reuse instead of page-faulting fresh memory.
+    """
+    padded = -(-lens[1] // k_cache.shape[1]) * k_cache.shape[1]
+    per_seq = padded * k_cache.shape[2] * k_cache.shape[3] * 4  # float32 bytes of one sequence's dense K
+    step = max(1, TORCH_CHUNK_BYTES // per_seq)
+    parts = [
+        _decode_torch_group(
+            q[i : i + step], k_cache, v_cache, block_tables[i : i + step], seq_lens[i : i + step], opts,
+            k_scale, v_scale, lens, need_lse,
+        )  # fmt: skip
+        for i in range(0, q.shape[0], step)
+    ]
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat([o for o, _ in parts]), None if not need_lse else torch.cat([lse for _, lse in parts])
+
+
+def _decode_torch_group(q, k_cache, v_cache, block_tables, seq_lens, opts, k_scale, v_scale, lens, need_lse):
+    """Gather whole blocks to a padded dense cache, masked softmax attention; returns (out, lse).
+
+    ``lens`` are the synced (min, max) seq_lens of the whole batch. When every gathered position
+    is visible (equal lengths filling whole blocks, window covering them) no mask is built and
+    nothing is zeroed.
     """
     scale, window, soft_cap = opts
     min_len, max_len = lens
