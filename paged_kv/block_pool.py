@@ -104,9 +104,7 @@ class BlockPool:
 
     def touch(self, block: BlockId) -> None:
         """Add a reference; a cached-evictable block comes back into use."""
-        if self.ref_counts[block] == 0:
-            del self._evictable[block]
-        self.ref_counts[block] += 1
+        self.touch_all((block,))
 
     def touch_all(self, blocks: Iterable[BlockId]) -> None:
         """``touch`` each block in turn."""
@@ -134,10 +132,8 @@ class BlockPool:
     # -- prefix cache -----------------------------------------------------
     def lookup(self, h: BlockHash, parent: BlockHash, tokens: TokenKey) -> BlockId | None:
         """The cached block with this hash, only if its parent hash and token ids match too."""
-        block = self._cached.get(h)
-        if block is None or self._parent[block] != parent or self._tokens[block] != tokens:
-            return None
-        return block
+        hits = self.lookup_chain(parent, (h,), (tokens,), 1)
+        return hits[0] if hits else None
 
     def lookup_chain(
         self, parent: BlockHash, hashes: Sequence[BlockHash], tokens: Sequence[TokenKey], limit: int
@@ -156,12 +152,7 @@ class BlockPool:
 
     def register(self, block: BlockId, h: BlockHash, parent: BlockHash, tokens: TokenKey) -> None:
         """Record a full in-use block under its hash unless that content is already cached."""
-        if h in self._cached or self._hash[block] is not None:
-            return
-        self._cached[h] = block
-        self._hash[block] = h
-        self._parent[block] = parent
-        self._tokens[block] = tokens
+        self.register_chain((block,), (h,), parent, (tokens,))
 
     def register_chain(
         self, blocks: Iterable[BlockId], hashes: Iterable[BlockHash], parent: BlockHash, tokens: Iterable[TokenKey]
