@@ -19,11 +19,12 @@ from typing import NamedTuple
 
 import torch
 
+from kernels._checks import check_range
 from kernels.copy_blocks import copy_blocks, swap_blocks
 from kernels.quant import is_quantized
 from kernels.write_kv import check_slots, write_kv
 from paged_kv.config import MAX_BLOCK_SIZE, MAX_BLOCKS
-from paged_kv.errors import InvalidArgumentError, OutOfRangeError, check_int, describe
+from paged_kv.errors import InvalidArgumentError, check_int, describe
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
 RAW_DTYPES = (torch.float64, torch.uint8)  # stored as given, no kernel: float64 facades, packed codes
@@ -184,8 +185,6 @@ class PagedKVCache:
         check_int("end", end, low=0, high=len(block_table) * bs)
         check_int("start", start, low=0, high=end)
         table = torch.as_tensor(list(block_table), dtype=torch.int64)
-        if table.numel() and (int(table.min()) < 0 or int(table.max()) >= self.num_blocks):
-            bad = int(table.min()) if int(table.min()) < 0 else int(table.max())
-            raise OutOfRangeError(describe("block_table", bad, f"block ids in [0, {self.num_blocks})"))
+        check_range("block_table", table, 0, self.num_blocks)
         pos = torch.arange(start, end, dtype=torch.int64)
         return (table[pos // bs] * bs + pos % bs).to(self.device)
