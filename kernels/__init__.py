@@ -4,16 +4,23 @@ Every public function validates its inputs (shapes, dtypes, devices, block ids)
 before launching anything, and dispatches on ``backend``: "auto" runs Triton
 for CUDA tensors and the torch reference for CPU tensors; "triton" and "torch"
 force one path (tests run "triton" on CPU through the Triton interpreter).
+
+The ``*_prepared`` variants take an :class:`AttentionMetadata` validated on the
+host (:func:`prepare_attention_metadata`) and read no device value: the serving
+loop's hot path, and what CUDA graphs capture.
 """
 
+from kernels.attention_metadata import AttentionMetadata, prepare_attention_metadata
 from kernels.copy_blocks import copy_blocks, swap_blocks
-from kernels.decode_attention import paged_decode_attention
+from kernels.decode_attention import paged_decode_attention, paged_decode_attention_prepared
 from kernels.merge_states import merge_attention_states
-from kernels.prefill_attention import paged_prefill_attention
+from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_prepared
 from kernels.quant import dequantize, is_quantized, quantize_per_token_head
-from kernels.write_kv import write_kv
+from kernels.write_kv import write_kv, write_kv_prepared
 
 __all__ = [
-    "copy_blocks", "swap_blocks", "paged_decode_attention", "paged_prefill_attention",
-    "merge_attention_states", "write_kv", "quantize_per_token_head", "dequantize", "is_quantized",
+    "AttentionMetadata", "prepare_attention_metadata",
+    "copy_blocks", "swap_blocks", "paged_decode_attention", "paged_decode_attention_prepared",
+    "paged_prefill_attention", "paged_prefill_attention_prepared", "merge_attention_states",
+    "write_kv", "write_kv_prepared", "quantize_per_token_head", "dequantize", "is_quantized",
 ]

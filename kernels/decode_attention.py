@@ -16,6 +16,8 @@ core are shared with :mod:`kernels.prefill_attention` (``kernels.attention_*``).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -30,6 +32,7 @@ from kernels.attention_checks import (
     check_tables,
     window_start,
 )
+from kernels.attention_metadata import AttentionMetadata, check_metadata
 from kernels.attention_torch import dense_attention, gather_blocks
 from kernels.attention_triton import (
     cache_arguments,
@@ -140,9 +143,15 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_len: int, device: to
     by_len = max(1, max_len // MIN_TOKENS_PER_SPLIT)
     if device.type != "cuda":
         return min(2, by_len)  # interpreter: few programs are cheapest
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     wanted = -(-2 * sms // max(1, num_seqs * num_kv_heads))
     return max(1, min(wanted, by_len, 32))
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    """Streaming multiprocessors of a CUDA device (queried once: the query costs microseconds)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def decode_tile(d_pad: int) -> tuple[int, int]:
@@ -319,3 +328,40 @@ def paged_decode_attention_reference(
         sliding_window=sliding_window, soft_cap=soft_cap, num_splits=num_splits, return_lse=return_lse,
         backend="torch",
     )  # fmt: skip
+
+
+def paged_decode_attention_prepared(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    *,
+    scale: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    num_splits: int | None = None,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """:func:`paged_decode_attention` over a prepared step: host checks only, no device value read.
+
+    q ``[S, Hq, D]`` -> out ``[S, Hq, D]``; block ids and lengths were validated when ``meta``
+    was prepared, and the split count comes from its host-side ``max_seq_len``.
+    """
+    geo = check_cache(q, k_cache, v_cache, k_scale, v_scale)
+    opts = check_options(geo.head_dim, scale, sliding_window, soft_cap)
+    check_metadata(meta, num_blocks=geo.num_blocks, block_size=geo.block_size, device=q.device)
+    if not meta.is_decode or q.shape[0] != meta.num_seqs:
+        raise InvalidArgumentError(describe("q.shape[0]", q.shape[0], f"one query per sequence of a decode step"))
+    if num_splits is not None:
+        check_int("num_splits", num_splits, low=1, high=MAX_SPLITS)
+    if q.shape[0] == 0:
+        return torch.empty_like(q)
+    tables, lens = meta.block_tables, meta.seq_lens
+    if use_triton(backend, q, k_cache, v_cache, tables, lens):
+        check_triton_device(q)
+        splits = num_splits or choose_num_splits(q.shape[0], geo.num_kv_heads, meta.max_seq_len, q.device)
+        return _decode_triton(q, k_cache, v_cache, tables, lens, geo, opts, k_scale, v_scale, splits)[0]
+    host_lens = (meta.min_seq_len, meta.max_seq_len)
+    return _decode_torch(q, k_cache, v_cache, tables, lens, opts, k_scale, v_scale, host_lens, False)[0]

@@ -26,6 +26,7 @@ from kernels.attention_checks import (
     check_tables,
     window_start,
 )
+from kernels.attention_metadata import AttentionMetadata, check_metadata
 from kernels.attention_torch import dense_attention, gather_kv
 from kernels.attention_triton import (
     cache_arguments,
@@ -284,3 +285,35 @@ def paged_prefill_attention_reference(
         v_scale=v_scale, sliding_window=sliding_window, soft_cap=soft_cap, return_lse=return_lse,
         backend="torch",
     )  # fmt: skip
+
+
+def paged_prefill_attention_prepared(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    *,
+    scale: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """:func:`paged_prefill_attention` over a prepared step: host checks only, no device value read.
+
+    q ``[T, Hq, D]`` (the step's new tokens, packed as ``meta.cu_seqlens_q``) -> out ``[T, Hq, D]``.
+    """
+    geo = check_cache(q, k_cache, v_cache, k_scale, v_scale)
+    opts = check_options(geo.head_dim, scale, sliding_window, soft_cap)
+    check_metadata(meta, num_blocks=geo.num_blocks, block_size=geo.block_size, device=q.device)
+    if q.shape[0] != meta.num_tokens:
+        raise InvalidArgumentError(describe("q.shape[0]", q.shape[0], f"meta.num_tokens={meta.num_tokens}"))
+    if q.shape[0] == 0:
+        return torch.empty_like(q)
+    args = (q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q)
+    if use_triton(backend, *args):
+        check_triton_device(q)
+        return _prefill_triton(*args, geo, opts, k_scale, v_scale, meta.max_query_len)[0]
+    sizes = (meta.max_query_len, meta.max_seq_len, meta.max_context_len)
+    return _prefill_torch(*args, opts, k_scale, v_scale, sizes, False)[0]

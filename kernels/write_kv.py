@@ -32,6 +32,7 @@ from kernels._checks import (
     check_triton_device,
     use_triton,
 )
+from kernels.attention_metadata import AttentionMetadata, check_metadata
 from kernels.quant import as_storage, is_quantized, quant_max, quantize_per_token_head
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError, describe
 
@@ -76,6 +77,35 @@ def write_kv_reference(
 ) -> None:
     """Torch reference of :func:`write_kv` (same checks, one vectorized index_put_ over the valid slots)."""
     write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale, backend="torch")
+
+
+def write_kv_prepared(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    backend: Backend = "auto",
+) -> None:
+    """:func:`write_kv` into a prepared step's ``slot_mapping``: host checks only, no device value read.
+
+    The slots were validated (in range, distinct) when ``meta`` was prepared.
+    """
+    _check_inputs(key, value, meta.slot_mapping)
+    _check_caches(k_cache, v_cache, key.shape[1], key.shape[2])
+    _check_scales(k_scale, v_scale, k_cache)
+    check_metadata(meta, num_blocks=k_cache.shape[0], block_size=k_cache.shape[1], device=key.device)
+    check_same_device({"key": key, "value": value, "k_cache": k_cache, "v_cache": v_cache})
+    if key.shape[0] == 0:
+        return
+    if use_triton(backend, key, k_cache, meta.slot_mapping):
+        check_triton_device(key)
+        _write_triton(key, value, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+    else:
+        _write_torch(key, value, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
 
 
 # ---------------------------------------------------------------- validation

@@ -69,9 +69,10 @@ class BlockManager:
     def __contains__(self, seq_id: SeqId) -> bool:
         return seq_id in self._seqs
 
-    def block_table(self, seq_id: SeqId) -> list[BlockId]:
-        """The physical blocks of a sequence, in logical order (a copy)."""
-        return list(self._get(seq_id).blocks)
+    def block_table(self, seq_id: SeqId, start: int = 0) -> list[BlockId]:
+        """The physical blocks of a sequence from logical block ``start`` on, in order (a copy)."""
+        blocks = self._get(seq_id).blocks
+        return blocks[check_int("start", start, high=len(blocks)) :] if start else list(blocks)
 
     def num_tokens(self, seq_id: SeqId) -> int:
         """Tokens whose slots the sequence holds (lookahead slots not counted)."""

@@ -1,78 +1,79 @@
-"""How one step's attention is dispatched to the paged kernels.
+"""How one step's KV writes and attention are dispatched to the prepared (sync-free) kernels.
 
-On the GPU a mixed prefill + decode batch goes to the prefill kernel in one
-call (its Triton grid skips the short sequences' empty tiles). The kernels'
-CPU torch path pads every sequence's queries to the longest one, so on the CPU
-the decode rows (one query each) take the decode kernel and only the
-sequences with several new tokens take the prefill kernel. The split is
-computed once per step and reused by every layer.
+On the GPU a decode step goes to the decode kernel and any other step to the prefill
+kernel in one call (its Triton grid skips the short sequences' empty tiles). The kernels'
+CPU torch path pads every sequence's queries to the longest one, so on the CPU a mixed
+step is split: the decode rows (one query each) take the decode kernel and only the
+sequences with several new tokens take the prefill kernel. The split is computed once
+per step, on the host from the metadata's host lengths, and reused by every layer.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
-from kernels.decode_attention import paged_decode_attention
-from kernels.prefill_attention import paged_prefill_attention
-from paged_kv.batch import BatchMetadata
+from kernels.attention_metadata import AttentionMetadata
+from kernels.decode_attention import paged_decode_attention_prepared
+from kernels.prefill_attention import paged_prefill_attention_prepared
+from kernels.write_kv import write_kv_prepared
 from paged_kv.kv_cache import LayerKV
 
 
 @dataclass(frozen=True)
 class _Part:
-    """A subset of the batch's sequences and the packed query rows they own."""
+    """A subset of the step's sequences and the packed query rows they own."""
 
-    rows: torch.Tensor  # [T_part] int64 rows of the packed batch
-    block_tables: torch.Tensor  # [S_part, max_blocks] int32
-    seq_lens: torch.Tensor  # [S_part] int32
-    cu_seqlens_q: torch.Tensor | None  # [S_part + 1] int32, None for a decode part
+    rows: torch.Tensor | None  # [T_part] int64 rows of the packed batch; None: every row
+    meta: AttentionMetadata
 
 
 class AttentionPlan:
-    """The step's sequences split into a decode part and a prefill part (or one whole part)."""
+    """The step's sequences as one part, or split into a decode part and a prefill part (CPU)."""
 
-    def __init__(self, meta: BatchMetadata, num_tokens: int) -> None:
+    def __init__(self, meta: AttentionMetadata) -> None:
         self.meta = meta
-        self.parts: list[_Part] | None = None  # None: one call over the whole batch
-        if meta.block_tables.is_cuda or meta.max_query_len <= 1:
+        self.parts = [_Part(None, meta)]
+        q_lens = meta.host_query_lens
+        if meta.device.type == "cuda" or meta.max_query_len <= 1 or not (q_lens == 1).any():
             return
-        q_lens = meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]  # [S]
-        decode = q_lens == 1
-        if not bool(decode.any()):
-            return
-        rows = torch.arange(num_tokens, device=q_lens.device)
-        seq_of_row = torch.repeat_interleave(torch.arange(len(q_lens), device=q_lens.device), q_lens.long())
-        self.parts = [
-            self._part(meta, decode, rows, seq_of_row, None),
-            self._part(meta, ~decode, rows, seq_of_row, q_lens),
-        ]
+        self.parts = [_subset(meta, q_lens == 1), _subset(meta, q_lens != 1)]
 
-    @staticmethod
-    def _part(meta: BatchMetadata, seqs: torch.Tensor, rows, seq_of_row, q_lens) -> _Part:
-        cu = None
-        if q_lens is not None:
-            cu = torch.zeros(int(seqs.sum()) + 1, dtype=torch.int32, device=seqs.device)
-            torch.cumsum(q_lens[seqs], 0, out=cu[1:])
-        return _Part(rows[seqs[seq_of_row]], meta.block_tables[seqs], meta.seq_lens[seqs], cu)
+    def write(self, kv: LayerKV, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Scatter the step's new K/V ``[T, Hkv, D]`` into one layer's pages."""
+        write_kv_prepared(k, v, kv.k, kv.v, self.meta, k_scale=kv.k_scale, v_scale=kv.v_scale)
 
     def attend(self, q: torch.Tensor, kv: LayerKV, scale: float) -> torch.Tensor:
         """Attention of the step's queries q ``[T, Hq, D]`` over one layer's paged K/V -> ``[T, Hq, D]``."""
-        meta = self.meta
-        if self.parts is None:
-            cu = None if meta.max_query_len == 1 else meta.cu_seqlens_q
-            whole = _Part(None, meta.block_tables, meta.seq_lens, cu)
-            return _run(q, kv, whole, scale)
+        if len(self.parts) == 1:
+            return _run(q, kv, self.meta, scale)
         out = torch.empty_like(q)
         for part in self.parts:
-            out[part.rows] = _run(q[part.rows], kv, part, scale)
+            out[part.rows] = _run(q[part.rows], kv, part.meta, scale)
         return out
 
 
-def _run(q: torch.Tensor, kv: LayerKV, part: _Part, scale: float) -> torch.Tensor:
-    args = (kv.k, kv.v, part.block_tables, part.seq_lens)
-    scales = {"k_scale": kv.k_scale, "v_scale": kv.v_scale}
-    if part.cu_seqlens_q is None:
-        return paged_decode_attention(q, *args, scale=scale, **scales)
-    return paged_prefill_attention(q, *args, part.cu_seqlens_q, scale=scale, **scales)
+def _subset(meta: AttentionMetadata, keep: np.ndarray) -> _Part:
+    """The sequences where ``keep`` holds, with their query rows (index tensors built on the host)."""
+    q_lens, seq_lens = meta.host_query_lens[keep], meta.host_seq_lens[keep]
+    starts = np.concatenate([[0], np.cumsum(meta.host_query_lens)])[:-1][keep]
+    rows = np.repeat(starts - np.concatenate([[0], np.cumsum(q_lens)])[:-1], q_lens) + np.arange(q_lens.sum())
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    seqs = torch.from_numpy(np.flatnonzero(keep)).to(meta.device)
+    row_index = torch.from_numpy(rows).to(meta.device)
+    sub = replace(
+        meta, block_tables=meta.block_tables.index_select(0, seqs), seq_lens=meta.seq_lens.index_select(0, seqs),
+        cu_seqlens_q=torch.from_numpy(cu).to(meta.device), slot_mapping=meta.slot_mapping.index_select(0, row_index),
+        host_seq_lens=seq_lens, host_query_lens=q_lens, max_seq_len=int(seq_lens.max()),
+        max_query_len=int(q_lens.max()),
+    )  # fmt: skip
+    return _Part(row_index, sub)
+
+
+def _run(q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    scales = {"k_scale": kv.k_scale, "v_scale": kv.v_scale, "scale": scale}
+    if meta.is_decode:
+        return paged_decode_attention_prepared(q, kv.k, kv.v, meta, **scales)
+    return paged_prefill_attention_prepared(q, kv.k, kv.v, meta, **scales)

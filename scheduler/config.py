@@ -43,9 +43,17 @@ class CacheConfig:
     watermark: float = 0.01
     enable_prefix_caching: bool = True
     dtype: torch.dtype | None = None  # None: the model's dtype
+    # CUDA: the fraction of the device's memory the engine may use (weights, activations, graphs and
+    # the KV pool, as vLLM means it); the pool gets what is left. None: num_gpu_blocks / kv_cache_bytes.
+    gpu_memory_utilization: float | None = None
 
     def __post_init__(self) -> None:
         check_int("block_size", self.block_size, low=1, high=MAX_BLOCK_SIZE)
+        utilization = self.gpu_memory_utilization
+        if utilization is not None and (
+            isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0.0 < utilization <= 1.0
+        ):
+            raise InvalidArgumentError(describe("gpu_memory_utilization", utilization, "a fraction in (0, 1] or None"))
         if self.num_gpu_blocks is not None:
             check_int("num_gpu_blocks", self.num_gpu_blocks, low=1, high=MAX_BLOCKS)
         check_int("kv_cache_bytes", self.kv_cache_bytes, low=1)
@@ -65,8 +73,11 @@ class EngineConfig:
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     device: str | None = None  # None: "cuda" when available, else "cpu"
+    enforce_eager: bool = False  # True: no CUDA graphs (every step runs eagerly)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.enforce_eager, bool):
+            raise InvalidArgumentError(describe("enforce_eager", self.enforce_eager, "a bool"))
         if not isinstance(self.cache, CacheConfig):
             raise InvalidArgumentError(describe("cache", self.cache, "a CacheConfig"))
         if not isinstance(self.scheduler, SchedulerConfig):

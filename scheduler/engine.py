@@ -1,8 +1,11 @@
 """LLMEngine: continuous batching of requests over a paged KV cache and a Llama-family model.
 
-The driver loop is ``schedule -> pack -> run -> sample -> append``. The
-scheduler and block manager live here, in the driver; the model runner gets
-plain tensors (:class:`~scheduler.model_runner.StepInput`).
+The driver loop is ``schedule -> build inputs -> run -> sample -> append``. The
+scheduler and block manager live here, in the driver; the model runner gets a
+:class:`~scheduler.step_input.StepInput` of device tensors built on the host, and
+the only device->host transfer of a step is the sampled tokens. On CUDA, decode
+steps replay captured graphs (:mod:`scheduler.cuda_graphs`) unless
+``EngineConfig.enforce_eager``.
 
 Beyond ``add_request`` / ``step`` / ``generate``, the engine exposes the
 pieces a custom decoder (beam search) drives by itself: :meth:`schedule`,
@@ -14,6 +17,7 @@ and :meth:`finish_sequence` (frees the sequence's blocks at once).
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Iterable, Sequence as Seq
 
@@ -27,7 +31,8 @@ from paged_kv.kv_cache import PagedKVCache
 from scheduler.config import EngineConfig
 from scheduler.metrics import EngineMetrics, MetricsSummary
 from scheduler.model import LlamaModel
-from scheduler.model_runner import ModelRunner, pack_step
+from scheduler.memory import plan_kv_memory
+from scheduler.model_runner import ModelRunner
 from scheduler.outputs import RequestOutput
 from scheduler.params import SamplingParams
 from scheduler.request_checks import check_prompt, check_request_fits
@@ -35,6 +40,9 @@ from scheduler.sampler import sample
 from scheduler.scheduler import Scheduler
 from scheduler.scheduler_output import ScheduledSeq, SchedulerOutput
 from scheduler.sequence import Sequence, SequenceGroup, SequenceStatus
+from scheduler.step_input import StepInputBuilder
+
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -44,20 +52,42 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         self.device = config.resolved_device()
         self.model = model.to(self.device).eval()
-        cc = config.cache
+        cc, sc = config.cache, config.scheduler
         spec = model.kv_cache_spec(cc.block_size, cc.dtype)
-        num_blocks = cc.num_gpu_blocks or spec.num_blocks_for_bytes(cc.kv_cache_bytes)
+        graphs = self.device.type == "cuda" and not config.enforce_eager
+        num_blocks = self._num_gpu_blocks(spec, graphs)
         self.block_manager = BlockManager(BlockManagerConfig(
             num_blocks=num_blocks, block_size=cc.block_size, num_cpu_blocks=cc.num_cpu_blocks,
             watermark=cc.watermark, enable_prefix_caching=cc.enable_prefix_caching,
         ))  # fmt: skip
         cpu_cache = PagedKVCache(spec, cc.num_cpu_blocks, "cpu") if cc.num_cpu_blocks else None
         self.runner = ModelRunner(self.model, PagedKVCache(spec, num_blocks, self.device), cpu_cache)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        width = min(-(-model.config.max_position_embeddings // cc.block_size), num_blocks)
+        self.inputs = StepInputBuilder(self.block_manager, self.device, width)
+        if graphs:
+            captured = self.runner.capture_graphs(sc.max_num_seqs, width)
+            logger.info("captured %d decode CUDA graphs (batch 1..%d) in %.1f s, %.2f GiB",
+                        len(captured.sizes), captured.sizes[-1], captured.capture_seconds, captured.pool_bytes / 2**30)
+        self.scheduler = Scheduler(sc, self.block_manager)
         self.eos_token_ids = _as_id_set(eos_token_id)
         self.metrics = EngineMetrics()
         self._groups: dict[str, SequenceGroup] = {}
         self._auto_ids = itertools.count()
+
+    def _num_gpu_blocks(self, spec, graphs: bool) -> int:
+        """The pool size: from gpu_memory_utilization on CUDA, else num_gpu_blocks or the byte budget; logged."""
+        cc, sc = self.config.cache, self.config.scheduler
+        if cc.gpu_memory_utilization is not None and self.device.type == "cuda":
+            plan = plan_kv_memory(
+                self.model, spec, utilization=cc.gpu_memory_utilization, max_tokens=sc.max_num_batched_tokens,
+                max_seqs=sc.max_num_seqs, graphs=graphs,
+            )  # fmt: skip
+            logger.info(plan.describe(spec))
+            return plan.num_blocks
+        num_blocks = cc.num_gpu_blocks or spec.num_blocks_for_bytes(cc.kv_cache_bytes)
+        logger.info("KV pool %d blocks x %d tokens = %d tokens, %.3f GiB on %s", num_blocks, spec.block_size,
+                    num_blocks * spec.block_size, num_blocks * spec.bytes_per_block / 2**30, self.device)  # fmt: skip
+        return num_blocks
 
     @classmethod
     def from_hf(cls, hf_model: torch.nn.Module, config: EngineConfig | None = None) -> LLMEngine:
@@ -106,6 +136,8 @@ class LLMEngine:
         if group is None:
             raise UnknownSequenceError(describe("request_id", request_id, "the id of an unfinished request"))
         self.scheduler.remove(group)
+        for seq in group.seqs:
+            self.inputs.release(seq.seq_id)
         now = time.perf_counter()
         for seq in group.unfinished():
             self._mark_finished(seq, "abort", now)
@@ -135,7 +167,7 @@ class LLMEngine:
 
     def run_model(self, out: SchedulerOutput) -> torch.Tensor:
         """Run a scheduled step; return logits ``[R, vocab]``, one row per sequence with ``samples`` in order."""
-        logits = self.runner.execute(pack_step(out, self.block_manager, self.device))
+        logits = self.runner.execute(self.inputs.build(out))
         now = time.perf_counter()
         for s in out.scheduled:
             s.seq.num_computed = s.start + s.num_tokens
@@ -155,7 +187,9 @@ class LLMEngine:
         if not seqs:
             return 0
         params = [g.params for g, _ in seqs]
-        result = sample(logits[rows], params, [self._generator(g, q) for g, q in seqs])
+        if rows != list(range(logits.shape[0])):
+            logits = logits[torch.tensor(rows).to(logits.device, non_blocking=True)]
+        result = sample(logits, params, [self._generator(g, q) for g, q in seqs])
         now = time.perf_counter()
         for i, (group, seq) in enumerate(seqs):
             self.append_token(group, seq, result.token_ids[i], result.logprobs[i], result.top_logprobs[i], now)
@@ -192,6 +226,7 @@ class LLMEngine:
         """Stop a sequence and free its blocks now (its group runs on while others are unfinished)."""
         self._mark_finished(seq, reason, time.perf_counter() if now is None else now)
         self.scheduler.free_seq(seq)
+        self.inputs.release(seq.seq_id)
 
     def collect_finished(self) -> list[RequestOutput]:
         """Retire groups whose every sequence stopped; return their outputs."""

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paged_kv.batch import BatchMetadata
+from kernels.attention_metadata import AttentionMetadata
 from paged_kv.errors import InvalidArgumentError, check_int, describe
 from paged_kv.kv_cache import KVCacheSpec, PagedKVCache
 from scheduler.attention import AttentionPlan
@@ -103,8 +103,9 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.rope(positions, q, k)
-        cache.write(self.layer, k, v.contiguous(), plan.meta.slot_mapping)
-        out = plan.attend(q.contiguous(), cache.layers[self.layer], self.scale)  # [T, Hq, D]
+        kv = cache.layers[self.layer]
+        plan.write(kv, k, v.contiguous())
+        out = plan.attend(q.contiguous(), kv, self.scale)  # [T, Hq, D]
         return self.o(out.reshape(out.shape[0], -1))
 
 
@@ -161,11 +162,26 @@ class LlamaModel(nn.Module):
         )  # fmt: skip
 
     @torch.inference_mode()
-    def forward(self, input_ids, positions, cache: PagedKVCache, meta: BatchMetadata, logits_indices) -> torch.Tensor:
-        """input_ids, positions: [T]; logits_indices: [R] rows to score -> logits [R, vocab] float32."""
+    def forward(
+        self, input_ids, positions, cache: PagedKVCache, meta: AttentionMetadata, logits_indices=None
+    ) -> torch.Tensor:
+        """input_ids, positions: [T]; logits_indices: [R] rows to score (None: all) -> logits [R, vocab] float32."""
+        x = self.hidden_states(input_ids, positions, cache, meta)  # [T, hidden]
+        return self.compute_logits(x if logits_indices is None else x[logits_indices])
+
+    @torch.inference_mode()
+    def hidden_states(self, input_ids, positions, cache: PagedKVCache, meta: AttentionMetadata) -> torch.Tensor:
+        """The decoder layers over packed tokens: input_ids, positions [T] -> [T, hidden].
+
+        Reads no device value on the host, so a decode step's call can be captured in a CUDA graph.
+        """
         x = self.embed(input_ids)  # [T, hidden]
-        plan = AttentionPlan(meta, input_ids.shape[0])
+        plan = AttentionPlan(meta)
         for layer in self.layers:
             x = layer(x, positions, cache, plan)
-        x = self.norm(x[logits_indices])  # [R, hidden]
-        return self.lm_head(x).float()
+        return x
+
+    @torch.inference_mode()
+    def compute_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head: hidden states [R, hidden] -> logits [R, vocab] float32."""
+        return self.lm_head(self.norm(x)).float()

@@ -31,16 +31,28 @@ class SampleResult:
 def sample(
     logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
 ) -> SampleResult:
-    """Pick one token per row of ``logits [R, V]`` following each row's parameters."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [R, V]
+    """Pick one token per row of ``logits [R, V]`` following each row's parameters.
+
+    Everything runs on the logits' device; the chosen tokens, their log-probabilities and the
+    top log-probabilities asked for come back in one device->host transfer.
+    """
     tokens = logits.argmax(dim=-1)  # [R]; greedy rows keep these
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
-        rows = torch.tensor(random_rows, device=logits.device)
+        rows = torch.tensor(random_rows).to(logits.device, non_blocking=True)
         picked = [params[i] for i in random_rows], [generators[i] for i in random_rows]
         tokens[rows] = _sample_rows(logits[rows], *picked)
-    chosen = logprobs.gather(1, tokens[:, None])[:, 0]  # [R]
-    return SampleResult(tokens.tolist(), chosen.tolist(), _top_logprobs(logprobs, params))
+    k = max((p.logprobs for p in params), default=0)
+    lse = torch.logsumexp(logits.float(), dim=-1, keepdim=True)  # [R, 1]
+    chosen = logits.gather(1, tokens[:, None]).float() - lse  # [R, 1]
+    parts = [tokens[:, None].double(), chosen.double()]
+    if k:
+        top_values, top_ids = logits.float().topk(min(k, logits.shape[-1]), dim=-1)  # [R, k]
+        parts += [(top_values - lse).double(), top_ids.double()]  # ids < 2**53 are exact
+    host = torch.cat(parts, dim=1).tolist()  # the step's one device->host transfer
+    return SampleResult(
+        [int(r[0]) for r in host], [r[1] for r in host], _top_logprobs(host, params, k)
+    )
 
 
 def _sample_rows(
@@ -48,10 +60,11 @@ def _sample_rows(
 ) -> torch.Tensor:
     """Random draws for rows with temperature > 0: logits [R, V] -> tokens [R]."""
     device = logits.device
-    temperature = torch.tensor([p.temperature for p in params], device=device, dtype=torch.float32)
-    top_k = torch.tensor([p.top_k for p in params], device=device, dtype=torch.int64)
-    top_p = torch.tensor([p.top_p for p in params], device=device, dtype=torch.float32)
-    scaled = apply_top_k_top_p(logits.float() / temperature[:, None], top_k, top_p)
+    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32).to(device, non_blocking=True)
+    top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64).to(device, non_blocking=True)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32).to(device, non_blocking=True)
+    use_k, use_p = any(p.top_k > 0 for p in params), any(p.top_p < 1.0 for p in params)
+    scaled = apply_top_k_top_p(logits.float() / temperature[:, None], top_k, top_p, use=(use_k, use_p))
     probs = torch.softmax(scaled, dim=-1)  # [R, V]
     return (probs / exponential_noise(probs, gens)).argmax(dim=-1)
 
@@ -67,9 +80,15 @@ def exponential_noise(like: torch.Tensor, gens: list[torch.Generator | None]) ->
     return noise.clamp_(min=_TINY)
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Set to -inf every logit outside each row's top-k (0: all) and top-p nucleus (1.0: all)."""
-    use_k, use_p = bool((top_k > 0).any()), bool((top_p < 1.0).any())
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, *, use: tuple[bool, bool] | None = None
+) -> torch.Tensor:
+    """Set to -inf every logit outside each row's top-k (0: all) and top-p nucleus (1.0: all).
+
+    ``use`` says from the host whether any row filters by top-k / top-p; without it they are
+    read from the tensors (a device read on a GPU).
+    """
+    use_k, use_p = use if use is not None else (bool((top_k > 0).any()), bool((top_p < 1.0).any()))
     if not (use_k or use_p):
         return logits
     vocab = logits.shape[-1]
@@ -86,13 +105,10 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.empty_like(logits).scatter_(-1, order, ordered.masked_fill(drop, float("-inf")))
 
 
-def _top_logprobs(logprobs: torch.Tensor, params: Sequence[SamplingParams]) -> list[dict[int, float] | None]:
-    k = max((p.logprobs for p in params), default=0)
-    if k == 0:
-        return [None] * len(params)
-    values, ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)  # [R, k]
-    values, ids = values.tolist(), ids.tolist()
-    return [
-        dict(zip(ids[i][: p.logprobs], values[i][: p.logprobs])) if p.logprobs else None
-        for i, p in enumerate(params)
-    ]
+def _top_logprobs(host: list[list[float]], params: Sequence[SamplingParams], k: int) -> list[dict[int, float] | None]:
+    """Per row, ``{token id: logprob}`` of its ``logprobs`` most likely tokens (None when not asked)."""
+    out: list[dict[int, float] | None] = []
+    for row, p in zip(host, params):
+        values, ids = row[2 : 2 + k], row[2 + k : 2 + 2 * k]
+        out.append({int(i): v for i, v in zip(ids[: p.logprobs], values[: p.logprobs])} if p.logprobs else None)
+    return out

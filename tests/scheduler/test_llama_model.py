@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paged_kv.batch import build_batch_metadata
+from kernels.attention_metadata import prepare_attention_metadata
 from paged_kv.errors import InvalidArgumentError
 from paged_kv.kv_cache import PagedKVCache
 from scheduler import ModelConfig, from_hf_model, from_state_dict
@@ -23,7 +23,7 @@ def _forward(model, seqs: list[list[int]], chunks: list[list[int]]) -> list[torc
         counts = [c[step] for c in chunks]
         ids = [t for s, n, d in zip(seqs, counts, done) for t in s[d : d + n]]
         pos = [p for n, d in zip(counts, done) for p in range(d, d + n)]
-        meta = build_batch_metadata(tables, done, counts, BLOCK)
+        meta = prepare_attention_metadata(tables, done, counts, block_size=BLOCK, num_blocks=96)
         out = model(torch.tensor(ids), torch.tensor(pos), cache, meta, torch.arange(len(ids)))
         for s, rows in enumerate(out.split(counts)):
             logits[s].append(rows)

@@ -8,9 +8,10 @@ import torch
 
 from paged_kv import BlockManager, BlockManagerConfig
 from scheduler import SamplingParams
-from scheduler.model_runner import order_free_batches, pack_step
+from scheduler.model_runner import order_free_batches
 from scheduler.scheduler_output import ScheduledSeq, SchedulerOutput
 from scheduler.sequence import Sequence, SequenceGroup
+from scheduler.step_input import StepInputBuilder
 
 
 def test_order_free_batches_equal_copying_in_list_order():
@@ -30,7 +31,7 @@ def test_order_free_batches_equal_copying_in_list_order():
         assert batched == sequential
 
 
-def test_pack_step_builds_positions_slots_and_sampled_rows():
+def test_step_input_builds_positions_slots_and_sampled_rows():
     bm = BlockManager(BlockManagerConfig(num_blocks=16, block_size=4, watermark=0.0))
     a, b = Sequence(0, 0, list(range(10, 20))), Sequence(1, 0, [7, 8, 9])
     bm.allocate(0, a.token_ids[:6])  # a: prefill chunk 0..6 of 10
@@ -40,7 +41,7 @@ def test_pack_step_builds_positions_slots_and_sampled_rows():
     bm.append(1, [42])
     group = SequenceGroup("g", [a], SamplingParams())
     out = SchedulerOutput([ScheduledSeq(a, group, 0, 6), ScheduledSeq(b, group, 3, 1)], [], [], [], [])
-    step = pack_step(out, bm, torch.device("cpu"))
+    step = StepInputBuilder(bm, torch.device("cpu"), max_blocks_per_seq=8).build(out)
     assert step.input_ids.tolist() == list(range(10, 16)) + [42]
     assert step.positions.tolist() == [0, 1, 2, 3, 4, 5, 3]
     assert step.logits_indices.tolist() == [6]  # a's chunk stops short of its last token: not sampled
@@ -48,3 +49,5 @@ def test_pack_step_builds_positions_slots_and_sampled_rows():
     expected = [table_a[p // 4] * 4 + p % 4 for p in range(6)] + [table_b[0] * 4 + 3]
     assert step.meta.slot_mapping.tolist() == expected
     assert step.meta.seq_lens.tolist() == [6, 4] and step.meta.cu_seqlens_q.tolist() == [0, 6, 7]
+    assert step.meta.block_tables[:, :2].tolist() == [table_a[:2], table_b + [0]]
+    assert step.meta.max_seq_len == 6 and step.meta.max_query_len == 6 and not step.meta.is_decode

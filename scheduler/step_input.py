@@ -1,0 +1,126 @@
+"""A scheduled step as device inputs: built on the host from Python ints, one host->device copy.
+
+:class:`StepInputBuilder` runs in the driver. It reads the block manager's tables into
+persistent rows (:mod:`scheduler.block_tables`), computes positions, slots and lengths
+with numpy, and uploads them in one pinned, non-blocking copy. The result, a
+:class:`StepInput`, carries prepared attention metadata: nothing downstream reads a
+device value back (the model's forward can be captured in a CUDA graph).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kernels.attention_metadata import AttentionMetadata, host_slot_mapping
+from paged_kv.block_manager import BlockManager, CopyOp
+from scheduler.block_tables import BlockTables
+from scheduler.scheduler_output import SchedulerOutput
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class StepInput:
+    """Everything a worker needs for one step: device tensors, prepared metadata and block moves."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata  # block tables, seq lens, cu_seqlens_q, slot mapping + host sizes
+    logits_indices: torch.Tensor  # [R] int64 rows of the packed batch whose logits are sampled
+    swap_out: list[CopyOp]
+    swap_in: list[CopyOp]
+    copies: list[CopyOp]
+
+    @property
+    def num_tokens(self) -> int:
+        """Packed new tokens."""
+        return self.input_ids.shape[0]
+
+    @property
+    def num_sampled(self) -> int:
+        """Rows of logits the step returns."""
+        return self.logits_indices.shape[0]
+
+
+class Uploader:
+    """Host->device copies through a reused pinned buffer (plain tensors when the device is the CPU)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._pinned = torch.empty(0, dtype=torch.int64)
+        self._done: torch.cuda.Event | None = None
+
+    def upload(self, values: np.ndarray) -> torch.Tensor:
+        """An int64 device copy of ``values`` (non-blocking on CUDA)."""
+        host = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        if self._done is not None:
+            self._done.synchronize()  # the last copy out of the buffer has finished
+        if self._pinned.numel() < host.numel():
+            self._pinned = torch.empty(max(host.numel(), 2 * self._pinned.numel()), dtype=torch.int64).pin_memory()
+        staged = self._pinned[: host.numel()]
+        staged.copy_(host)
+        out = staged.to(self.device, non_blocking=True)
+        self._done = torch.cuda.Event()
+        self._done.record()
+        return out
+
+
+class StepInputBuilder:
+    """Builds each step's :class:`StepInput` from the scheduler's decisions and the block manager."""
+
+    def __init__(self, bm: BlockManager, device: torch.device, max_blocks_per_seq: int) -> None:
+        self.bm, self.device = bm, device
+        self.tables = BlockTables(bm, max_blocks_per_seq, device)
+        self._uploader = Uploader(device)
+
+    def release(self, seq_id: int) -> None:
+        """Forget a sequence's table row (call when its blocks are freed or moved)."""
+        self.tables.release(seq_id)
+
+    def build(self, out: SchedulerOutput) -> StepInput:
+        """Sync the step's table rows, compute its tensors on the host, upload them in one copy."""
+        for group in out.preempted:
+            for seq in group.seqs:
+                self.tables.release(seq.seq_id)
+        force = bool(out.copies)
+        rows, starts, counts, samples, ids = [], [], [], [], []
+        for s in out.scheduled:
+            end = s.start + s.num_tokens
+            rows.append(self.tables.sync(s.seq.seq_id, end, force))
+            starts.append(s.start)
+            counts.append(s.num_tokens)
+            samples.append(end == s.seq.num_tokens)
+            ids += s.seq.token_ids[s.start : end]
+        return self._pack(out, np.array(rows, np.int64), np.array(starts, np.int64), np.array(counts, np.int64),
+                          np.array(samples, bool), ids)  # fmt: skip
+
+    def _pack(self, out, rows, computed, new, samples, ids) -> StepInput:
+        bs = self.bm.block_size
+        seq_lens = computed + new  # [S]
+        cu = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(new, out=cu[1:])
+        positions = np.arange(cu[-1]) - np.repeat(cu[:-1] - computed, new)  # [T]
+        slots = host_slot_mapping(self.tables.host, rows, computed, new, cu, bs)
+        max_len = int(seq_lens.max(initial=0))
+        upd_rows, upd_cols, upd_ids = self.tables.take_updates()
+        parts = [np.asarray(ids, dtype=np.int64), positions, slots, seq_lens, cu, rows, cu[1:][samples] - 1,
+                 upd_rows, upd_cols, upd_ids]  # fmt: skip
+        flat = self._uploader.upload(np.concatenate(parts))
+        ids_t, pos_t, slots_t, lens_t, cu_t, rows_t, logits_t, u_rows, u_cols, u_ids = flat.split(
+            [len(p) for p in parts]
+        )
+        self.tables.apply_updates(u_rows, u_cols, u_ids)
+        width = max(1, -(-max_len // bs))
+        meta = AttentionMetadata(
+            block_tables=self.tables.table[:, :width].index_select(0, rows_t), seq_lens=lens_t.to(torch.int32),
+            cu_seqlens_q=cu_t.to(torch.int32), slot_mapping=slots_t, host_seq_lens=seq_lens, host_query_lens=new,
+            block_size=bs, num_blocks=self.bm.gpu.num_blocks, max_seq_len=max_len,
+            max_query_len=int(new.max(initial=0)),
+        )  # fmt: skip
+        return StepInput(
+            input_ids=ids_t, positions=pos_t, meta=meta, logits_indices=logits_t,
+            swap_out=out.swap_out, swap_in=out.swap_in, copies=out.copies,
+        )  # fmt: skip
