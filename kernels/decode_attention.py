@@ -44,7 +44,7 @@ from kernels.attention_triton import (
     scaled_logits,
     softmax_step,
 )
-from paged_kv.errors import OutOfRangeError, check_int, describe
+from paged_kv.errors import InvalidArgumentError, OutOfRangeError, check_int, describe
 
 MAX_SPLITS = 128
 MIN_TOKENS_PER_SPLIT = 256
@@ -353,7 +353,7 @@ def paged_decode_attention_prepared(
     opts = check_options(geo.head_dim, scale, sliding_window, soft_cap)
     check_metadata(meta, num_blocks=geo.num_blocks, block_size=geo.block_size, device=q.device)
     if not meta.is_decode or q.shape[0] != meta.num_seqs:
-        raise InvalidArgumentError(describe("q.shape[0]", q.shape[0], f"one query per sequence of a decode step"))
+        raise InvalidArgumentError(describe("q.shape[0]", q.shape[0], "one query per sequence of a decode step"))
     if num_splits is not None:
         check_int("num_splits", num_splits, low=1, high=MAX_SPLITS)
     if q.shape[0] == 0:

@@ -56,8 +56,8 @@ class Uploader:
         host = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
         if self.device.type != "cuda":
             return host.to(self.device)
-        if self._done is not None:
-            self._done.synchronize()  # the last copy out of the buffer has finished
+        if self._done is not None and not self._done.query():
+            self._done.synchronize()  # the last copy out of the buffer must finish (the step's sync made it so)
         if self._pinned.numel() < host.numel():
             self._pinned = torch.empty(max(host.numel(), 2 * self._pinned.numel()), dtype=torch.int64).pin_memory()
         staged = self._pinned[: host.numel()]
