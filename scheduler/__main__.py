@@ -39,6 +39,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--show", type=int, default=3, help="answers to print")
     p.add_argument("--beam-width", type=int, default=4, help="beam width of the beam-search example (0: skip it)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode steps eagerly, no CUDA graphs")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="CUDA: share of the GPU's memory the engine may use; sizes the KV pool (overrides --kv-blocks)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1: small decode matmuls gain little from more, "
                         "and lose badly when the cores are shared; 0: torch's default)")  # fmt: skip
@@ -53,13 +56,14 @@ def build_engine(hf_model, args: argparse.Namespace) -> LLMEngine:
         cpu_blocks = 2 * args.kv_blocks if args.preemption_mode == "swap" else 0
     cache = CacheConfig(
         block_size=args.block_size, num_gpu_blocks=args.kv_blocks, num_cpu_blocks=cpu_blocks,
-        enable_prefix_caching=not args.no_prefix_caching,
+        enable_prefix_caching=not args.no_prefix_caching, gpu_memory_utilization=args.gpu_memory_utilization,
     )  # fmt: skip
     sched = SchedulerConfig(
         max_num_batched_tokens=args.max_batched_tokens, max_num_seqs=args.max_num_seqs,
         preemption_mode=args.preemption_mode,
     )  # fmt: skip
-    return LLMEngine.from_hf(hf_model, EngineConfig(cache=cache, scheduler=sched, device=args.device))
+    config = EngineConfig(cache=cache, scheduler=sched, device=args.device, enforce_eager=args.enforce_eager)
+    return LLMEngine.from_hf(hf_model, config)
 
 
 def serve(engine: LLMEngine, requests: list[ChatRequest], arrivals_per_step: int) -> dict[str, RequestOutput]:

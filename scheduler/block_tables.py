@@ -62,6 +62,14 @@ class BlockTables:
         self._updates.append((row, start, ids))
         return row
 
+    def sync_all(self, seq_ids: list[Hashable], num_tokens: np.ndarray, force: bool = False) -> np.ndarray:
+        """:meth:`sync` for a step's sequences; returns their rows ``[S]`` int64 (only stale rows are re-read)."""
+        rows = np.fromiter((self._rows.get(i, -1) for i in seq_ids), np.int64, len(seq_ids))
+        stale = (rows < 0) | (self.synced[rows] * self.block_size < num_tokens) | force
+        for i in np.flatnonzero(stale).tolist():
+            rows[i] = self.sync(seq_ids[i], int(num_tokens[i]), force=True)
+        return rows
+
     def release(self, seq_id: Hashable) -> None:
         """Forget a sequence's row (its blocks were freed, swapped or preempted); a no-op without one."""
         row = self._rows.pop(seq_id, None)

@@ -85,17 +85,14 @@ class StepInputBuilder:
         for group in out.preempted:
             for seq in group.seqs:
                 self.tables.release(seq.seq_id)
-        force = bool(out.copies)
-        rows, starts, counts, samples, ids = [], [], [], [], []
-        for s in out.scheduled:
-            end = s.start + s.num_tokens
-            rows.append(self.tables.sync(s.seq.seq_id, end, force))
-            starts.append(s.start)
-            counts.append(s.num_tokens)
-            samples.append(end == s.seq.num_tokens)
-            ids += s.seq.token_ids[s.start : end]
-        return self._pack(out, np.array(rows, np.int64), np.array(starts, np.int64), np.array(counts, np.int64),
-                          np.array(samples, bool), ids)  # fmt: skip
+        items = out.scheduled
+        n = len(items)
+        computed = np.fromiter((s.start for s in items), np.int64, n)
+        new = np.fromiter((s.num_tokens for s in items), np.int64, n)
+        totals = np.fromiter((s.seq.num_tokens for s in items), np.int64, n)
+        rows = self.tables.sync_all([s.seq.seq_id for s in items], computed + new, force=bool(out.copies))
+        ids = [t for s in items for t in s.seq.token_ids[s.start : s.start + s.num_tokens]]
+        return self._pack(out, rows, computed, new, computed + new == totals, ids)
 
     def _pack(self, out, rows, computed, new, samples, ids) -> StepInput:
         bs = self.bm.block_size

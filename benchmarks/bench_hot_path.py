@@ -1,0 +1,121 @@
+"""Host cost of the serving hot path: prepared vs checked kernel calls, and building a step's inputs.
+
+Two side-by-side measurements, each printed with its ratio:
+
+1. ``paged_decode_attention`` per call, checked (validates device tensors: reads bounds back)
+   vs prepared (host-validated :class:`~kernels.AttentionMetadata`). On CUDA the kernels run and
+   the host time per call is measured over a queue of calls; on the CPU the Triton launches are
+   stubbed, so the figure is the wrappers' own Python work.
+2. Building a decode step's device inputs at batch 64 and 256 (~1k tokens each): the engine's
+   :class:`~scheduler.step_input.StepInputBuilder` (persistent tables, numpy, one upload) vs
+   rebuilding every table from lists per step (the engine's previous ``pack_step``).
+
+Run: ``python benchmarks/bench_hot_path.py [--device cuda]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from contextlib import ExitStack
+from unittest import mock
+
+import torch
+
+import kernels.decode_attention as dec
+from kernels import paged_decode_attention, paged_decode_attention_prepared, prepare_attention_metadata
+from paged_kv import BlockManager, BlockManagerConfig
+from paged_kv.batch import build_batch_metadata
+from scheduler.params import SamplingParams
+from scheduler.scheduler_output import ScheduledSeq, SchedulerOutput
+from scheduler.sequence import Sequence, SequenceGroup
+from scheduler.step_input import StepInputBuilder
+
+
+def _best_us(fn, repeat: int, rounds: int = 5, sync=lambda: None) -> float:
+    """Best mean microseconds per call of ``fn`` over ``rounds`` rounds of ``repeat`` calls."""
+    best = float("inf")
+    for _ in range(rounds):
+        sync()
+        start = time.perf_counter()
+        for _ in range(repeat):
+            fn()
+        sync()
+        best = min(best, (time.perf_counter() - start) / repeat * 1e6)
+    return best
+
+
+def bench_decode_call(device: torch.device, batch: int = 1, context: int = 1024) -> tuple[float, float]:
+    """(checked, prepared) host microseconds per decode call: Hq 32, Hkv 8, D 128, block 16, bf16."""
+    bs, hkv, dtype = 16, 8, torch.bfloat16 if device.type == "cuda" else torch.float32
+    per_seq = context // bs
+    k = torch.randn(batch * per_seq + 1, bs, hkv, 128, dtype=dtype, device=device)
+    v = torch.randn_like(k)
+    q = torch.randn(batch, 32, 128, dtype=dtype, device=device)
+    tables = [list(range(1 + s * per_seq, 1 + (s + 1) * per_seq)) for s in range(batch)]
+    meta = prepare_attention_metadata(tables, [context - 1] * batch, [1] * batch, block_size=bs,
+                                      num_blocks=k.shape[0], device=device)  # fmt: skip
+    args = (q, k, v, meta.block_tables, meta.seq_lens)
+    backend = "triton" if device.type == "cuda" else "torch"
+    with ExitStack() as stack:
+        if device.type != "cuda":  # time the wrappers' own work, not the CPU attention
+            stack.enter_context(mock.patch.object(dec, "_decode_torch", lambda *a, **kw: (q, None)))
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        checked = _best_us(lambda: paged_decode_attention(*args, backend=backend), 200, sync=sync)
+        prepared = _best_us(lambda: paged_decode_attention_prepared(q, k, v, meta, backend=backend), 200, sync=sync)
+    return checked, prepared
+
+
+def _decode_step(batch: int, context: int, bs: int = 16) -> tuple[BlockManager, SchedulerOutput]:
+    """A block manager holding ``batch`` sequences of ``context`` tokens, and a decode step over them."""
+    bm = BlockManager(BlockManagerConfig(num_blocks=batch * (context // bs + 2), block_size=bs, watermark=0.0))
+    group = SequenceGroup("g", [], SamplingParams())
+    scheduled = []
+    for s in range(batch):
+        seq = Sequence(s, s, [s] * context)
+        bm.allocate(s, seq.token_ids)
+        seq.num_computed = context - 1
+        scheduled.append(ScheduledSeq(seq, group, context - 1, 1))
+    return bm, SchedulerOutput(scheduled, [], [], [], [])
+
+
+def list_rebuild_pack(out: SchedulerOutput, bm: BlockManager, device: torch.device):
+    """The previous per-step packing: every table copied from the block manager and padded into a new tensor."""
+    items = out.scheduled
+    ids = [t for s in items for t in s.seq.token_ids[s.start : s.start + s.num_tokens]]
+    starts, counts = [s.start for s in items], [s.num_tokens for s in items]
+    meta = build_batch_metadata([bm.block_table(s.seq.seq_id) for s in items], starts, counts, bm.block_size, device)
+    return torch.tensor(ids).to(device), meta
+
+
+def bench_build(device: torch.device, batch: int, context: int = 1024) -> tuple[float, float]:
+    """(list rebuild, StepInputBuilder) host microseconds per decode step."""
+    bm, out = _decode_step(batch, context)
+    builder = StepInputBuilder(bm, device, max_blocks_per_seq=context // 16 + 2)
+    builder.build(out)  # first step: every row is new
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    rebuild = _best_us(lambda: list_rebuild_pack(out, bm, device), 20, sync=sync)
+    built = _best_us(lambda: builder.build(out), 20, sync=sync)
+    return rebuild, built
+
+
+def main() -> None:
+    """Print both tables."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args()
+    device = torch.device(args.device)
+    torch.set_num_threads(1)
+    print(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}")
+    print("\n| decode call, host us | checked | prepared | checked / prepared |\n|---|---:|---:|---:|")
+    for batch, context in ((1, 1024), (64, 2048)):
+        checked, prepared = bench_decode_call(device, batch, context)
+        print(f"| batch {batch} x {context} | {checked:.1f} | {prepared:.1f} | {checked / prepared:.2f}x |")
+    print("\n| decode step inputs, host us | rebuild from lists | StepInputBuilder | ratio |\n|---|---:|---:|---:|")
+    for batch in (64, 256):
+        rebuild, built = bench_build(device, batch)
+        print(f"| batch {batch} x 1024 tokens | {rebuild:.0f} | {built:.0f} | {rebuild / built:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
