@@ -233,7 +233,7 @@ class BlockManager:
         return copies
 
     def can_append_all(self, requests: Iterable[tuple[SeqId, int]]) -> bool:
-        """Whether ``append_all`` of ``num_new_tokens`` for each ``(seq_id, num_new_tokens)`` would find enough blocks."""
+        """Whether ``append_all`` of ``num_new_tokens`` for each ``(seq_id, num_new_tokens)`` would find the blocks."""
         return self.num_blocks_to_append_all(requests) <= self.gpu.num_free
 
     def append_all(
@@ -468,38 +468,94 @@ class BlockManager:
         seq.cacheable, seq.tail = False, _NO_IDS
 
     # -- swap -------------------------------------------------------------
+    # Swapping moves a set of sequences together: each distinct block they hold is copied
+    # once and referenced in the other pool as often as in this one, so blocks shared within
+    # the set stay shared there and back. A block also held by a sequence outside the set
+    # stays where it is for that sequence (the set gets its own copy). One sequence is the
+    # one-element set.
     def can_swap_out(self, seq_id: SeqId) -> bool:
         """Whether the CPU pool has room for the sequence's blocks."""
-        return len(self._get_resident(seq_id).blocks) <= self.cpu.num_free
+        return self.can_swap_out_group((seq_id,))
 
     def swap_out(self, seq_id: SeqId) -> list[CopyOp]:
         """Move a sequence to the CPU pool; return the (gpu, cpu) block copies to run first."""
-        return self._swap(self._get_resident(seq_id), self.gpu, self.cpu, to_cpu=True)
+        return self.swap_out_group((seq_id,))
 
     def can_swap_in(self, seq_id: SeqId) -> bool:
         """Whether the GPU pool has room (above the watermark) for a swapped-out sequence."""
-        seq = self._get(seq_id)
-        return seq.swapped and self.gpu.num_free - len(seq.blocks) >= self.config.watermark_blocks
+        return self.can_swap_in_group((seq_id,))
 
     def swap_in(self, seq_id: SeqId) -> list[CopyOp]:
         """Bring a swapped-out sequence back; return the (cpu, gpu) block copies to run first."""
-        seq = self._get(seq_id)
-        if not seq.swapped:
-            raise SequenceStateError(describe("seq_id", seq_id, "a swapped-out sequence"))
-        mapping = self._swap(seq, self.cpu, self.gpu, to_cpu=False)
-        self._register_full(seq)
+        return self.swap_in_group((seq_id,))
+
+    def num_distinct_blocks(self, seq_ids: Iterable[SeqId]) -> int:
+        """Blocks the sequences hold together, each shared block counted once (what swapping them moves)."""
+        return len(_distinct_blocks(self._group(seq_ids)[1]))
+
+    def can_swap_out_group(self, seq_ids: Iterable[SeqId]) -> bool:
+        """Whether the CPU pool has room for the resident sequences' distinct blocks."""
+        seqs = self._group(seq_ids, swapped=False)[1]
+        return len(_distinct_blocks(seqs)) <= self.cpu.num_free
+
+    def swap_out_group(self, seq_ids: Iterable[SeqId]) -> list[CopyOp]:
+        """Move resident sequences to the CPU pool together, sharing kept; return the (gpu, cpu) copies to run first.
+
+        Each distinct block moves once, whatever the number of sequences sharing it.
+        """
+        return self._swap(*self._group(seq_ids, swapped=False), self.gpu, self.cpu, to_cpu=True)
+
+    def can_swap_in_group(self, seq_ids: Iterable[SeqId]) -> bool:
+        """Whether all are swapped out and the GPU pool has room (above the watermark) for their distinct blocks."""
+        seqs = self._group(seq_ids)[1]
+        need = len(_distinct_blocks(seqs))
+        return all(s.swapped for s in seqs) and self.gpu.num_free - need >= self.config.watermark_blocks
+
+    def swap_in_group(self, seq_ids: Iterable[SeqId]) -> list[CopyOp]:
+        """Bring swapped-out sequences back together, sharing kept; return the (cpu, gpu) copies to run first.
+
+        Their full blocks are offered to the prefix cache again.
+        """
+        ids, seqs = self._group(seq_ids, swapped=True)
+        mapping = self._swap(ids, seqs, self.cpu, self.gpu, to_cpu=False)
+        for seq in seqs:
+            self._register_full(seq)
         return mapping
 
-    def _swap(self, seq: _Seq, src: BlockPool, dst: BlockPool, *, to_cpu: bool) -> list[CopyOp]:
-        if len(seq.blocks) > dst.num_free:
+    def _group(self, seq_ids: Iterable[SeqId], *, swapped: bool | None = None) -> tuple[list[SeqId], list[_Seq]]:
+        """The ids and sequences named, checked: known, each once, swapped out (or resident) if ``swapped`` says so."""
+        if isinstance(seq_ids, (str, bytes)):
+            raise InvalidArgumentError(describe("seq_ids", seq_ids, "an iterable of sequence ids (not a string)"))
+        try:
+            ids = list(seq_ids)
+        except TypeError:
+            raise InvalidArgumentError(describe("seq_ids", seq_ids, "an iterable of sequence ids")) from None
+        seqs = [self._get(seq_id) for seq_id in ids]
+        for seq_id, seq in zip(ids, seqs):
+            if swapped is False and seq.swapped:
+                self._get_resident(seq_id)  # raises SequenceStateError
+            if swapped and not seq.swapped:
+                raise SequenceStateError(describe("seq_id", seq_id, "a swapped-out sequence"))
+        if len({id(seq) for seq in seqs}) < len(seqs):
+            dup = next(seq_id for i, seq_id in enumerate(ids) if seq_id in ids[:i])
+            raise InvalidArgumentError(describe("seq_id", dup, "each sequence at most once"))
+        return ids, seqs
+
+    def _swap(
+        self, ids: list[SeqId], seqs: list[_Seq], src: BlockPool, dst: BlockPool, *, to_cpu: bool
+    ) -> list[CopyOp]:
+        """Copy each distinct block of ``seqs`` once into ``dst``, with their references; release them in ``src``."""
+        blocks = _distinct_blocks(seqs)
+        if len(blocks) > dst.num_free:
             raise OutOfBlocksError(
-                f"seq blocks={len(seq.blocks)}: expected at most {dst.num_free} free {dst.name} blocks"
+                f"seq_ids={ids!r} hold blocks={len(blocks)}: expected at most {dst.num_free} free {dst.name} blocks"
             )
-        new = dst.take(len(seq.blocks))
-        mapping = list(zip(seq.blocks, new))
-        src.release(reversed(seq.blocks))
-        seq.blocks, seq.swapped = new, to_cpu
-        return mapping
+        new = dict(zip(blocks, dst.take(len(blocks))))  # each with refcount 1
+        dst.touch_all(new[b] for b, refs in blocks.items() for _ in range(refs - 1))  # the other sharers in the set
+        for seq in seqs:
+            src.release(reversed(seq.blocks))  # as free: tail blocks become the first to evict
+            seq.blocks, seq.swapped = [new[b] for b in seq.blocks], to_cpu
+        return list(new.items())
 
     def _register_full(self, seq: _Seq) -> None:
         """Offer a swapped-in sequence's full blocks to the prefix cache again."""
@@ -632,6 +688,15 @@ def _append_out_of_blocks(seq_id: SeqId, n: int, need: int, free: int) -> OutOfB
     return OutOfBlocksError(
         f"token_ids (len {n}): needs {need} blocks for seq_id={seq_id!r}, expected at most {free} free"
     )
+
+
+def _distinct_blocks(seqs: list[_Seq]) -> dict[BlockId, int]:
+    """Each block the sequences hold, in order of first appearance, with how many of them hold it."""
+    blocks: dict[BlockId, int] = {}
+    for seq in seqs:
+        for b in seq.blocks:
+            blocks[b] = blocks.get(b, 0) + 1
+    return blocks
 
 
 def len_of(token_ids: Tokens) -> int:

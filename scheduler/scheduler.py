@@ -171,9 +171,9 @@ class Scheduler:
         step.preempted.append(group)
         group.num_preemptions += 1
         seqs = group.unfinished()
-        if self.config.preemption_mode == "swap" and self._can_swap_out(seqs):
-            for seq in seqs:
-                step.swap_out += self.bm.swap_out(seq.seq_id)
+        ids = [seq.seq_id for seq in seqs]
+        if self.config.preemption_mode == "swap" and self.bm.can_swap_out_group(ids):
+            step.swap_out += self.bm.swap_out_group(ids)  # blocks shared within the group move once
             group.set_status(SequenceStatus.SWAPPED)
             _insert_by_arrival(self.swapped, group)
             self.num_preemptions["swap"] += 1
@@ -184,20 +184,15 @@ class Scheduler:
         _insert_by_arrival(self.waiting, group)
         self.num_preemptions["recompute"] += 1
 
-    def _can_swap_out(self, seqs: list[Sequence]) -> bool:
-        return sum(len(self.bm.block_table(s.seq_id)) for s in seqs) <= self.bm.cpu.num_free
-
     # -- swapped and waiting ----------------------------------------------
     def _schedule_swapped(self, step: StepBudget) -> None:
         while self.swapped:
             group = self.swapped[0]
-            seqs = group.unfinished()
-            blocks = sum(len(self.bm.block_table(s.seq_id)) for s in seqs)
-            if self.bm.gpu.num_free - blocks < self.bm.config.watermark_blocks or not self._fits_seqs(group):
+            ids = [seq.seq_id for seq in group.unfinished()]
+            if not (self.bm.can_swap_in_group(ids) and self._fits_seqs(group)):  # shared blocks counted once
                 return
             self.swapped.popleft()
-            for seq in seqs:
-                step.swap_in += self.bm.swap_in(seq.seq_id)
+            step.swap_in += self.bm.swap_in_group(ids)
             group.set_status(SequenceStatus.RUNNING)
             self.running.append(group)
             plan = self._plan_running(group, step.tokens_left, step.num_seqs)

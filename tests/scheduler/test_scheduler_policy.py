@@ -173,3 +173,32 @@ def test_decode_groups_committed_at_once_make_the_same_steps_as_one_by_one(tiny_
         assert bool(calls) == batched and (not batched or max(calls) > 1)
     assert runs[0] == runs[1]
     assert runs[0][2][mode] > 0  # the tight pool did preempt: the fall-back path ran too
+
+
+def test_swap_preemption_moves_each_shared_block_of_a_group_once(tiny_hf):
+    """n = 4 samples share their prompt's blocks: swapped out and in as a group, they move and hold each once."""
+    prompts = _prompts(6, seed=11, low=20, high=40)
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=0, n=4, ignore_eos=True)
+    roomy = make_engine(tiny_hf, num_blocks=512, max_num_batched_tokens=64, max_num_seqs=16)
+    tight = make_engine(tiny_hf, num_blocks=56, num_cpu_blocks=256, preemption_mode="swap",
+                        max_num_batched_tokens=64, max_num_seqs=16)  # fmt: skip
+    bm, held, moved = tight.block_manager, {}, []
+    swap_out, swap_in = bm.swap_out_group, bm.swap_in_group
+
+    def out(ids):
+        held[tuple(ids)] = bm.num_distinct_blocks(ids)
+        moved.append((held[tuple(ids)], sum(len(bm.block_table(i)) for i in ids)))
+        copies = swap_out(ids)
+        assert len(copies) == held[tuple(ids)]
+        return copies
+
+    def back(ids):
+        copies = swap_in(ids)
+        assert len(copies) == bm.num_distinct_blocks(ids) == held[tuple(ids)]
+        return copies
+
+    bm.swap_out_group, bm.swap_in_group = out, back
+    expected = [[c.token_ids for c in o.outputs] for o in roomy.generate(prompts, params, use_tqdm=False)]
+    assert [[c.token_ids for c in o.outputs] for o in tight.generate(prompts, params, use_tqdm=False)] == expected
+    assert tight.scheduler.num_preemptions["swap"] >= 2
+    assert any(distinct < entries for distinct, entries in moved)  # shared blocks were counted and moved once
