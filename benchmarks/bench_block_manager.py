@@ -12,9 +12,14 @@ into third_party/vllm_blockpool/ by benchmarks/setup_vllm_baseline.sh (never
 committed), with SHA-256 block hashes as ``--prefix-caching-hash-algo sha256``
 selects. It is skipped, with a message, when that folder is missing.
 
+Decode append (ours only): 256 sequences holding 100-1023 tokens each take 64
+decode steps of one token each, through a per-sequence loop of ``append`` and
+through one ``append_all`` per step, side by side; the time per sequence and
+their ratio are printed (``--only decode`` runs just this case).
+
     .venv/bin/python -m pytest benchmarks/bench_block_manager.py --benchmark-only \
         --benchmark-timer=time.process_time
-    .venv/bin/python benchmarks/bench_block_manager.py [--repeat 7] [--clock cpu|wall]
+    .venv/bin/python benchmarks/bench_block_manager.py [--repeat 7] [--clock cpu|wall] [--only cycle|decode]
 """
 
 from __future__ import annotations
@@ -50,6 +55,8 @@ RAW_CYCLES = 20_000
 VOCAB = 32_000
 SEED = 0
 BLOCKS_PER_PROMPT = PROMPT_LEN // BLOCK_SIZE
+DECODE_BATCH = 256
+DECODE_STEPS = 64
 
 
 # -- workloads ----------------------------------------------------------------
@@ -125,6 +132,39 @@ def ours_pool_raw(pool: BlockPool, cycles: int) -> int:
     for _ in range(cycles):
         pool.release(reversed(pool.take(RAW_BLOCKS)))
     return cycles * RAW_BLOCKS
+
+
+def decode_setup() -> tuple[BlockManager, list[list[int]]]:
+    """DECODE_BATCH sequences of 100-1023 tokens (seeded) and DECODE_STEPS steps of one sampled id each."""
+    rng = random.Random(SEED + 3)
+    bm = BlockManager(BlockManagerConfig(
+        num_blocks=DECODE_BATCH * (1024 + DECODE_STEPS) // BLOCK_SIZE + DECODE_BATCH, block_size=BLOCK_SIZE,
+        watermark=0.0,
+    ))  # fmt: skip
+    for seq_id in range(DECODE_BATCH):
+        bm.allocate(seq_id, _random_tokens(rng, rng.randrange(100, 1024)))
+    return bm, [_random_tokens(rng, DECODE_BATCH) for _ in range(DECODE_STEPS)]
+
+
+def decode_loop(bm: BlockManager, steps: list[list[int]]) -> int:
+    """Each step: ``append`` one token to each sequence in turn; return the tokens held in the end."""
+    for step in steps:
+        for seq_id, token in enumerate(step):
+            bm.append(seq_id, [token])
+    return sum(map(bm.num_tokens, range(DECODE_BATCH)))
+
+
+def decode_batched(bm: BlockManager, steps: list[list[int]]) -> int:
+    """Each step: one ``append_all`` of a token for every sequence; return the tokens held in the end."""
+    for step in steps:
+        bm.append_all([(seq_id, [token]) for seq_id, token in enumerate(step)])
+    return sum(map(bm.num_tokens, range(DECODE_BATCH)))
+
+
+def decode_expected() -> int:
+    """Tokens held after the decode steps."""
+    bm, _ = decode_setup()
+    return sum(map(bm.num_tokens, range(DECODE_BATCH))) + DECODE_BATCH * DECODE_STEPS
 
 
 # -- vLLM side ------------------------------------------------------------------
@@ -274,10 +314,19 @@ def test_raw_vllm(benchmark, vllm: VllmBaseline) -> None:
     assert pool.get_num_free_blocks() == NUM_BLOCKS
 
 
+@pytest.mark.benchmark(group=f"decode append, batch {DECODE_BATCH}")
+@pytest.mark.parametrize("run", [decode_loop, decode_batched], ids=["loop-of-append", "append_all"])
+def test_decode_append(benchmark, run) -> None:
+    """DECODE_STEPS decode steps at batch DECODE_BATCH; both ways end with the same tokens held."""
+    benchmark.extra_info["appends"] = DECODE_BATCH * DECODE_STEPS
+    assert benchmark.pedantic(run, setup=lambda: (decode_setup(), {}), rounds=3) == decode_expected()
+
+
 # -- script: a side-by-side table ---------------------------------------------------
 CLOCKS: dict[str, Callable[[], float]] = {"cpu": time.process_time, "wall": time.perf_counter}
 TARGET_CYCLE_RATIO = 2.0
 TARGET_RAW_BLOCKS_PER_S = 2e6
+TARGET_APPEND_ALL_US = 2.0
 
 
 @dataclass(kw_only=True)
@@ -352,10 +401,26 @@ def raw_rows(vllm: VllmBaseline | None, repeat: int, clock: Callable[[], float])
             _row("raw alloc+free 32 (BlockPool)", n / pool.best, t_vllm and n / t_vllm, "blocks/s")], n / manager.best
 
 
-def report(repeat: int, clock_name: str) -> list[str]:
+def decode_rows(repeat: int, clock: Callable[[], float]) -> list[str]:
+    """Decode append per sequence: a loop of ``append`` against ``append_all``, interleaved; the ratio."""
+    expected, n = decode_expected(), DECODE_BATCH * DECODE_STEPS
+    loop = Case(run=decode_loop, make_args=decode_setup, expected=expected)
+    batched = Case(run=decode_batched, make_args=decode_setup, expected=expected)
+    race([loop, batched], repeat, clock)
+    per_loop, per_batched = loop.best / n * 1e6, batched.best / n * 1e6
+    ok = per_batched <= TARGET_APPEND_ALL_US
+    return [f"decode append, batch {DECODE_BATCH}, {DECODE_STEPS} steps: loop of append {per_loop:.2f} us/seq, "
+            f"append_all {per_batched:.2f} us/seq, {per_loop / per_batched:.2f}x",
+            f"target append_all <= {TARGET_APPEND_ALL_US:.0f} us/seq: {'met' if ok else 'MISSED'}"]
+
+
+def report(repeat: int, clock_name: str, only: str | None = None) -> list[str]:
     """Run every measurement (best of ``repeat``, interleaved with vLLM) and return the table's lines."""
-    vllm, why = load_vllm()
     clock = CLOCKS[clock_name]
+    if only == "decode":
+        return [f"machine: {machine()}", f"timing: {clock_name} time, best of {repeat} interleaved rounds",
+                *decode_rows(repeat, clock)]
+    vllm, why = load_vllm()
     lines = [f"machine: {machine()}", f"vLLM baseline: {vllm.version if vllm else why}",
              f"timing: {clock_name} time, best of {repeat} interleaved rounds",
              f"{'measurement':<34} {'paged-kv':>14} {'vLLM v1':>14} {'ratio':>7}   unit"]
@@ -368,7 +433,7 @@ def report(repeat: int, clock_name: str) -> list[str]:
                      f"(lowest {min(ratios):.2f}x)")
     ok = raw_rate >= TARGET_RAW_BLOCKS_PER_S
     lines.append(f"target raw >= {TARGET_RAW_BLOCKS_PER_S / 1e6:.0f}M blocks/s: {'met' if ok else 'MISSED'}")
-    return lines
+    return lines if only == "cycle" else lines + decode_rows(repeat, clock)
 
 
 def main() -> None:
@@ -377,8 +442,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=7, help="timed rounds per measurement; the best is kept")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="cpu",
                         help="cpu: process CPU time (robust on a shared machine; the work is single-threaded)")
+    parser.add_argument("--only", choices=["cycle", "decode"], help="run one part (default: all)")
     args = parser.parse_args()
-    print("\n".join(report(args.repeat, args.clock)))
+    print("\n".join(report(args.repeat, args.clock, args.only)))
 
 
 if __name__ == "__main__":

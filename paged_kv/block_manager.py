@@ -34,6 +34,7 @@ from paged_kv.tokens import Tokens, as_token_array
 
 SeqId = Hashable
 CopyOp = tuple[BlockId, BlockId]  # (src, dst)
+TableChange = tuple[Hashable, int, BlockId]  # (seq_id, logical index, new physical block)
 ROOT_CACHE_SIZE = 1024  # root hashes kept for recently used cache salts
 
 
@@ -183,14 +184,16 @@ class BlockManager:
         made: the last writer holds it alone. Each sequence may appear once.
         """
         holders: dict[BlockId, int] = {}  # shared block -> refcount left after the copies counted so far
-        need = 0
-        for seq, start, end in self._write_spans(requests):
-            need += max(0, self._blocks_for(end) - len(seq.blocks))
-            touched = seq.blocks[start // self.block_size : self._blocks_for(end)] if end > start else []
-            for b in touched:
-                refs = holders.get(b, self.gpu.ref_counts[b])
-                if refs > 1:
-                    need, holders[b] = need + 1, refs - 1
+        return sum(self._write_cost(seq, start, end, holders) for seq, start, end in self._write_spans(requests))
+
+    def _write_cost(self, seq: _Seq, start: int, end: int, holders: dict[BlockId, int]) -> int:
+        """Blocks readying ``[start, end)`` of ``seq`` takes after the writes already counted in ``holders``."""
+        need = max(0, self._blocks_for(end) - len(seq.blocks))
+        touched = seq.blocks[start // self.block_size : self._blocks_for(end)] if end > start else []
+        for b in touched:
+            refs = holders.get(b, self.gpu.ref_counts[b])
+            if refs > 1:
+                need, holders[b] = need + 1, refs - 1
         return need
 
     def _write_spans(self, requests: Iterable[tuple[SeqId, int, int]]) -> list[tuple[_Seq, int, int]]:
@@ -218,16 +221,115 @@ class BlockManager:
         n = len(ids) if ids is not None else len_of(token_ids)
         cow, num_new = self._append_cost(seq, n, num_lookahead_slots)
         if len(cow) + num_new > self.gpu.num_free:
-            raise OutOfBlocksError(
-                f"token_ids (len {n}): needs {len(cow) + num_new} blocks for seq_id={seq_id!r}, "
-                f"expected at most {self.gpu.num_free} free"
-            )
+            raise _append_out_of_blocks(seq_id, n, len(cow) + num_new, self.gpu.num_free)
+        return self._append_now(seq, ids, n, cow, num_new)
+
+    def _append_now(self, seq: _Seq, ids: array | None, n: int, cow: list[int], num_new: int) -> list[CopyOp]:
+        """The mutation of ``append``, its cost ``(cow, num_new)`` checked."""
         copies = self._copy_on_write(seq, cow)
         seq.blocks += self.gpu.take(num_new)
         if ids is None:
             seq.cacheable = False
         self._extend(seq, ids, n)
         return copies
+
+    def can_append_all(self, requests: Iterable[tuple[SeqId, int]]) -> bool:
+        """Whether ``append_all`` of ``num_new_tokens`` for each ``(seq_id, num_new_tokens)`` would find the blocks."""
+        return self.num_blocks_to_append_all(requests) <= self.gpu.num_free
+
+    def append_all(
+        self, requests: Iterable[tuple[SeqId, Tokens]], *, changed: list[TableChange] | None = None
+    ) -> list[CopyOp]:
+        """``append`` each ``(seq_id, token_ids)`` in turn, all or nothing; return every copy owed, in order.
+
+        The result (tables, copies, prefix-cache registrations, stats) is exactly
+        that of a loop of ``append`` without lookahead. Each sequence may appear
+        once. If any request is invalid or the pool cannot hold them all, it
+        raises what the first failing ``append`` of that loop would and nothing
+        changes. One token per sequence landing in a private block is the fast
+        path (a decode step). If ``changed`` is a list, every block-table entry the
+        call sets is appended to it as ``(seq_id, index, block)``: copy-on-write
+        replacements, then new blocks past the old end, in the order made; all
+        other entries are as before, so a persistent device table needs only these.
+        """
+        plan = self._plan_append_all(requests)
+        copies: list[CopyOp] = []
+        bs, gpu, one = self.block_size, self.gpu, array("q", (0,))
+        for seq_id, seq, token in plan:  # in order: blocks are taken and hashes registered as the loop would
+            if type(token) is not int:
+                copies += self._append_changes(seq_id, seq, *token, changed)
+                continue
+            nt = seq.num_tokens  # fast: the token's block is private, or new (checked by the plan)
+            seq.num_tokens = nt + 1
+            if nt % bs:
+                gpu.unregister(seq.blocks[nt // bs])  # as _unhash_written: written in place
+            elif nt // bs == len(seq.blocks):  # the first token of a new block
+                seq.blocks += gpu.take(1)
+                if changed is not None:
+                    changed.append((seq_id, nt // bs, seq.blocks[-1]))
+            if seq.cacheable:
+                one[0] = token
+                pending = seq.tail + one
+                if len(pending) < bs:
+                    seq.tail = pending
+                else:
+                    self._set_tail(seq, pending)
+        return copies
+
+    def _append_changes(
+        self, seq_id: SeqId, seq: _Seq, ids: array | None, n: int, changed: list[TableChange] | None
+    ) -> list[CopyOp]:
+        """``append`` of a checked request, its cost taken now; log the table entries it sets into ``changed``."""
+        cow, num_new = self._append_cost(seq, n, 0)
+        old_len = len(seq.blocks)
+        copies = self._append_now(seq, ids, n, cow, num_new)
+        if changed is not None:
+            changed += [(seq_id, i, seq.blocks[i]) for i in cow]
+            changed += [(seq_id, i, seq.blocks[i]) for i in range(old_len, len(seq.blocks))]
+        return copies
+
+    def _plan_append_all(self, requests: Iterable[tuple[SeqId, Tokens]]) -> list[tuple]:
+        """Checked ``(seq_id, seq, token)`` per request, in order: an int ``token`` is the one id of a
+        fast append (into a private block, or the first slot of a new one), else ``token`` is ``(ids, n)``.
+
+        Raises as a loop of ``append`` would at its first failure; the blocks
+        needed are counted as ``num_blocks_to_append_all`` counts them.
+        """
+        seqs, refs, bs, free = self._seqs, self.gpu.ref_counts, self.block_size, self.gpu.num_free
+        plan, seen, holders, need = [], set(), {}, 0
+        add_seen, add_plan = seen.add, plan.append
+        for item in _items(requests, "(seq_id, token_ids) pairs"):
+            if type(item) is not tuple or len(item) != 2:
+                _check_item(item, "(seq_id, token_ids) pairs", 2)
+            seq_id, tokens = item
+            try:
+                seq = seqs[seq_id]
+            except (KeyError, TypeError):
+                seq = self._get(seq_id)  # raises UnknownSequenceError
+            if seq.swapped:
+                self._get_resident(seq_id)  # raises SequenceStateError
+            if seq_id in seen:
+                raise InvalidArgumentError(describe("seq_id", seq_id, "each sequence at most once"))
+            add_seen(seq_id)
+            if type(tokens) is list and len(tokens) == 1 and type(token := tokens[0]) is int and 0 <= token <= _MAX_ID:
+                i = seq.num_tokens // bs
+                if i < len(seq.blocks) and refs[seq.blocks[i]] == 1:  # into a private block: no cost
+                    add_plan((seq_id, seq, token))
+                    continue
+                if i == len(seq.blocks):  # into a new block (nothing shared is written)
+                    need += 1
+                    if need > free:
+                        raise _append_out_of_blocks(seq_id, 1, 1, free - need + 1)
+                    add_plan((seq_id, seq, token))
+                    continue
+            ids = as_token_array("token_ids", tokens)
+            n = len(ids) if ids is not None else len_of(tokens)
+            cost = self._write_cost(seq, seq.num_tokens, seq.num_tokens + n, holders)
+            need += cost
+            if need > free:
+                raise _append_out_of_blocks(seq_id, n, cost, free - need + cost)
+            add_plan((seq_id, seq, (ids, n)))
+        return plan
 
     def _append_cost(self, seq: _Seq, n: int, lookahead: int) -> tuple[list[int], int]:
         """Logical indices of shared blocks the write lands in, and new blocks needed."""
@@ -256,9 +358,11 @@ class BlockManager:
         """
         self._unhash_written(seq, seq.num_tokens // self.block_size, n)
         seq.num_tokens += n
-        if ids is None or not seq.cacheable:
-            return
-        pending = seq.tail + ids
+        if ids is not None and seq.cacheable:
+            self._set_tail(seq, seq.tail + ids)
+
+    def _set_tail(self, seq: _Seq, pending: array) -> None:
+        """The ids past the last full block are ``pending``: register each block they fill, keep the rest."""
         if len(pending) >= self.block_size:  # a block fills up
             hashes, contents = self._block_keys(pending, seq.hashes[-1] if seq.hashes else seq.root)
             self._register_new(seq, hashes, contents, 0)
@@ -365,38 +469,94 @@ class BlockManager:
         seq.cacheable, seq.tail = False, _NO_IDS
 
     # -- swap -------------------------------------------------------------
+    # Swapping moves a set of sequences together: each distinct block they hold is copied
+    # once and referenced in the other pool as often as in this one, so blocks shared within
+    # the set stay shared there and back. A block also held by a sequence outside the set
+    # stays where it is for that sequence (the set gets its own copy). One sequence is the
+    # one-element set.
     def can_swap_out(self, seq_id: SeqId) -> bool:
         """Whether the CPU pool has room for the sequence's blocks."""
-        return len(self._get_resident(seq_id).blocks) <= self.cpu.num_free
+        return self.can_swap_out_group((seq_id,))
 
     def swap_out(self, seq_id: SeqId) -> list[CopyOp]:
         """Move a sequence to the CPU pool; return the (gpu, cpu) block copies to run first."""
-        return self._swap(self._get_resident(seq_id), self.gpu, self.cpu, to_cpu=True)
+        return self.swap_out_group((seq_id,))
 
     def can_swap_in(self, seq_id: SeqId) -> bool:
         """Whether the GPU pool has room (above the watermark) for a swapped-out sequence."""
-        seq = self._get(seq_id)
-        return seq.swapped and self.gpu.num_free - len(seq.blocks) >= self.config.watermark_blocks
+        return self.can_swap_in_group((seq_id,))
 
     def swap_in(self, seq_id: SeqId) -> list[CopyOp]:
         """Bring a swapped-out sequence back; return the (cpu, gpu) block copies to run first."""
-        seq = self._get(seq_id)
-        if not seq.swapped:
-            raise SequenceStateError(describe("seq_id", seq_id, "a swapped-out sequence"))
-        mapping = self._swap(seq, self.cpu, self.gpu, to_cpu=False)
-        self._register_full(seq)
+        return self.swap_in_group((seq_id,))
+
+    def num_distinct_blocks(self, seq_ids: Iterable[SeqId]) -> int:
+        """Blocks the sequences hold together, each shared block counted once (what swapping them moves)."""
+        return len(_distinct_blocks(self._group(seq_ids)[1]))
+
+    def can_swap_out_group(self, seq_ids: Iterable[SeqId]) -> bool:
+        """Whether the CPU pool has room for the resident sequences' distinct blocks."""
+        seqs = self._group(seq_ids, swapped=False)[1]
+        return len(_distinct_blocks(seqs)) <= self.cpu.num_free
+
+    def swap_out_group(self, seq_ids: Iterable[SeqId]) -> list[CopyOp]:
+        """Move resident sequences to the CPU pool together, sharing kept; return the (gpu, cpu) copies to run first.
+
+        Each distinct block moves once, whatever the number of sequences sharing it.
+        """
+        return self._swap(*self._group(seq_ids, swapped=False), self.gpu, self.cpu, to_cpu=True)
+
+    def can_swap_in_group(self, seq_ids: Iterable[SeqId]) -> bool:
+        """Whether all are swapped out and the GPU pool has room (above the watermark) for their distinct blocks."""
+        seqs = self._group(seq_ids)[1]
+        need = len(_distinct_blocks(seqs))
+        return all(s.swapped for s in seqs) and self.gpu.num_free - need >= self.config.watermark_blocks
+
+    def swap_in_group(self, seq_ids: Iterable[SeqId]) -> list[CopyOp]:
+        """Bring swapped-out sequences back together, sharing kept; return the (cpu, gpu) copies to run first.
+
+        Their full blocks are offered to the prefix cache again.
+        """
+        ids, seqs = self._group(seq_ids, swapped=True)
+        mapping = self._swap(ids, seqs, self.cpu, self.gpu, to_cpu=False)
+        for seq in seqs:
+            self._register_full(seq)
         return mapping
 
-    def _swap(self, seq: _Seq, src: BlockPool, dst: BlockPool, *, to_cpu: bool) -> list[CopyOp]:
-        if len(seq.blocks) > dst.num_free:
+    def _group(self, seq_ids: Iterable[SeqId], *, swapped: bool | None = None) -> tuple[list[SeqId], list[_Seq]]:
+        """The ids and sequences named, checked: known, each once, swapped out (or resident) if ``swapped`` says so."""
+        if isinstance(seq_ids, (str, bytes)):
+            raise InvalidArgumentError(describe("seq_ids", seq_ids, "an iterable of sequence ids (not a string)"))
+        try:
+            ids = list(seq_ids)
+        except TypeError:
+            raise InvalidArgumentError(describe("seq_ids", seq_ids, "an iterable of sequence ids")) from None
+        seqs = [self._get(seq_id) for seq_id in ids]
+        for seq_id, seq in zip(ids, seqs):
+            if swapped is False and seq.swapped:
+                self._get_resident(seq_id)  # raises SequenceStateError
+            if swapped and not seq.swapped:
+                raise SequenceStateError(describe("seq_id", seq_id, "a swapped-out sequence"))
+        if len({id(seq) for seq in seqs}) < len(seqs):
+            dup = next(seq_id for i, seq_id in enumerate(ids) if seq_id in ids[:i])
+            raise InvalidArgumentError(describe("seq_id", dup, "each sequence at most once"))
+        return ids, seqs
+
+    def _swap(
+        self, ids: list[SeqId], seqs: list[_Seq], src: BlockPool, dst: BlockPool, *, to_cpu: bool
+    ) -> list[CopyOp]:
+        """Copy each distinct block of ``seqs`` once into ``dst``, with their references; release them in ``src``."""
+        blocks = _distinct_blocks(seqs)
+        if len(blocks) > dst.num_free:
             raise OutOfBlocksError(
-                f"seq blocks={len(seq.blocks)}: expected at most {dst.num_free} free {dst.name} blocks"
+                f"seq_ids={ids!r} hold blocks={len(blocks)}: expected at most {dst.num_free} free {dst.name} blocks"
             )
-        new = dst.take(len(seq.blocks))
-        mapping = list(zip(seq.blocks, new))
-        src.release(reversed(seq.blocks))
-        seq.blocks, seq.swapped = new, to_cpu
-        return mapping
+        new = dict(zip(blocks, dst.take(len(blocks))))  # each with refcount 1
+        dst.touch_all(new[b] for b, refs in blocks.items() for _ in range(refs - 1))  # the other sharers in the set
+        for seq in seqs:
+            src.release(reversed(seq.blocks))  # as free: tail blocks become the first to evict
+            seq.blocks, seq.swapped = [new[b] for b in seq.blocks], to_cpu
+        return list(new.items())
 
     def _register_full(self, seq: _Seq) -> None:
         """Offer a swapped-in sequence's full blocks to the prefix cache again."""
@@ -489,6 +649,7 @@ class BlockManager:
         return seq
 
 
+_MAX_ID = (1 << 63) - 1  # token ids are int64
 _NO_IDS = array("q")  # the empty tail; never mutated in place (tails are replaced, not extended)
 
 
@@ -501,14 +662,42 @@ def _ids_of(data: bytes) -> array:
 
 def _pairs(requests: Iterable[tuple], expected: str, size: int = 2) -> list[tuple]:
     """``requests`` as a list of ``size``-tuples, or InvalidArgumentError naming the first bad item."""
+    items = _items(requests, expected)
+    for item in items:
+        _check_item(item, expected, size)
+    return items
+
+
+def _items(requests: Iterable[tuple], expected: str) -> list[tuple]:
+    """``requests`` as a list (the same list if it is one), or InvalidArgumentError."""
+    if type(requests) is list:
+        return requests
     try:
-        items = list(requests)
+        return list(requests)
     except TypeError:
         raise InvalidArgumentError(describe("requests", requests, f"an iterable of {expected}")) from None
-    for item in items:
-        if not isinstance(item, (tuple, list)) or len(item) != size:
-            raise InvalidArgumentError(describe("requests", item, f"an iterable of {expected}"))
-    return items
+
+
+def _check_item(item: object, expected: str, size: int) -> None:
+    """Raise InvalidArgumentError unless ``item`` is a tuple or list of ``size`` elements."""
+    if not isinstance(item, (tuple, list)) or len(item) != size:
+        raise InvalidArgumentError(describe("requests", item, f"an iterable of {expected}"))
+
+
+def _append_out_of_blocks(seq_id: SeqId, n: int, need: int, free: int) -> OutOfBlocksError:
+    """The error of an ``append`` of ``n`` tokens that needs ``need`` blocks with ``free`` left."""
+    return OutOfBlocksError(
+        f"token_ids (len {n}): needs {need} blocks for seq_id={seq_id!r}, expected at most {free} free"
+    )
+
+
+def _distinct_blocks(seqs: list[_Seq]) -> dict[BlockId, int]:
+    """Each block the sequences hold, in order of first appearance, with how many of them hold it."""
+    blocks: dict[BlockId, int] = {}
+    for seq in seqs:
+        for b in seq.blocks:
+            blocks[b] = blocks.get(b, 0) + 1
+    return blocks
 
 
 def len_of(token_ids: Tokens) -> int:

@@ -21,6 +21,7 @@ import itertools
 from collections import deque
 
 from paged_kv.block_manager import BlockManager, CopyOp
+from paged_kv.errors import OutOfBlocksError
 from scheduler.config import SchedulerConfig
 from scheduler.scheduler_output import ScheduledSeq, SchedulerOutput, StepBudget
 from scheduler.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -99,20 +100,42 @@ class Scheduler:
 
     def _schedule_running(self, step: StepBudget) -> None:
         decode = [g for g in self.running if _is_decode(g)]
-        order = decode + [g for g in self.running if not _is_decode(g)]
-        for group in order:
+        rest = [g for g in self.running if not _is_decode(g)]
+        for group in rest if self._commit_all(decode, step) else decode + rest:
             if group in step.preempted:
                 continue
-            plan = self._plan_running(group, step)
+            plan = self._plan_running(group, step.tokens_left, step.num_seqs)
             if plan and self._make_room(group, plan, step):
                 self._commit(group, plan, step)
 
-    def _plan_running(self, group: SequenceGroup, step: StepBudget) -> list[tuple[Sequence, int]]:
-        """New-token counts for a running group's sequences within the remaining budgets."""
-        plan, left = [], step.tokens_left
+    def _commit_all(self, groups: list[SequenceGroup], step: StepBudget) -> bool:
+        """Commit every group's plan with one ``append_all`` if the pool holds them all; else change nothing.
+
+        Plans are made in turn against the budgets the earlier ones leave, and
+        ``append_all`` takes exactly what the per-group commits would: when it
+        fits, the per-group loop would have preempted nothing and made the same steps.
+        """
+        plans, left, num_seqs = [], step.tokens_left, step.num_seqs
+        for group in groups:
+            plan = self._plan_running(group, left, num_seqs)
+            plans.append((group, plan))
+            left, num_seqs = left - sum(n for _, n in plan), num_seqs + len(plan)
+        requests = [(s.seq_id, s.token_ids[s.num_computed : s.num_computed + n]) for _, p in plans for s, n in p]
+        try:
+            step.copies += self.bm.append_all(requests)
+        except OutOfBlocksError:
+            return False
+        for group, plan in plans:
+            for seq, n in plan:
+                step.add(ScheduledSeq(seq, group, seq.num_computed, n))
+        return True
+
+    def _plan_running(self, group: SequenceGroup, tokens_left: int, num_seqs: int) -> list[tuple[Sequence, int]]:
+        """New-token counts for a running group's sequences within the budgets left (tokens, sequences)."""
+        plan, left = [], tokens_left
         for seq in group.unfinished():
             n = min(seq.num_uncomputed, left)
-            if n <= 0 or step.num_seqs + len(plan) >= self.config.max_num_seqs:
+            if n <= 0 or num_seqs + len(plan) >= self.config.max_num_seqs:
                 if left <= 0:
                     break
                 continue
@@ -148,9 +171,9 @@ class Scheduler:
         step.preempted.append(group)
         group.num_preemptions += 1
         seqs = group.unfinished()
-        if self.config.preemption_mode == "swap" and self._can_swap_out(seqs):
-            for seq in seqs:
-                step.swap_out += self.bm.swap_out(seq.seq_id)
+        ids = [seq.seq_id for seq in seqs]
+        if self.config.preemption_mode == "swap" and self.bm.can_swap_out_group(ids):
+            step.swap_out += self.bm.swap_out_group(ids)  # blocks shared within the group move once
             group.set_status(SequenceStatus.SWAPPED)
             _insert_by_arrival(self.swapped, group)
             self.num_preemptions["swap"] += 1
@@ -161,23 +184,18 @@ class Scheduler:
         _insert_by_arrival(self.waiting, group)
         self.num_preemptions["recompute"] += 1
 
-    def _can_swap_out(self, seqs: list[Sequence]) -> bool:
-        return sum(len(self.bm.block_table(s.seq_id)) for s in seqs) <= self.bm.cpu.num_free
-
     # -- swapped and waiting ----------------------------------------------
     def _schedule_swapped(self, step: StepBudget) -> None:
         while self.swapped:
             group = self.swapped[0]
-            seqs = group.unfinished()
-            blocks = sum(len(self.bm.block_table(s.seq_id)) for s in seqs)
-            if self.bm.gpu.num_free - blocks < self.bm.config.watermark_blocks or not self._fits_seqs(group):
+            ids = [seq.seq_id for seq in group.unfinished()]
+            if not (self.bm.can_swap_in_group(ids) and self._fits_seqs(group)):  # shared blocks counted once
                 return
             self.swapped.popleft()
-            for seq in seqs:
-                step.swap_in += self.bm.swap_in(seq.seq_id)
+            step.swap_in += self.bm.swap_in_group(ids)
             group.set_status(SequenceStatus.RUNNING)
             self.running.append(group)
-            plan = self._plan_running(group, step)
+            plan = self._plan_running(group, step.tokens_left, step.num_seqs)
             if plan and self._blocks_needed(plan) <= self.bm.gpu.num_free:
                 self._commit(group, plan, step)
 

@@ -56,7 +56,8 @@ def copy_blocks(src: Device, dst: Device, pairs: list[tuple[int, int]]) -> None:
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
-    """Random allocate / append / fork / free / truncate / drop_front / swap / reset / prepare_write."""
+    """Random allocate / append / fork / free / truncate / drop_front / swap (one, a set, a forked family) /
+    reset / prepare_write."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -200,6 +201,68 @@ class BlockManagerMachine(RuleBasedStateMachine):
             copy_blocks(self.cpu, self.gpu, self.result)
             self.swapped[sid] = False
 
+    def subset(self, mask: int, *, swapped: bool) -> list[int]:
+        """The swapped (or resident) sequences picked by the bits of ``mask``, in a mask-dependent order."""
+        ids = sorted(s for s in self.content if self.swapped[s] == swapped)
+        chosen = [s for k, s in enumerate(ids) if mask >> (k % 16) & 1] or ids[mask % len(ids) :][:1]
+        return chosen[::-1] if mask & (1 << 16) else chosen
+
+    def distinct(self, group: list[int]) -> set[int]:
+        """The physical blocks a group of sequences holds."""
+        return {b for s in group for b in self.m.block_table(s)}
+
+    @precondition(lambda self: self.has(False))
+    @rule(mask=st.integers(0, (1 << 17) - 1))
+    def swap_out_group(self, mask):
+        group = self.subset(mask, swapped=False)
+        if not self.refused(lambda: self.m.swap_out_group(group), self.m.can_swap_out_group(group)):
+            assert len(self.result) == len(self.distinct(group))  # each block moved once
+            copy_blocks(self.gpu, self.cpu, self.result)
+            self.swapped.update(dict.fromkeys(group, True))
+
+    @precondition(lambda self: self.has(True))
+    @rule(mask=st.integers(0, (1 << 17) - 1))
+    def swap_in_group(self, mask):
+        group = self.subset(mask, swapped=True)
+        if not self.refused(lambda: self.m.swap_in_group(group), self.m.can_swap_in_group(group)):
+            assert len(self.result) == len(self.distinct(group))
+            copy_blocks(self.cpu, self.gpu, self.result)
+            self.swapped.update(dict.fromkeys(group, False))
+
+    @precondition(lambda self: self.has(False))
+    @rule(i=picks, k=st.integers(0, 3))
+    def swap_forked_group_out_and_in(self, i, k):
+        """Fork ``k`` children, swap the family out and back in: as many distinct blocks, shared as before.
+
+        The children are freed at the end, so that forks do not pile up (forking takes no block)."""
+        group = [self.pick(i, swapped=False)]
+        for _ in range(k):
+            self.fork(1)  # an odd pick keeps the sequence used last: the parent
+            group.append(max(self.content))  # the child, the newest id
+        self.swap_family(group)
+        for child in group[1:]:
+            self.m.free(child)
+            del self.content[child], self.swapped[child], self.told[child]
+            self.windowed.discard(child)
+
+    def swap_family(self, group: list[int]) -> None:
+        """Swap resident ``group`` out and back in (as far as the pools allow); check its blocks and sharing."""
+        tables = {s: self.m.block_table(s) for s in group}
+        if self.refused(lambda: self.m.swap_out_group(group), self.m.can_swap_out_group(group)):
+            return
+        copy_blocks(self.gpu, self.cpu, self.result)
+        self.swapped.update(dict.fromkeys(group, True))
+        self.every_sequence_reads_back_its_content()
+        if self.refused(lambda: self.m.swap_in_group(group), self.m.can_swap_in_group(group)):
+            return
+        copy_blocks(self.cpu, self.gpu, self.result)
+        self.swapped.update(dict.fromkeys(group, False))
+        old_to_new = {}  # one new block per old one, consistently across the family's tables
+        for s in group:
+            for old, new in zip(tables[s], self.m.block_table(s), strict=True):
+                assert old_to_new.setdefault(old, new) == new, "a shared block came back as two"
+        assert len(set(old_to_new.values())) == len(old_to_new) == len(self.distinct(group))
+
     @rule(now=st.sampled_from([False] * 7 + [True]))  # rarely: a reset empties the cache
     def reset_prefix_cache(self, now):
         if now:
@@ -299,6 +362,9 @@ RANDOM_RULES = {  # rule -> (precondition, random arguments), mirroring the rule
     "drop_front": (lambda s: s.has(False), lambda r: dict(i=rand_pick(r), cut=rand_pick(r))),
     "swap_out": (lambda s: s.has(False), lambda r: dict(i=rand_pick(r))),
     "swap_in": (lambda s: s.has(True), lambda r: dict(i=rand_pick(r))),
+    "swap_out_group": (lambda s: s.has(False), lambda r: dict(mask=r.randrange(1 << 17))),
+    "swap_in_group": (lambda s: s.has(True), lambda r: dict(mask=r.randrange(1 << 17))),
+    "swap_forked_group_out_and_in": (lambda s: s.has(False), lambda r: dict(i=rand_pick(r), k=r.randrange(4))),
     "reset_prefix_cache": (lambda s: True, lambda r: dict(now=r.random() < 1 / 8)),
     "prepare_write": (lambda s: s.has(False), lambda r: dict(i=rand_pick(r), a=rand_pick(r), b=rand_pick(r))),
     "add_blocks": (lambda s: s.m.stats().num_blocks < 16, lambda r: dict(n=r.randrange(3))),

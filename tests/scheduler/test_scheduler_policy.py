@@ -135,3 +135,70 @@ def test_every_block_free_or_cached_after_all_requests(tiny_hf):
     assert stats.num_used == 0 and stats.num_sequences == 0
     assert stats.num_free == stats.num_blocks and stats.num_evictable == stats.num_cached > 0
     engine.block_manager.check()
+
+
+def _schedule_trace(engine) -> list[tuple]:
+    """Every step as (scheduled items, copies, swap_out, swap_in, preempted request ids), recorded in order."""
+    steps = []
+    schedule = engine.scheduler.schedule
+
+    def traced():
+        out = schedule()
+        items = tuple((s.group.request_id, s.seq.seq_id, s.start, s.num_tokens) for s in out.scheduled)
+        steps.append((items, tuple(out.copies), tuple(out.swap_out), tuple(out.swap_in),
+                      tuple(g.request_id for g in out.preempted)))  # fmt: skip
+        return out
+
+    engine.scheduler.schedule = traced
+    return steps
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_decode_groups_committed_at_once_make_the_same_steps_as_one_by_one(tiny_hf, mode, monkeypatch):
+    """One ``append_all`` for the decode groups: same steps, copies, preemptions and tokens as per-group appends."""
+    prompts = _prompts(10, seed=7, high=40)
+    params = [SamplingParams(max_tokens=14, temperature=0.8, seed=i, n=1 + i % 2, ignore_eos=True) for i in range(10)]
+    runs = []
+    for batched in (True, False):
+        engine = make_engine(tiny_hf, num_blocks=32, num_cpu_blocks=64, preemption_mode=mode,
+                             max_num_batched_tokens=32, max_num_seqs=8)  # fmt: skip
+        calls = []
+        append_all = engine.block_manager.append_all
+        engine.block_manager.append_all = lambda reqs, **kw: calls.append(len(reqs)) or append_all(reqs, **kw)
+        if not batched:
+            monkeypatch.setattr(engine.scheduler, "_commit_all", lambda groups, step: False)
+        steps = _schedule_trace(engine)
+        outs = [[c.token_ids for c in o.outputs] for o in engine.generate(prompts, params, use_tqdm=False)]
+        runs.append((steps, outs, dict(engine.scheduler.num_preemptions)))
+        assert bool(calls) == batched and (not batched or max(calls) > 1)
+    assert runs[0] == runs[1]
+    assert runs[0][2][mode] > 0  # the tight pool did preempt: the fall-back path ran too
+
+
+def test_swap_preemption_moves_each_shared_block_of_a_group_once(tiny_hf):
+    """n = 4 samples share their prompt's blocks: swapped out and in as a group, they move and hold each once."""
+    prompts = _prompts(6, seed=11, low=20, high=40)
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=0, n=4, ignore_eos=True)
+    roomy = make_engine(tiny_hf, num_blocks=512, max_num_batched_tokens=64, max_num_seqs=16)
+    tight = make_engine(tiny_hf, num_blocks=56, num_cpu_blocks=256, preemption_mode="swap",
+                        max_num_batched_tokens=64, max_num_seqs=16)  # fmt: skip
+    bm, held, moved = tight.block_manager, {}, []
+    swap_out, swap_in = bm.swap_out_group, bm.swap_in_group
+
+    def out(ids):
+        held[tuple(ids)] = bm.num_distinct_blocks(ids)
+        moved.append((held[tuple(ids)], sum(len(bm.block_table(i)) for i in ids)))
+        copies = swap_out(ids)
+        assert len(copies) == held[tuple(ids)]
+        return copies
+
+    def back(ids):
+        copies = swap_in(ids)
+        assert len(copies) == bm.num_distinct_blocks(ids) == held[tuple(ids)]
+        return copies
+
+    bm.swap_out_group, bm.swap_in_group = out, back
+    expected = [[c.token_ids for c in o.outputs] for o in roomy.generate(prompts, params, use_tqdm=False)]
+    assert [[c.token_ids for c in o.outputs] for o in tight.generate(prompts, params, use_tqdm=False)] == expected
+    assert tight.scheduler.num_preemptions["swap"] >= 2
+    assert any(distinct < entries for distinct, entries in moved)  # shared blocks were counted and moved once
