@@ -140,20 +140,29 @@ class _Meter:
 
 @dataclass(frozen=True)
 class Candidates:
-    """The top-K continuations of a request's beams, best first."""
+    """The top-K continuations of a request's beams, best first (host values)."""
 
     parents: list[int]  # index of the beam each extends
     tokens: list[int]
-    scores: torch.Tensor  # [K] float32 cumulative log-probabilities
+    scores: torch.Tensor  # [K] float32 cumulative log-probabilities, on the CPU
     logprobs: list[float]  # log-probability of each candidate's token alone
 
 
 def top_candidates(logits: torch.Tensor, scores: torch.Tensor, k: int) -> Candidates:
-    """The ``k`` best (beam, token) pairs of ``logits [B, V]`` given beam scores ``[B]``."""
+    """The ``k`` best (beam, token) pairs of ``logits [B, V]`` given beam scores ``[B]``.
+
+    The scoring runs on the logits' device (``scores`` are moved there); the ``k`` winners
+    come back to the host in one copy.
+    """
     vocab = logits.shape[-1]
-    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [B, V]
-    top, flat = (logprobs + scores[:, None]).flatten().topk(k)  # [K], [K]
-    return Candidates((flat // vocab).tolist(), (flat % vocab).tolist(), top, logprobs.flatten()[flat].tolist())
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [B, V] float32
+    totals = logprobs + scores.to(logprobs.device, torch.float32)[:, None]  # [B, V]
+    top, flat = totals.flatten().topk(k)  # [K], [K]
+    # float64 holds the flat indices (< 2**53) and the float32 values exactly: one transfer
+    host = torch.stack([flat.double(), top.double(), logprobs.flatten()[flat].double()]).cpu()  # [3, K]
+    ids = host[0].long().tolist()
+    parents, tokens = [i // vocab for i in ids], [i % vocab for i in ids]
+    return Candidates(parents, tokens, host[1].float(), host[2].float().tolist())
 
 
 class _Request:
@@ -162,7 +171,7 @@ class _Request:
     def __init__(self, group: SequenceGroup, params: BeamSearchParams, eos: frozenset[int]) -> None:
         self.group, self.params, self.eos = group, params, eos
         self.beams: list[Sequence] = list(group.seqs)
-        self.scores = torch.zeros(1)  # [B] float32 cumulative logprob of each live beam
+        self.scores = torch.zeros(1)  # [B] float32 cumulative logprob of each live beam, on the CPU
         self.finished: list[BeamHypothesis] = []  # best first, at most width
         self.ready: dict[int, torch.Tensor] = {}  # seq_id -> logits [V] of a beam computed to its end
         self.done = False
