@@ -18,13 +18,6 @@ WIDTH = 4
 NEW = 16
 
 
-@pytest.fixture(scope="module")
-def beam_prompts() -> list[list[int]]:
-    """Prompts of 1, 6, 17 and 40 tokens (block size 4: partial and full last blocks)."""
-    g = torch.Generator().manual_seed(7)
-    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (1, 6, 17, 40)]
-
-
 def hf_beams(hf_model, prompt, *, width=WIDTH, new=NEW, eos=None, **kwargs):
     """transformers' ``width`` best hypotheses (tokens cut after EOS), their scores, and its number of steps."""
     calls = []

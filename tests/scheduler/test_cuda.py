@@ -7,9 +7,8 @@ CPU and gives the reference beams.
 from __future__ import annotations
 
 import pytest
-import torch
 from backend_device import needs_cuda
-from test_beam_search import NEW, WIDTH, assert_all_freed, assert_same_beams, beam_prompts, hf_beams  # noqa: F401
+from test_beam_search import NEW, WIDTH, assert_all_freed, assert_same_beams, hf_beams
 
 import scheduler.__main__ as main_job
 from scheduler import SamplingParams
