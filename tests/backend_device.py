@@ -10,6 +10,8 @@ what it ran before.
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -45,16 +47,51 @@ def call_on_backend(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     in the validation tests) are passed as they are. Arguments must not be different views of
     one storage that the call writes: the copies back would overwrite each other.
     """
+    global _calls_inside
     device = backend_device(kwargs.get("backend", "auto"))
-    if device == CPU:
-        return fn(*args, **kwargs)
     moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(cpu tensor) -> (cpu, on device)
+    _calls_inside += 1
     try:
+        if device == CPU:
+            return fn(*args, **kwargs)
         return _to_cpu(fn(*_move(args, device, moved), **_move(kwargs, device, moved)))
     finally:
+        _calls_inside -= 1
         for original, on_device in moved.values():
             if not _broadcast(original):  # a broadcast view is read-only: nothing to bring back
                 original.copy_(on_device)
+
+
+_calls_inside = 0  # call_on_backend calls under way (the guard below lets their Triton launches through)
+
+
+def guard_triton_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a GPU, fail a Triton launch on CPU tensors that did not come through ``call_on_backend``.
+
+    Such a test passes here, under the interpreter, and fails on every GPU machine ("expected CUDA
+    tensors"). Tests that switch the interpreter off (TRITON_INTERPRET=0) to check that refusal
+    are let through.
+    """
+    if HAS_CUDA:
+        return
+    for name, module in list(sys.modules.items()):
+        check = getattr(module, "check_triton_device", None) if name.startswith("kernels") else None
+        if check is not None:
+            monkeypatch.setattr(module, "check_triton_device", _guarded(check))
+
+
+def _guarded(check: Callable[..., None]) -> Callable[..., None]:
+    """``check`` that first refuses an interpreted launch made outside ``call_on_backend``."""
+
+    def guarded(*tensors: torch.Tensor) -> None:
+        if _calls_inside == 0 and os.environ.get("TRITON_INTERPRET") == "1":
+            raise AssertionError(
+                "backend='triton' on CPU tensors outside tests/backend_device.call_on_backend: this test would fail "
+                "on a GPU machine, where the interpreter is off; call the kernel through call_on_backend"
+            )
+        check(*tensors)
+
+    return guarded
 
 
 def _move(x: Any, device: torch.device, moved: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> Any:
