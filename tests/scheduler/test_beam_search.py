@@ -351,3 +351,15 @@ def test_top_candidates_are_the_best_continuations():
     assert [(b, t) for _, b, t in totals[:8]] == list(zip(cands.parents, cands.tokens))
     assert cands.scores.tolist() == pytest.approx([s for s, _, _ in totals[:8]], abs=1e-6)
     assert cands.logprobs == pytest.approx([float(logprobs[b, t]) for _, b, t in totals[:8]], abs=1e-6)
+
+
+def test_one_candidate_selection_per_step_for_all_requests(tiny_hf, beam_prompts, monkeypatch):
+    """Every step selects the candidates of all its ready requests together (one device->host copy per step)."""
+    calls = []
+    batch = beam_search.top_candidates_batch
+    monkeypatch.setattr(beam_search, "top_candidates_batch", lambda reqs: calls.append(len(reqs)) or batch(reqs))
+    outs = BeamSearch(make_engine(tiny_hf)).generate(beam_prompts, BeamSearchParams(width=WIDTH, max_tokens=NEW))
+    assert calls[0] == len(beam_prompts)  # the first selection of every request, in one call
+    assert len(calls) == max(o.num_steps for o in outs) and sum(calls) == sum(o.num_steps for o in outs)
+    for prompt, out in zip(beam_prompts, outs):
+        assert_same_beams(out, *hf_beams(tiny_hf, prompt))
