@@ -42,6 +42,7 @@ from functools import partial
 
 import torch
 
+from paged_kv.errors import UnknownSequenceError
 from scheduler import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from scheduler.weights import from_hf_model
 
@@ -216,11 +217,17 @@ def build_engine(hf, args: argparse.Namespace, device: torch.device, work: Workl
 
 
 def kv_pool_bytes(args: argparse.Namespace, work: Workload, per_token: int) -> int:
-    """The pool: --kv-cache-gib, else room for every sequence at its full length (+5% and the watermark)."""
+    """The pool: --kv-cache-gib, else room for every sequence (or the probe's) at full length, +5% and the watermark."""
     if args.kv_cache_gib is not None:
         return int(args.kv_cache_gib * 2**30)
     blocks = sum(-(-(len(p) + n) // args.block_size) for p, n in zip(work.prompts, work.limits))
-    return int((blocks * 1.05 + 64) * args.block_size * per_token)
+    probe = args.probe_batch * -(-(args.probe_context + probe_tokens(args)) // args.block_size)
+    return int((max(blocks, probe) * 1.05 + 64) * args.block_size * per_token)
+
+
+def probe_tokens(args: argparse.Namespace) -> int:
+    """Output tokens each probe sequence may take: prefill's step, up to 64 waiting steps, then timed + profiled."""
+    return 2 * args.probe_steps + 128
 
 
 @dataclass
@@ -301,7 +308,7 @@ def decode_probe(engine: LLMEngine, timer: StepTimer, args: argparse.Namespace, 
     """``probe_batch`` sequences of ``probe_context`` tokens decoding together: wall and GPU-busy time per step."""
     rng, steps = random.Random(1), args.probe_steps
     high = min(PROMPT_TOKEN_HIGH, vocab - 1)
-    params = SamplingParams(max_tokens=2 * steps + 64, temperature=args.temperature, ignore_eos=True)
+    params = SamplingParams(max_tokens=probe_tokens(args), temperature=args.temperature, ignore_eos=True)
     ids = [f"probe-{i}" for i in range(args.probe_batch)]
     for request_id in ids:
         engine.add_request(request_id, [rng.randint(0, high) for _ in range(args.probe_context)], params)
@@ -311,17 +318,21 @@ def decode_probe(engine: LLMEngine, timer: StepTimer, args: argparse.Namespace, 
         if any(s.batch == args.probe_batch for s in timer.decode_steps()):
             break
     timer.reset()
+    start = time.perf_counter()
     for _ in range(steps):
         engine.step()
-    timed = timer.decode_steps()
+    wall = (time.perf_counter() - start) / steps  # timed here: the timer may not see the engine's steps
+    timed = timer.decode_steps() or [DecodeStep(wall, 0.0, 0, 0)]
     busy = profiled_busy_seconds(engine, steps) if engine.device.type == "cuda" else None
     for request_id in ids:
-        engine.abort(request_id)
-    wall = sum(s.wall_s for s in timed) / max(1, len(timed))
+        try:
+            engine.abort(request_id)
+        except UnknownSequenceError:  # finished already
+            pass
+    n = len(timed)
     return {
-        "batch": sum(s.batch for s in timed) / max(1, len(timed)), "steps": len(timed), "wall_s": wall,
-        "gpu_s": sum(s.gpu_s for s in timed) / max(1, len(timed)),
-        "context": sum(s.context_tokens for s in timed) / max(1, len(timed)),
+        "batch": sum(s.batch for s in timed) / n, "steps": steps, "wall_s": wall,
+        "gpu_s": sum(s.gpu_s for s in timed) / n, "context": sum(s.context_tokens for s in timed) / n,
         "busy_s": busy, "busy_fraction": None if busy is None else busy / wall,
     }  # fmt: skip
 
