@@ -77,12 +77,20 @@ def test_seeded_sample_on_cuda_is_independent_of_its_batch(tiny_hf, prompts):
 
 
 @pytest.mark.slow
-def test_main_job_runs_on_cuda(capsys):
-    """``python -m scheduler --device cuda`` serves its workload and ends with the beam search example."""
+def test_main_job_runs_on_cuda(monkeypatch):
+    """``python -m scheduler --device cuda`` serves its workload on the GPU and ends with the beam search example."""
+    engines, searches = [], []
+    build, generate = main_job.build_engine, BeamSearch.generate
+    monkeypatch.setattr(main_job, "build_engine", lambda *args: engines.append(build(*args)) or engines[-1])
+    record = lambda *args, **kw: searches.append(generate(*args, **kw)) or searches[-1]  # noqa: E731
+    monkeypatch.setattr(BeamSearch, "generate", record)
     main_job.main([
         "--device", "cuda", "--num-requests", "6", "--max-tokens", "12", "--arrivals-per-step", "2",
         "--max-num-seqs", "4", "--show", "1", "--beam-width", "2", "--threads", "0",
     ])  # fmt: skip
-    printed = capsys.readouterr().out
-    assert "on cuda" in printed
-    assert "beam search (width 2" in printed and "KV blocks at peak" in printed
+    (engine,) = engines
+    assert engine.device.type == "cuda" and next(engine.model.parameters()).is_cuda
+    assert engine.metrics_summary().generated_tokens >= 6  # every request answered
+    ((best, *_),) = [out.hypotheses for (out,) in searches]
+    assert best.token_ids and best.finish_reason in ("stop", "length")
+    assert_all_freed(engine)
