@@ -510,6 +510,8 @@ def report(f: dict) -> str:
             side = f[key]
             lines.append(f"{label}: {side['tok_s']:,.0f} tok/s ({side['tokens']} tokens in {side['s']:.1f} s); "
                          f"engine / it = {engine['tok_s'] / side['tok_s']:.2f}x")  # fmt: skip
+    short = [k for k in ("engine", "static", "generate_batch") if k in f and f[k]["tokens"] != f["requested"]]
+    lines += [f"WARNING: {k} generated {f[k]['tokens']} tokens, not the {f['requested']} asked for" for k in short]
     lines += decode_lines(f)
     lines += target_lines(f)
     return "\n".join(lines)
