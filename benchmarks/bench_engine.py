@@ -16,6 +16,10 @@ at EOS or at a per-request limit in [max_tokens / 4, max_tokens]).
 
     .venv/bin/python benchmarks/bench_engine.py [--num-requests 64] [--batch 16] [--max-tokens 64] [--repeat 2]
     .venv/bin/python -m pytest benchmarks/bench_engine.py --benchmark-only -s
+
+On a GPU, ``--device cuda`` runs the Llama-3.2-1B-shaped benchmark of ``bench_engine_gpu.py``
+instead (nano-vllm's workload; the engine, transformers static batching and transformers
+continuous batching in one run).
 """
 
 from __future__ import annotations
@@ -156,15 +160,26 @@ def test_engine_vs_static_batching(benchmark):
 
 
 def main() -> None:
-    """Command-line entry."""
+    """Command-line entry: the CPU chat benchmark, or with ``--device cuda`` the GPU one."""
+    import bench_engine_gpu
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--repeat", type=int, default=1, help="rounds of both sides, alternating order; best time each")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu: SmolLM2 chat workload (below); cuda: bench_engine_gpu.py's Llama-3.2-1B benchmark")
+    p.add_argument("--seed", type=int, default=0, help="workload seed")
+    cpu = p.add_argument_group("CPU benchmark (--device cpu)")
+    cpu.add_argument("--num-requests", type=int, default=64)
+    cpu.add_argument("--batch", type=int, default=16)
+    cpu.add_argument("--max-tokens", type=int, default=64)
+    cpu.add_argument("--repeat", type=int, default=1, help="rounds of both sides, alternating order; best time each")
+    bench_engine_gpu.add_arguments(p)
     args = p.parse_args()
-    print(report(compare(args.num_requests, args.batch, args.max_tokens, args.seed, args.repeat)))
+    if (args.workload or ("nano-vllm" if args.device == "cuda" else "chat")) == "nano-vllm":
+        bench_engine_gpu.main(args)
+    elif args.device != "cpu":
+        p.error("the chat workload is the CPU benchmark: use --device cpu")
+    else:
+        print(report(compare(args.num_requests, args.batch, args.max_tokens, args.seed, args.repeat)))
 
 
 if __name__ == "__main__":

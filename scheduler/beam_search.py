@@ -140,20 +140,40 @@ class _Meter:
 
 @dataclass(frozen=True)
 class Candidates:
-    """The top-K continuations of a request's beams, best first."""
+    """The top-K continuations of a request's beams, best first (host values)."""
 
     parents: list[int]  # index of the beam each extends
     tokens: list[int]
-    scores: torch.Tensor  # [K] float32 cumulative log-probabilities
+    scores: torch.Tensor  # [K] float32 cumulative log-probabilities, on the CPU
     logprobs: list[float]  # log-probability of each candidate's token alone
 
 
 def top_candidates(logits: torch.Tensor, scores: torch.Tensor, k: int) -> Candidates:
-    """The ``k`` best (beam, token) pairs of ``logits [B, V]`` given beam scores ``[B]``."""
-    vocab = logits.shape[-1]
-    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [B, V]
-    top, flat = (logprobs + scores[:, None]).flatten().topk(k)  # [K], [K]
-    return Candidates((flat // vocab).tolist(), (flat % vocab).tolist(), top, logprobs.flatten()[flat].tolist())
+    """The ``k`` best (beam, token) pairs of ``logits [B, V]`` given beam scores ``[B]``.
+
+    The scoring runs on the logits' device (``scores`` are moved there); the ``k`` winners
+    come back to the host in one copy.
+    """
+    return top_candidates_batch([(logits, scores, k)])[0]
+
+
+def top_candidates_batch(requests: Seq[tuple[torch.Tensor, torch.Tensor, int]]) -> list[Candidates]:
+    """``top_candidates`` of several requests' ``(logits, scores, k)``, with one device->host copy for all."""
+    winners = []
+    for logits, scores, k in requests:
+        logprobs = torch.log_softmax(logits.float(), dim=-1)  # [B, V] float32
+        totals = logprobs + scores.to(logprobs.device, torch.float32)[:, None]  # [B, V]
+        top, flat = totals.flatten().topk(k)  # [K], [K]
+        # float64 holds the flat indices (< 2**53) and the float32 values exactly
+        winners.append(torch.stack([flat.double(), top.double(), logprobs.flatten()[flat].double()]))  # [3, K]
+    host = torch.cat(winners, dim=1).cpu()  # [3, sum of K]: the one transfer
+    out, start = [], 0
+    for logits, _, k in requests:
+        vocab, part = logits.shape[-1], host[:, start : start + k]
+        ids = part[0].long().tolist()
+        out.append(Candidates([i // vocab for i in ids], [i % vocab for i in ids], part[1].float(), part[2].tolist()))
+        start += k
+    return out
 
 
 class _Request:
@@ -162,7 +182,7 @@ class _Request:
     def __init__(self, group: SequenceGroup, params: BeamSearchParams, eos: frozenset[int]) -> None:
         self.group, self.params, self.eos = group, params, eos
         self.beams: list[Sequence] = list(group.seqs)
-        self.scores = torch.zeros(1)  # [B] float32 cumulative logprob of each live beam
+        self.scores = torch.zeros(1)  # [B] float32 cumulative logprob of each live beam, on the CPU
         self.finished: list[BeamHypothesis] = []  # best first, at most width
         self.ready: dict[int, torch.Tensor] = {}  # seq_id -> logits [V] of a beam computed to its end
         self.done = False
@@ -256,11 +276,10 @@ class BeamSearch:
         by_id = {r.group.request_id: r for r in live}
         for row, s in enumerate(x for x in out.scheduled if x.samples):
             by_id[s.group.request_id].ready[s.seq.seq_id] = logits[row]
-        generated = 0
-        for req in live:  # after a chunked re-prefill some beams may wait a step for the others
-            if req.all_ready():
-                generated += len(req.beams)
-                self._advance(req)
+        ready = [r for r in live if r.all_ready()]  # after a chunked re-prefill some beams wait for the others
+        generated = sum(len(r.beams) for r in ready)
+        for req, cands in zip(ready, self._candidates(ready)):
+            self._advance(req, cands)
         engine.collect_finished()
         _record_step(engine, out, start, generated)
 
@@ -276,13 +295,21 @@ class BeamSearch:
         total.record(len(union), unshared)
 
     # -- selection ------------------------------------------------------------
-    def _advance(self, req: _Request) -> None:
-        """Pick the request's next beams and hypotheses from its beams' logits; stop it when it is done."""
+    def _candidates(self, ready: list[_Request]) -> list[Candidates]:
+        """Every ready request's top candidates from its beams' logits, in one device->host copy."""
+        if not ready:
+            return []
+        batch = []
+        for req in ready:
+            logits = torch.stack([req.ready.pop(s.seq_id) for s in req.beams])  # [B, V]
+            req.ready.clear()
+            batch.append((logits, req.scores, req.num_candidates))
+        return top_candidates_batch(batch)
+
+    def _advance(self, req: _Request, cands: Candidates) -> None:
+        """Pick the request's next beams and hypotheses from its candidates; stop it when it is done."""
         p = req.params
-        logits = torch.stack([req.ready.pop(s.seq_id) for s in req.beams])  # [B, V]
-        req.ready.clear()
         req.num_steps += 1
-        cands = top_candidates(logits, req.scores, req.num_candidates)
         length = req.beams[0].num_outputs + 1  # output tokens of every candidate
         ends = [length >= p.max_tokens or t in req.eos for t in cands.tokens]
         self._add_hypotheses(req, cands, ends, length)  # a full set with early_stopping=True has stopped already

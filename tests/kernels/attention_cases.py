@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import triton
+from backend_device import call_on_backend
 
 from kernels.decode_attention import paged_decode_attention
 from kernels.quant import quantize_per_token_head
@@ -186,9 +187,9 @@ def naive_attention(q, k, v, q_pos, *, scale, sliding_window=None, soft_cap=None
 
 
 def run_decode(q, paged: Paged, **kwargs):
-    """Call paged_decode_attention on a Paged bundle."""
-    return paged_decode_attention(
-        q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens,
+    """Call paged_decode_attention on a Paged bundle, on the backend's device (results on the CPU)."""
+    return call_on_backend(
+        paged_decode_attention, q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens,
         k_scale=paged.k_scale, v_scale=paged.v_scale, **kwargs,
     )  # fmt: skip
 
@@ -206,9 +207,9 @@ def fail_launch(*args, **kwargs):
 
 
 def assert_rejected(monkeypatch, module, paths, call, inputs, error) -> None:
-    """``call(**inputs)`` raises ``error``, a PagedKVError, before any of ``module``'s ``paths`` runs."""
+    """``call(**inputs)``, on the backend's device, raises ``error`` (a PagedKVError) before ``paths`` run."""
     for name in paths:
         monkeypatch.setattr(module, name, fail_launch)
     with pytest.raises(error) as info:
-        call(**inputs)
+        call_on_backend(call, **inputs)
     assert isinstance(info.value, PagedKVError)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from attention_cases import BF16, F32, I8, build_paged
+from backend_device import TRITON_DEVICE, call_on_backend
 from no_host_reads import LaunchRecorder, forbid_host_reads
 
 import kernels.decode_attention as dec
@@ -29,7 +30,7 @@ from kernels import (
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError, PagedKVError
 
 wkv = importlib.import_module("kernels.write_kv")
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # triton: the interpreter on CPU
+DEVICE = TRITON_DEVICE  # the interpreter on CPU; inputs are built there, so call_on_backend moves nothing
 
 
 def _meta(paged, q_lens, device=DEVICE) -> AttentionMetadata:
@@ -122,8 +123,9 @@ def test_prepared_decode_equals_checked(backend, q_dtype, cache_dtype, hq, hkv, 
     q = torch.randn(len(lens), hq, head_dim, generator=torch.Generator().manual_seed(1)).to(q_dtype).to(device)
     meta = _meta(paged, [1] * len(lens), device)
     kw = {"k_scale": paged.k_scale, "v_scale": paged.v_scale, "backend": backend, "sliding_window": 7}
-    expected = paged_decode_attention(q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, **kw)
-    got = paged_decode_attention_prepared(q, paged.k_cache, paged.v_cache, meta, **kw)
+    expected = call_on_backend(paged_decode_attention, q, paged.k_cache, paged.v_cache, paged.block_tables,
+                               paged.seq_lens, **kw)  # fmt: skip
+    got = call_on_backend(paged_decode_attention_prepared, q, paged.k_cache, paged.v_cache, meta, **kw)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
@@ -138,8 +140,8 @@ def test_prepared_prefill_equals_checked(backend, q_dtype, cache_dtype, hq, hkv,
     q = torch.randn(sum(q_lens), hq, head_dim, generator=torch.Generator().manual_seed(2)).to(q_dtype).to(device)
     kw = {"k_scale": paged.k_scale, "v_scale": paged.v_scale, "backend": backend}
     args = (q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, meta.cu_seqlens_q)
-    expected = paged_prefill_attention(*args, **kw)
-    got = paged_prefill_attention_prepared(q, paged.k_cache, paged.v_cache, meta, **kw)
+    expected = call_on_backend(paged_prefill_attention, *args, **kw)
+    got = call_on_backend(paged_prefill_attention_prepared, q, paged.k_cache, paged.v_cache, meta, **kw)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
@@ -157,10 +159,10 @@ def test_prepared_write_equals_checked(backend, cache_dtype):
         caches.append([storage.to(device), storage.clone().to(device)])
         scale = torch.zeros(8, 4, 2).to(device) if cache_dtype == I8 else None
         scales.append([scale, None if scale is None else scale.clone()])
-    write_kv(key, value, caches[0][0], caches[1][0], meta.slot_mapping, k_scale=scales[0][0],
-             v_scale=scales[1][0], backend=backend)  # fmt: skip
-    write_kv_prepared(key, value, caches[0][1], caches[1][1], meta, k_scale=scales[0][1], v_scale=scales[1][1],
-                      backend=backend)  # fmt: skip
+    call_on_backend(write_kv, key, value, caches[0][0], caches[1][0], meta.slot_mapping, k_scale=scales[0][0],
+                    v_scale=scales[1][0], backend=backend)  # fmt: skip
+    call_on_backend(write_kv_prepared, key, value, caches[0][1], caches[1][1], meta, k_scale=scales[0][1],
+                    v_scale=scales[1][1], backend=backend)  # fmt: skip
     for pair in (*caches, *(s for s in scales if s[0] is not None)):
         assert torch.equal(pair[0].view(torch.uint8), pair[1].view(torch.uint8))
 

@@ -6,6 +6,7 @@ import importlib
 
 import pytest
 import torch
+from backend_device import TRITON_DEVICE, call_on_backend, gpu_test
 
 from kernels.copy_blocks import copy_blocks, copy_blocks_reference, mapping_to_pairs, swap_blocks
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError
@@ -70,7 +71,7 @@ PAIRS = [(0, 3), (0, 5), (2, 6), (1, 4)]  # block 0 forked twice
 def test_copy_matches_naive(backend: str, extra: str) -> None:
     tensors = layer_tensors(seed=len(extra), extra=EXTRAS[extra])
     expected = naive_copy(tensors, PAIRS)
-    copy_blocks(tensors, PAIRS, backend=backend)
+    call_on_backend(copy_blocks, tensors, PAIRS, backend=backend)
     for t, want in zip(tensors, expected):
         assert torch.equal(raw(t), want)
 
@@ -86,17 +87,18 @@ def test_word_size_follows_the_least_aligned_tensor() -> None:
 def test_tensor_mapping_and_reference_agree(mapping_dtype: torch.dtype) -> None:
     a, b = layer_tensors(seed=5), layer_tensors(seed=5)
     mapping = torch.tensor(PAIRS, dtype=mapping_dtype)
-    copy_blocks(a, mapping, backend="triton")
+    call_on_backend(copy_blocks, a, mapping, backend="triton")
     copy_blocks_reference(b, mapping)
     assert all(torch.equal(raw(x), raw(y)) for x, y in zip(a, b))
     assert torch.equal(mapping, torch.tensor(PAIRS, dtype=mapping_dtype))  # input untouched
 
 
 def test_repeated_calls_reuse_and_refresh_the_address_table() -> None:
-    first, second = layer_tensors(seed=6), layer_tensors(seed=7)
+    # the same device tensors twice: the second call finds the first call's table
+    first, second = ([t.to(TRITON_DEVICE) for t in layer_tensors(seed=seed)] for seed in (6, 7))
     for tensors in (first, first, second):
         expected = naive_copy(tensors, [(1, 2)])
-        copy_blocks(tensors, [(1, 2)], backend="triton")
+        call_on_backend(copy_blocks, tensors, [(1, 2)], backend="triton")  # already there: nothing moves
         assert all(torch.equal(raw(t), w) for t, w in zip(tensors, expected))
 
 
@@ -104,8 +106,8 @@ def test_repeated_calls_reuse_and_refresh_the_address_table() -> None:
 def test_empty_mapping_is_a_no_op(backend: str) -> None:
     tensors = layer_tensors(seed=8)
     before = [raw(t).clone() for t in tensors]
-    copy_blocks(tensors, [], backend=backend)
-    copy_blocks(tensors, torch.empty(0, 2, dtype=torch.int64), backend=backend)
+    call_on_backend(copy_blocks, tensors, [], backend=backend)
+    call_on_backend(copy_blocks, tensors, torch.empty(0, 2, dtype=torch.int64), backend=backend)
     assert all(torch.equal(raw(t), b) for t, b in zip(tensors, before))
 
 
@@ -143,7 +145,7 @@ def test_copy_rejects_bad_input_and_writes_nothing(backend: str, case) -> None:
     tensors = layer_tensors(seed=9)
     before = [raw(t).clone() for t in tensors]
     with pytest.raises(error):
-        copy_blocks(tensors + (extra or []), mapping, backend=backend)
+        call_on_backend(copy_blocks, tensors + (extra or []), mapping, backend=backend)
     assert all(torch.equal(raw(t), b) for t, b in zip(tensors, before))
 
 
@@ -245,16 +247,12 @@ def test_all_tensors_and_pairs_copied_in_one_launch(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(copy_module, "_copy_blocks_kernel", CountingKernel())
     tensors = layer_tensors(seed=12, extra=EXTRAS["words1-3chunks"])
     expected = naive_copy(tensors, PAIRS)
-    copy_blocks(tensors, PAIRS, backend="triton")
+    call_on_backend(copy_blocks, tensors, PAIRS, backend="triton")
     assert launches == [(len(PAIRS), len(tensors), 3)]
     assert all(torch.equal(raw(t), w) for t, w in zip(tensors, expected))
 
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-@pytest.mark.gpu
-@needs_cuda
+@gpu_test
 def test_cuda_copy_matches_reference() -> None:
     on_gpu = [t.cuda() for t in layer_tensors(seed=13, extra=EXTRAS["words8-2chunks"])]
     reference = [t.clone() for t in on_gpu]
@@ -263,8 +261,7 @@ def test_cuda_copy_matches_reference() -> None:
     assert all(torch.equal(raw(a), raw(b)) for a, b in zip(on_gpu, reference))
 
 
-@pytest.mark.gpu
-@needs_cuda
+@gpu_test
 @pytest.mark.parametrize("pinned", [True, False])
 def test_cuda_swap_out_and_in(pinned: bool) -> None:
     cpu_pool = [t.pin_memory() if pinned else t for t in pool(3, seed=6)]

@@ -28,6 +28,7 @@ from attention_cases import (
     naive_attention,
     run_decode,
 )
+from backend_device import call_on_backend
 
 import kernels.decode_attention as dec
 from kernels.decode_attention import choose_num_splits, paged_decode_attention, paged_decode_attention_reference
@@ -97,9 +98,10 @@ def test_every_e4m3_code_decodes_exactly():
     v_cache = codes.view(E4M3)
     k_cache = torch.zeros_like(codes).view(E4M3)
     scales = torch.full((2, 1, 1), 0.5)
-    out = paged_decode_attention(
-        torch.randn(2, 1, 128), k_cache, v_cache, torch.tensor([[0], [1]], dtype=torch.int32),
-        torch.tensor([1, 1], dtype=torch.int32), k_scale=scales, v_scale=scales, backend="triton",
+    out = call_on_backend(
+        paged_decode_attention, torch.randn(2, 1, 128), k_cache, v_cache,
+        torch.tensor([[0], [1]], dtype=torch.int32), torch.tensor([1, 1], dtype=torch.int32),
+        k_scale=scales, v_scale=scales, backend="triton",
     )  # fmt: skip
     assert torch.equal(out[:, 0], v_cache[:, 0, 0].float() * 0.5)
 
@@ -135,9 +137,8 @@ def test_int64_tables_and_strided_q(backend):
     paged = build_paged([33, 8], block_size=8, num_kv_heads=2, head_dim=64, seed=13)
     wide = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(14))
     q = wide[:, ::2]  # [2, 4, 64] with head stride 128
-    out = paged_decode_attention(
-        q, paged.k_cache, paged.v_cache, paged.block_tables.long(), paged.seq_lens.long(), backend=backend
-    )
+    tables, lens = paged.block_tables.long(), paged.seq_lens.long()
+    out = call_on_backend(paged_decode_attention, q, paged.k_cache, paged.v_cache, tables, lens, backend=backend)
     assert_close(out, naive_decode(q, paged)[0], TOL[F32])
 
 
@@ -153,9 +154,9 @@ def test_auto_backend_on_cpu_runs_torch(monkeypatch):
 
 def test_empty_batch():
     paged = build_paged([5], block_size=8, num_kv_heads=1, head_dim=64)
-    out, lse = paged_decode_attention(
-        torch.zeros(0, 2, 64), paged.k_cache, paged.v_cache, paged.block_tables[:0], paged.seq_lens[:0],
-        backend="triton", return_lse=True,
+    out, lse = call_on_backend(
+        paged_decode_attention, torch.zeros(0, 2, 64), paged.k_cache, paged.v_cache,
+        paged.block_tables[:0], paged.seq_lens[:0], backend="triton", return_lse=True,
     )  # fmt: skip
     assert out.shape == (0, 2, 64) and lse.shape == (0, 2)
 
@@ -259,8 +260,8 @@ def test_unused_table_entries_are_not_validated():
     inputs = _valid_inputs()
     inputs["block_tables"][1, 2:] = -7  # past seq_len 9 at block size 8: padding
     inputs["block_tables"][0, 0] = 10_000  # before the window of 8 at seq_len 20: never read
-    out = paged_decode_attention(**inputs, sliding_window=8, backend="triton")
-    ref = paged_decode_attention(**inputs, sliding_window=8, backend="torch")
+    out = call_on_backend(paged_decode_attention, **inputs, sliding_window=8, backend="triton")
+    ref = call_on_backend(paged_decode_attention, **inputs, sliding_window=8, backend="torch")
     assert not torch.isnan(out).any()
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 

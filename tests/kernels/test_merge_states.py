@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 from attention_cases import BF16, F16, F32, TOL, assert_close, assert_rejected, build_for_gpu, build_paged, run_decode
+from backend_device import call_on_backend
 
 import kernels.merge_states as ms
 from kernels.decode_attention import paged_decode_attention
@@ -29,8 +30,8 @@ def test_merge_equals_attention_over_union(backend, dtype):
     values = torch.randn(7, 3, 20, 40, generator=gen, dtype=torch.float64)  # head_dim 40: padded lanes
     out_a, lse_a = softmax_state(logits[..., :6], values[..., :6, :])
     out_b, lse_b = softmax_state(logits[..., 6:], values[..., 6:, :])
-    out, lse = merge_attention_states(
-        out_a.to(dtype), lse_a.float(), out_b.to(dtype), lse_b.float(), backend=backend
+    out, lse = call_on_backend(
+        merge_attention_states, out_a.to(dtype), lse_a.float(), out_b.to(dtype), lse_b.float(), backend=backend
     )
     expected, expected_lse = softmax_state(logits, values)
     assert out.dtype == dtype and lse.dtype == F32
@@ -46,7 +47,7 @@ def test_empty_parts(backend):
     lse_a[0], lse_b[1] = -math.inf, -math.inf  # token 0: only b; token 1: only a
     lse_a[2, 1] = lse_b[2, 1] = -math.inf  # both empty
     out_a[0] = out_b[1] = out_a[2, 1] = out_b[2, 1] = math.nan  # an empty part's output is ignored
-    out, lse = merge_attention_states(out_a, lse_a, out_b, lse_b, backend=backend)
+    out, lse = call_on_backend(merge_attention_states, out_a, lse_a, out_b, lse_b, backend=backend)
     torch.testing.assert_close(out[0], out_b[0])
     torch.testing.assert_close(lse[0], lse_b[0])
     torch.testing.assert_close(out[1], out_a[1])
@@ -71,14 +72,14 @@ def test_shared_prefix_then_suffix_equals_full_decode():
     prefix_table = paged.block_tables[:, :2]
     prefix_out, prefix_lse = run_decode_on(q, caches, prefix_table, [32, 32])
     suffix_out, suffix_lse = run_decode_on(q, caches, paged.block_tables[:, 2:], [50 - 32, 41 - 32])
-    out, _ = merge_attention_states(prefix_out, prefix_lse, suffix_out, suffix_lse, backend="triton")
+    out, _ = call_on_backend(merge_attention_states, prefix_out, prefix_lse, suffix_out, suffix_lse, backend="triton")
     torch.testing.assert_close(out, full, atol=1e-5, rtol=1e-5)
 
 
 def run_decode_on(q, caches, table, lens):
     """Triton decode over an explicit block table (a slice of the full one) with lse."""
     seq_lens = torch.tensor(lens, dtype=torch.int32)
-    return paged_decode_attention(q, *caches, table, seq_lens, backend="triton", return_lse=True)
+    return call_on_backend(paged_decode_attention, q, *caches, table, seq_lens, backend="triton", return_lse=True)
 
 
 def test_strided_inputs_and_reference():
@@ -86,7 +87,7 @@ def test_strided_inputs_and_reference():
     big = torch.randn(4, 6, 32, generator=gen)
     out_a, out_b = big[:, ::2], big[:, 1::2]  # non-contiguous [4, 3, 32] views
     lse_a, lse_b = torch.randn(3, 4, generator=gen).T, torch.randn(4, 3, generator=gen)
-    out, lse = merge_attention_states(out_a, lse_a, out_b, lse_b, backend="triton")
+    out, lse = call_on_backend(merge_attention_states, out_a, lse_a, out_b, lse_b, backend="triton")
     ref_out, ref_lse = merge_attention_states_reference(out_a, lse_a, out_b, lse_b)
     torch.testing.assert_close(out, ref_out, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(lse, ref_lse, atol=1e-6, rtol=1e-6)

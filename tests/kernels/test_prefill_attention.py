@@ -27,6 +27,7 @@ from attention_cases import (
     naive_attention,
     run_decode,
 )
+from backend_device import call_on_backend
 
 import kernels.prefill_attention as pre
 from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_reference
@@ -54,10 +55,10 @@ def naive_prefill(q, paged: Paged, q_lens, *, scale=None, **opts):
 
 
 def run_prefill(q, paged: Paged, q_lens, **kwargs):
-    """Call paged_prefill_attention on a Paged bundle."""
-    return paged_prefill_attention(
-        q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, cu_seqlens(q_lens),
-        k_scale=paged.k_scale, v_scale=paged.v_scale, **kwargs,
+    """Call paged_prefill_attention on a Paged bundle, on the backend's device (results on the CPU)."""
+    return call_on_backend(
+        paged_prefill_attention, q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens,
+        cu_seqlens(q_lens), k_scale=paged.k_scale, v_scale=paged.v_scale, **kwargs,
     )  # fmt: skip
 
 
@@ -156,11 +157,11 @@ def test_reference_chunks_long_queries(monkeypatch):
 def test_empty_inputs():
     paged = build_paged([5], block_size=8, num_kv_heads=1, head_dim=64)
     cache = (paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens)
-    out = paged_prefill_attention(torch.zeros(0, 2, 64), *cache, cu_seqlens([0]), backend="triton")
+    out = call_on_backend(paged_prefill_attention, torch.zeros(0, 2, 64), *cache, cu_seqlens([0]), backend="triton")
     assert out.shape == (0, 2, 64)
-    empty = paged_prefill_attention(
-        torch.zeros(0, 2, 64), paged.k_cache, paged.v_cache, paged.block_tables[:0], paged.seq_lens[:0],
-        torch.zeros(1, dtype=torch.int32), backend="triton",
+    empty = call_on_backend(
+        paged_prefill_attention, torch.zeros(0, 2, 64), paged.k_cache, paged.v_cache,
+        paged.block_tables[:0], paged.seq_lens[:0], torch.zeros(1, dtype=torch.int32), backend="triton",
     )  # fmt: skip
     assert empty.shape == (0, 2, 64)
 

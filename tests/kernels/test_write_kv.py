@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from backend_device import call_on_backend
 
 from kernels.quant import as_storage, is_quantized, quant_max, quantize_per_token_head
 from kernels.write_kv import write_kv, write_kv_reference
@@ -61,8 +62,9 @@ def make_cache(num_blocks: int, block_size: int, heads: int, head_dim: int, dtyp
 
 
 def run(cache: Cache, key, value, slots, backend: str) -> None:
-    """write_kv into ``cache``."""
-    write_kv(key, value, cache.k, cache.v, slots, k_scale=cache.k_scale, v_scale=cache.v_scale, backend=backend)
+    """write_kv into ``cache``, on the backend's device (the CPU cache receives the result)."""
+    scales = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
+    call_on_backend(write_kv, key, value, cache.k, cache.v, slots, **scales, backend=backend)
 
 
 def naive_expectation(cache: Cache, key, value, slots) -> list[torch.Tensor]:
@@ -250,7 +252,7 @@ def test_bad_input_raises_typed_error_and_writes_nothing(backend: str, case) -> 
                 k_scale=cache.k_scale, v_scale=cache.v_scale, backend=backend)  # fmt: skip
     args.update(overrides)
     with pytest.raises(error):
-        write_kv(args["key"], args["value"], args["k_cache"], args["v_cache"], args["slots"],
+        call_on_backend(write_kv, args["key"], args["value"], args["k_cache"], args["v_cache"], args["slots"],
                  k_scale=args["k_scale"], v_scale=args["v_scale"], backend=args["backend"])  # fmt: skip
     assert all(torch.equal(raw(t), b) for t, b in zip(cache.tensors(), before))
 
@@ -260,8 +262,8 @@ def test_triton_backend_needs_cuda_or_the_interpreter(monkeypatch: pytest.Monkey
     key, value = sample(2, 1, 8, torch.float32, seed=5)
     cache = make_cache(1, 4, 1, 8, torch.float32)
     before = cache.snapshot()
-    with pytest.raises(InvalidArgumentError, match="backend"):
-        run(cache, key, value, torch.tensor([0, 1]), "triton")
+    with pytest.raises(InvalidArgumentError, match="backend"):  # CPU tensors, on purpose
+        write_kv(key, value, cache.k, cache.v, torch.tensor([0, 1]), backend="triton")
     assert all(torch.equal(raw(t), b) for t, b in zip(cache.tensors(), before))
 
 
@@ -270,7 +272,9 @@ def test_scales_forbidden_for_float_cache() -> None:
     cache = make_cache(1, 4, 1, 8, torch.float16)
     before = cache.snapshot()
     with pytest.raises(InvalidArgumentError, match="k_scale"):
-        write_kv(key, value, cache.k, cache.v, torch.tensor([0, 1]), k_scale=torch.zeros(1, 4, 1), backend="triton")
+        call_on_backend(
+            write_kv, key, value, cache.k, cache.v, torch.tensor([0, 1]), k_scale=torch.zeros(1, 4, 1), backend="triton"
+        )
     assert all(torch.equal(raw(t), b) for t, b in zip(cache.tensors(), before))
 
 

@@ -40,6 +40,13 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="session")
+def beam_prompts() -> list[list[int]]:
+    """Prompts of 1, 6, 17 and 40 tokens (block size 4: partial and full last blocks)."""
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (1, 6, 17, 40)]
+
+
+@pytest.fixture(scope="session")
 def hf_greedy(tiny_hf, prompts) -> list[list[int]]:
     """transformers' greedy continuation of every prompt (NUM_NEW tokens each).
 

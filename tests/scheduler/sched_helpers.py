@@ -9,12 +9,14 @@ NUM_NEW = 12  # tokens generated per prompt in the reference runs
 SHARED = list(range(100, 140))  # a 40-token "system prompt" several prompts start with
 
 
-def make_engine(hf_model, *, num_blocks=256, block_size=4, num_cpu_blocks=0, prefix=True, **sched) -> LLMEngine:
-    """An engine over ``hf_model``'s weights on the CPU (no watermark unless given)."""
+def make_engine(
+    hf_model, *, num_blocks=256, block_size=4, num_cpu_blocks=0, prefix=True, device="cpu", **sched
+) -> LLMEngine:
+    """An engine over ``hf_model``'s weights, on the CPU unless told (no watermark unless given)."""
     sched.setdefault("max_num_batched_tokens", 256)
     watermark = sched.pop("watermark", 0.0)
     cache = CacheConfig(
         block_size=block_size, num_gpu_blocks=num_blocks, num_cpu_blocks=num_cpu_blocks, watermark=watermark,
         enable_prefix_caching=prefix,
     )  # fmt: skip
-    return LLMEngine.from_hf(hf_model, EngineConfig(cache=cache, scheduler=SchedulerConfig(**sched), device="cpu"))
+    return LLMEngine.from_hf(hf_model, EngineConfig(cache=cache, scheduler=SchedulerConfig(**sched), device=device))

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 import scheduler.beam_search as beam_search
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError, PagedKVError, SequenceStateError
@@ -15,13 +16,6 @@ from sched_helpers import VOCAB, make_engine
 
 WIDTH = 4
 NEW = 16
-
-
-@pytest.fixture(scope="module")
-def beam_prompts() -> list[list[int]]:
-    """Prompts of 1, 6, 17 and 40 tokens (block size 4: partial and full last blocks)."""
-    g = torch.Generator().manual_seed(7)
-    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (1, 6, 17, 40)]
 
 
 def hf_beams(hf_model, prompt, *, width=WIDTH, new=NEW, eos=None, **kwargs):
@@ -307,3 +301,65 @@ def test_smollm2_best_beam_matches_transformers(smollm2):
     assert out.hypotheses[0].score == pytest.approx(ref_scores[0], abs=1e-4)
     assert out.memory.peak_blocks < out.memory.peak_blocks_unshared
     assert_all_freed(engine)
+
+
+class _MetaAsDevice(TorchFunctionMode):
+    """Meta tensors stand in for a GPU's: a copy of one to the CPU reads zeros and is counted; other host reads fail."""
+
+    HOST_READS = (torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.numpy, torch.Tensor.__bool__,
+                  torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.__index__)  # fmt: skip
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copies = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        t = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if t is not None and t.is_meta:
+            if func is torch.Tensor.cpu or (func is torch.Tensor.to and _targets_cpu(args[1:], kwargs)):
+                self.copies += 1
+                return torch.zeros(t.shape, dtype=t.dtype)
+            if func in self.HOST_READS:
+                raise AssertionError(f"{func.__name__} read a device tensor on the host")
+        return func(*args, **kwargs)
+
+
+def _targets_cpu(args, kwargs) -> bool:
+    """Whether ``Tensor.to(*args, **kwargs)`` moves to the CPU."""
+    device = kwargs.get("device", next((a for a in args if isinstance(a, (str, torch.device))), None))
+    return device is not None and torch.device(device).type == "cpu"
+
+
+def test_top_candidates_scores_on_the_logits_device_with_one_copy_back():
+    """GPU logits and CPU beam scores: the scoring stays on the logits' device, the winners come back in one copy."""
+    logits = torch.randn(3, VOCAB, device="meta")  # meta stands in for CUDA: mixing it with CPU tensors raises
+    with _MetaAsDevice() as device:
+        cands = beam_search.top_candidates(logits, torch.tensor([0.0, -1.0, -2.5]), 8)
+    assert device.copies == 1
+    assert cands.scores.device.type == "cpu" and cands.scores.dtype == torch.float32 and cands.scores.shape == (8,)
+    assert len(cands.parents) == len(cands.tokens) == len(cands.logprobs) == 8
+
+
+def test_top_candidates_are_the_best_continuations():
+    """Candidates are the k largest beam score + token log-probability, best first, with each token's own logprob."""
+    g = torch.Generator().manual_seed(3)
+    logits, scores = torch.randn(3, VOCAB, generator=g), torch.tensor([0.0, -1.0, -2.5])
+    cands = beam_search.top_candidates(logits, scores, 8)
+    logprobs = torch.log_softmax(logits, -1)
+    totals = sorted(((float(scores[b] + logprobs[b, t]), b, t) for b in range(3) for t in range(VOCAB)), reverse=True)
+    assert [(b, t) for _, b, t in totals[:8]] == list(zip(cands.parents, cands.tokens))
+    assert cands.scores.tolist() == pytest.approx([s for s, _, _ in totals[:8]], abs=1e-6)
+    assert cands.logprobs == pytest.approx([float(logprobs[b, t]) for _, b, t in totals[:8]], abs=1e-6)
+
+
+def test_one_candidate_selection_per_step_for_all_requests(tiny_hf, beam_prompts, monkeypatch):
+    """Every step selects the candidates of all its ready requests together (one device->host copy per step)."""
+    calls = []
+    batch = beam_search.top_candidates_batch
+    monkeypatch.setattr(beam_search, "top_candidates_batch", lambda reqs: calls.append(len(reqs)) or batch(reqs))
+    outs = BeamSearch(make_engine(tiny_hf)).generate(beam_prompts, BeamSearchParams(width=WIDTH, max_tokens=NEW))
+    assert calls[0] == len(beam_prompts)  # the first selection of every request, in one call
+    assert len(calls) == max(o.num_steps for o in outs) and sum(calls) == sum(o.num_steps for o in outs)
+    for prompt, out in zip(beam_prompts, outs):
+        assert_same_beams(out, *hf_beams(tiny_hf, prompt))
