@@ -182,6 +182,7 @@ def test_prepared_torch_paths_read_no_device_value():
         write_kv_prepared(k, k, paged.k_cache, paged.v_cache, prefill, backend="torch")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU launch check; on a GPU the sync-debug engine test covers it")
 def test_prepared_triton_wrappers_launch_without_reading_device_values(monkeypatch):
     paged = build_paged([9, 300, 1], block_size=4, num_kv_heads=2, head_dim=16)
     decode, prefill = _meta(paged, [1, 1, 1], torch.device("cpu")), _meta(paged, [4, 1, 1], torch.device("cpu"))
@@ -190,13 +191,12 @@ def test_prepared_triton_wrappers_launch_without_reading_device_values(monkeypat
                          (wkv, "_write_kv_kernel")):  # fmt: skip
         kernels[name] = LaunchRecorder()
         monkeypatch.setattr(module, name, kernels[name])
+    q, k = torch.randn(6, 4, 16), torch.randn(6, 2, 16)
     with forbid_host_reads():
-        paged_decode_attention_prepared(torch.randn(3, 4, 16), paged.k_cache, paged.v_cache, decode,
-                                        backend="triton", num_splits=2)  # fmt: skip
-        paged_prefill_attention_prepared(torch.randn(6, 4, 16), paged.k_cache, paged.v_cache, prefill,
-                                         backend="triton")  # fmt: skip
-        k = torch.randn(6, 2, 16)
-        write_kv_prepared(k, k, paged.k_cache, paged.v_cache, prefill, backend="triton")
+        call_on_backend(paged_decode_attention_prepared, q[:3], paged.k_cache, paged.v_cache, decode,
+                        backend="triton", num_splits=2)  # fmt: skip
+        call_on_backend(paged_prefill_attention_prepared, q, paged.k_cache, paged.v_cache, prefill, backend="triton")
+        call_on_backend(write_kv_prepared, k, k, paged.k_cache, paged.v_cache, prefill, backend="triton")
     assert kernels["_decode_split_kernel"].calls[0][0] == (3, 2, 2)  # (seqs, kv heads, splits) from host ints
     assert len(kernels["_merge_splits_kernel"].calls) == 1
     assert kernels["_prefill_kernel"].calls[0][0][2] == 3 and len(kernels["_write_kv_kernel"].calls) == 1
