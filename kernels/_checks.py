@@ -115,3 +115,26 @@ def check_triton_device(*tensors: torch.Tensor) -> None:
     if all(t.is_cuda for t in tensors) or os.environ.get("TRITON_INTERPRET") == "1":
         return
     raise InvalidArgumentError(describe("backend", "triton", "CUDA tensors (or TRITON_INTERPRET=1 on CPU)"))
+
+
+def check_device(name: str, device: object) -> torch.device:
+    """``device`` (a str or torch.device) as a torch.device that tensors can be made on, else InvalidArgumentError."""
+    if not isinstance(device, (str, torch.device)):
+        raise InvalidArgumentError(describe(name, device, "a device string or torch.device"))
+    try:
+        resolved = torch.device(device)
+        torch.empty(0, device=resolved)  # unknown types, absent backends, out-of-range indices all fail here
+    except (RuntimeError, AssertionError, TypeError, ValueError) as exc:
+        reason = str(exc).split("\n")[0][:100]
+        raise InvalidArgumentError(describe(name, device, f"an available device ({reason})")) from None
+    if resolved.type == "meta":  # meta tensors hold no data: nothing could be read back
+        raise InvalidArgumentError(describe(name, device, "a device that holds data (not 'meta')"))
+    return resolved
+
+
+def check_dtype(name: str, dtype: object, allowed: Iterable[torch.dtype]) -> torch.dtype:
+    """Return ``dtype`` if it is one of ``allowed``, else raise InvalidArgumentError naming it."""
+    allowed = tuple(allowed)
+    if not isinstance(dtype, torch.dtype) or dtype not in allowed:
+        raise InvalidArgumentError(describe(name, dtype, f"one of {allowed}"))
+    return dtype

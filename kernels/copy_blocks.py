@@ -108,6 +108,8 @@ def _pair(i: int, pair: object) -> tuple[int, int]:
     """One (src, dst) pair of Python/numpy/torch integers."""
     try:
         src, dst = pair  # type: ignore[misc]
+        if isinstance(src, bool) or isinstance(dst, bool):  # bools are never block ids
+            raise TypeError
         return operator.index(src), operator.index(dst)
     except (TypeError, ValueError):
         raise InvalidArgumentError(describe(f"block_mapping[{i}]", pair, "a (src, dst) pair of ints")) from None
