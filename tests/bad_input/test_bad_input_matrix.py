@@ -1,0 +1,115 @@
+"""The bad-input matrix: every public entry point x every kind of bad value.
+
+Each row replaces one argument of a valid call by one bad value; the call must raise a
+``PagedKVError`` whose message names the argument, and the object it was called on must be
+exactly as before (a deep snapshot of everything reachable from it). The valid call itself
+must succeed, so a row never passes for the wrong reason. A public name with neither an
+entry nor a justified exemption fails :func:`test_every_public_entry_point_is_in_the_matrix`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import pytest
+from bad_input_entries import EXEMPT, entries
+from bad_input_machinery import KINDS, Entry, state
+
+from paged_kv.errors import PagedKVError
+
+OURS = ("paged_kv", "kernels", "scheduler")
+# The public modules: packages with __all__, and the modules a user imports names from.
+MODULES = (
+    "paged_kv", "paged_kv.kv_cache", "paged_kv.batch", "paged_kv.compat.pool", "paged_kv.compat.ndarray_kv",
+    "paged_kv.compat.contiguous", "paged_kv.compat.compressed", "paged_kv.compat.quantized", "paged_kv.compat.dynamic",
+    "paged_kv.compat.turboquant", "paged_kv.integrations.transformers", "kernels", "scheduler",
+)  # fmt: skip
+
+ENTRIES = entries()
+BY_NAME = {e.name: e for e in ENTRIES}
+
+
+def _rows() -> list[tuple[Entry, str, str, int]]:
+    """(entry, argument, kind, index of the bad value) for every bad value of every argument."""
+    return [
+        (e, arg, kind, i)
+        for e in ENTRIES
+        for arg, spec in e.args.items()
+        for kind, values in spec.bad_values().items()
+        for i in range(len(values))
+    ]
+
+
+ROWS = _rows()
+
+
+def _kwargs(entry: Entry) -> dict[str, object]:
+    return {name: arg.make_valid() for name, arg in entry.args.items()}
+
+
+@pytest.mark.parametrize("entry", ENTRIES, ids=lambda e: e.name)
+def test_the_valid_call_succeeds(entry):
+    # the baseline of every row: with all arguments valid, the call goes through
+    entry.call(entry.make(), _kwargs(entry))
+
+
+@pytest.mark.parametrize(("entry", "arg", "kind", "i"), ROWS, ids=[f"{e.name}-{a}-{k}-{i}" for e, a, k, i in ROWS])
+def test_bad_input_raises_a_typed_error_naming_the_argument_and_changes_nothing(entry, arg, kind, i):
+    subject = entry.make()
+    kwargs = _kwargs(entry)
+    bad = entry.args[arg].bad_values()[kind][i]
+    kwargs[arg] = bad
+    before = state(subject)
+    with pytest.raises(PagedKVError) as info:
+        entry.call(subject, kwargs)
+    names = entry.named.get(arg, arg)
+    names = (names,) if isinstance(names, str) else names
+    assert any(n in str(info.value) for n in names), f"the message does not name {arg!r}: {info.value}"
+    assert state(subject) == before, "a rejected call changed the object"
+
+
+def public_entry_points() -> set[str]:
+    """Every public callable with arguments: functions, constructors, and methods defined in our packages."""
+    names: set[str] = set()
+    for mod_name in MODULES:
+        mod = importlib.import_module(mod_name)
+        public = getattr(mod, "__all__", None) or [
+            n for n, v in vars(mod).items() if not n.startswith("_") and getattr(v, "__module__", None) == mod_name
+        ]
+        for n in public:
+            v = getattr(mod, n)
+            if inspect.isclass(v) and issubclass(v, BaseException):
+                continue  # the error classes themselves
+            names.add(f"{mod_name}.{n}")
+            if inspect.isclass(v):
+                names |= {f"{mod_name}.{n}.{m}" for m in _methods_with_arguments(v)}
+    return names
+
+
+def _methods_with_arguments(cls: type) -> list[str]:
+    """Public methods of ``cls`` defined in our packages that take at least one argument."""
+    out = []
+    for name in dir(cls):
+        owner = next((c for c in cls.__mro__ if name in vars(c)), None)
+        if name.startswith("_") or owner is None or not owner.__module__.startswith(OURS):
+            continue
+        attr = vars(owner)[name]
+        fn = attr.__func__ if isinstance(attr, (classmethod, staticmethod)) else attr
+        if inspect.isfunction(fn) and [p for p in inspect.signature(fn).parameters if p not in ("self", "cls")]:
+            out.append(name)
+    return out
+
+
+def test_every_public_entry_point_is_in_the_matrix():
+    covered = {e.name.split("[")[0] for e in ENTRIES} | set(EXEMPT)
+    exempt_class = lambda name: name.rsplit(".", 1)[0] in EXEMPT  # noqa: E731  (its methods are exempt too)
+    missing = sorted(n for n in public_entry_points() - covered if not exempt_class(n))
+    assert not missing, f"public entry points with no bad-input rows and no exemption: {missing}"
+    stale = sorted(covered - public_entry_points())
+    assert not stale, f"matrix entries or exemptions for names that are not public entry points: {stale}"
+
+
+def test_every_entry_has_rows_and_the_matrix_spans_every_kind():
+    assert all(any(arg.bad_values() for arg in e.args.values()) for e in ENTRIES)
+    assert {k for _, _, k, _ in ROWS} == set(KINDS)
