@@ -47,7 +47,7 @@ FAMILIES: dict[str, dict[str, list[object]]] = {
             NAN_INF: [NAN, INF], OUT_OF_RANGE: [-1, 1 << 62]},
     "opt_int": {WRONG_TYPE: ["3", [1]], BOOL_FOR_INT: [True], NONINTEGRAL: [1.5], NAN_INF: [NAN],
                 OUT_OF_RANGE: [-1, 1 << 62]},
-    "real": {WRONG_TYPE: ["0.5", None], BOOL_FOR_INT: [True], NAN_INF: [NAN, INF, -INF]},
+    "real": {WRONG_TYPE: ["0.5", None], BOOL_FOR_INT: [True, False], NAN_INF: [NAN, INF, -INF]},
     "bool": {WRONG_TYPE: [1, "yes", None]},
     "ids": {WRONG_TYPE: ["ab", {1: 2}, None], BOOL_FOR_INT: [[True, False], [3, True]], NONINTEGRAL: [[1.7], [2.0]],
             NAN_INF: [[NAN]], OUT_OF_RANGE: [[-1]]},
@@ -58,7 +58,7 @@ FAMILIES: dict[str, dict[str, list[object]]] = {
     "opt_str": {WRONG_TYPE: [3, b"salt", ["x"]]},
     "obj": {WRONG_TYPE: [None, "x", 3]},
     "pairs": {WRONG_TYPE: ["ab", 3, [(1, 2, 3)]], BOOL_FOR_INT: [[(True, 2)], [(1, False)]],
-              NONINTEGRAL: [[(1.7, 2)]], NAN_INF: [[(NAN, 2)]], OUT_OF_RANGE: [[(0, 1 << 20)], [(-1, 2)]],
+              NONINTEGRAL: [[(1.7, 2)]], NAN_INF: [[(NAN, 2)]], OUT_OF_RANGE: [[(0, 1 << 20)], [(-1, 2)], [(0, 1 << 63)]],
               BAD_DTYPE: [torch.tensor([[1.0, 2.0]]), torch.tensor([[True, False]])],
               WRONG_SHAPE: [torch.tensor([1, 2]), torch.tensor([[1, 2, 3]])]},
     # tensors: a family's values come from the valid tensor (see bad_tensors); only these kinds apply
