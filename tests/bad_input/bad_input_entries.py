@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from bad_input_machinery import (
     BAD_DEVICE,
@@ -184,8 +186,17 @@ def engine() -> scheduler.LLMEngine:
 TOKENS = {OUT_OF_RANGE: [[-1], [1, 10_000]]}  # prompt ids past the vocab too
 
 
+# entries whose valid call builds a transformers model or config (the optional hf extra)
+NEEDS_TRANSFORMERS = ("paged_kv.integrations.transformers.", "scheduler.ModelConfig.from_hf", "scheduler.LLMEngine.from_hf",
+                      "scheduler.from_hf_model", "scheduler.from_state_dict")
+
+
 def entries() -> list[Entry]:
     """Every public entry point with a valid call."""
+    return [replace(e, requires="transformers") if e.name.startswith(NEEDS_TRANSFORMERS) else e for e in _entries()]
+
+
+def _entries() -> list[Entry]:
     seq_id = lambda v: Arg("seq_id", v)  # noqa: E731
     m = manager
     return [
@@ -420,7 +431,7 @@ def entries() -> list[Entry]:
             "new_key": Arg("float_tensor", dyn_kv, skip=(NAN_INF,)), "new_value": Arg("float_tensor", dyn_kv, skip=(NAN_INF,))},
             lambda: dynamic.KVCacheEntry(dyn_kv(2), dyn_kv(2), block_size=4), named={"new_key": "key", "new_value": "value"}),
         # ---- paged_kv.integrations.transformers ------------------------------------------------------------
-        Entry("paged_kv.integrations.transformers.PagedCache", _transformers().PagedCache, {
+        Entry("paged_kv.integrations.transformers.PagedCache", lambda **kw: _transformers().PagedCache(**kw), {
             "config": Arg("obj", lambda: _hf_config(), bad={WRONG_TYPE: [_NoLayers(), "x"]}),
             "pool": Arg("obj", None, bad={WRONG_TYPE: ["x", 3]}), "block_size": Arg("opt_int", 4, bad={OUT_OF_RANGE: [0]}),
             "dtype": Arg("dtype", torch.float32), "device": Arg("device", "cpu")},
@@ -437,7 +448,7 @@ def entries() -> list[Entry]:
               {"repeats": Arg(I, 2, bad={OUT_OF_RANGE: [0, -1]})}, paged_cache),
         Entry("paged_kv.integrations.transformers.PagedCache.crop", "crop", {"max_length": Arg(I, 2, skip=(OUT_OF_RANGE,))},
               paged_cache),  # any int is a valid crop (negative: drop from the end, past the length: keep all)
-        Entry("paged_kv.integrations.transformers.PagedLayer", _transformers().PagedLayer, {
+        Entry("paged_kv.integrations.transformers.PagedLayer", lambda **kw: _transformers().PagedLayer(**kw), {
             "store": Arg("obj", lambda: paged_cache().kv, bad={WRONG_TYPE: [None, "x"]}),
             "layer_idx": Arg(I, 0, bad={OUT_OF_RANGE: [-1, 2]})}),
         Entry("paged_kv.integrations.transformers.PagedLayer.update", "update", {

@@ -113,6 +113,7 @@ class Entry:
     args: dict[str, Arg]
     make: Callable[[], object] = lambda: None  # the subject (None for functions and constructors)
     named: dict[str, str | tuple[str, ...]] = field(default_factory=dict)  # arg -> name(s) its errors use instead
+    requires: str | None = None  # an optional package the entry needs (skipped without it)
 
     def call(self, subject: object, kwargs: dict[str, object]) -> object:
         """Run the entry point on ``subject``."""
