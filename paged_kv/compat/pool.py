@@ -64,7 +64,8 @@ class KVPool:
         """Raise unless this pool's geometry matches the facade's (num_layers=..., head_dim=...)."""
         for name, want in kwargs.items():
             if name not in KVCacheSpec.__dataclass_fields__:
-                raise InvalidArgumentError(describe(name, want, f"a KVCacheSpec field ({', '.join(KVCacheSpec.__dataclass_fields__)})"))
+                fields = ", ".join(KVCacheSpec.__dataclass_fields__)
+                raise InvalidArgumentError(describe(name, want, f"a KVCacheSpec field ({fields})"))
             have = getattr(self.spec, name)
             if have != want or type(have) is not type(want):  # 2.0 is no layer count, True no head_dim
                 raise InvalidArgumentError(describe(f"pool.{name}", have, f"{want} to match the cache"))

@@ -64,8 +64,12 @@ def test_bad_input_raises_a_typed_error_naming_the_argument_and_changes_nothing(
     entry = BY_NAME[name]
     if entry.requires:
         pytest.importorskip(entry.requires)
-    failures = [problem for kind, values in entry.args[arg].bad_values().items() for bad in values
-                if (problem := _check_row(entry, arg, kind, bad))]
+    failures = [
+        problem
+        for kind, values in entry.args[arg].bad_values().items()
+        for bad in values
+        if (problem := _check_row(entry, arg, kind, bad))
+    ]
     assert not failures, "\n".join(failures)
 
 

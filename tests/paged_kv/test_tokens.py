@@ -58,7 +58,8 @@ def test_non_sequences_are_rejected_naming_the_type(spec, shown):
     ("spec", "bad"),
     [([1, 2.0, 3], "2.0"), ([1, "2"], "'2'"), ([None], "None"), ([1, 1 << 63], str(1 << 63)),
      ([-(1 << 64)], str(-(1 << 64))), ([[1]], r"\[1\]"), (np.array([0.5, 1.5]), "0.5"),
-     ([True, False], "True"), ([5, 0, False], "False"), (np.array([True]), "True"), (list(range(300)) + [True], "True")],
+     ([True, False], "True"), ([5, 0, False], "False"), (np.array([True]), "True"),
+     (list(range(300)) + [True], "True")],
 )
 def test_non_int64_ids_are_rejected_naming_the_first_bad_one(spec, bad):
     with pytest.raises(InvalidArgumentError, match=rf"^token_ids={bad}: expected token ids as int64 integers$"):
