@@ -79,12 +79,14 @@ def paged_seq() -> PagedSeq:
 
 
 def ndarray_cache() -> ndarray_kv.KvCache:
+    """An ndarray_kv cache of 2 layers, layer 0 holding 3 positions."""
     c = ndarray_kv.KvCache(2, 2, 4, 16, block_size=4)
     c.append_kv(0, torch.ones(3, 2, 4).numpy(), torch.ones(3, 2, 4).numpy())
     return c
 
 
 def contiguous_cache() -> contiguous.KvCache:
+    """A contiguous cache of 2 layers holding one position."""
     c = contiguous.KvCache(2, 16, 8, num_kv_heads=2, block_size=4)
     for layer in range(2):
         c.store_kv(layer, [1.0] * 8, [2.0] * 8)
@@ -96,24 +98,28 @@ TQ = dict(head_dim=8, bits=3, projections=8, seed=1)
 
 
 def compressor() -> compressed.KvCacheCompressor:
+    """A one-head compressed cache holding one key/value."""
     c = compressed.KvCacheCompressor(turboquant.KvCacheConfig(**TQ), block_size=4)
     c.push([1.0] * 8, [0.5] * 8)
     return c
 
 
 def multi_head() -> compressed.MultiHeadKvCache:
+    """A two-head compressed cache holding one token."""
     c = compressed.MultiHeadKvCache(2, turboquant.KvCacheConfig(**TQ), block_size=4)
     c.push_token([[1.0] * 8] * 2, [[0.5] * 8] * 2)
     return c
 
 
 def quantized_cache() -> quantized.QuantizedKVCache:
+    """An INT8 cache of 2 layers, position 0 written."""
     c = quantized.QuantizedKVCache(2, 2, 16, 4, "INT8", block_size=4)
     c.write_kv(0, 0, [1.0] * 8, [2.0] * 8)
     return c
 
 
 def dynamic_cache() -> dynamic.KVCache:
+    """A transformers-style cache: layer 0 holds 3 positions of 2 rows."""
     c = dynamic.KVCache(block_size=4)
     c.update(0, torch.ones(2, 2, 3, 4), torch.ones(2, 2, 3, 4))
     return c
@@ -125,6 +131,7 @@ def dyn_kv(seq: int = 1) -> torch.Tensor:
 
 
 def _transformers():
+    """The integration module (imported only when an entry needs it)."""
     import paged_kv.integrations.transformers as t
 
     return t
@@ -148,6 +155,7 @@ def kcache() -> torch.Tensor:
 
 
 def decode_args() -> dict[str, Arg]:
+    """Valid arguments of paged decode attention (prefill adds its own)."""
     return {
         "q": Arg("float_tensor", lambda: torch.ones(2, 4, 4), skip=(NAN_INF,)),  # NaN queries give NaN outputs
         "k_cache": Arg("tensor", kcache),
@@ -170,22 +178,17 @@ def decode_args() -> dict[str, Arg]:
 
 
 # -- scheduler ----------------------------------------------------------------------------------------
+TINY = dict(vocab_size=64, hidden_size=16, intermediate_size=32, head_dim=8, max_position_embeddings=128)
+
+
 def tiny_model() -> scheduler.LlamaModel:
+    """A one-layer Llama, seeded (2 query heads, 1 KV head)."""
     torch.manual_seed(0)
-    cfg = scheduler.ModelConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_layers=1,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=8,
-        max_position_embeddings=128,
-    )
-    return scheduler.LlamaModel(cfg)
+    return scheduler.LlamaModel(scheduler.ModelConfig(**TINY, num_layers=1, num_heads=2, num_kv_heads=1))
 
 
 def engine_config() -> scheduler.EngineConfig:
+    """A small CPU engine configuration: 32 blocks of 4, swap space 4."""
     cache_cfg = scheduler.CacheConfig(block_size=4, num_gpu_blocks=32, num_cpu_blocks=4, watermark=0.0)
     return scheduler.EngineConfig(cache=cache_cfg, device="cpu")
 
@@ -216,6 +219,7 @@ def entries() -> list[Entry]:
 
 
 def _entries() -> list[Entry]:
+    """The entries, before marking those that need transformers."""
     seq_id = lambda v: Arg("seq_id", v)  # noqa: E731
     m = manager
     # a table: one entry point per entry, its arguments side by side
@@ -672,25 +676,19 @@ def _entries() -> list[Entry]:
 
 
 def _idle_engine() -> scheduler.LLMEngine:
+    """An engine with no request (beam search needs an idle one)."""
     return scheduler.LLMEngine(tiny_model(), engine_config(), eos_token_id=2)
 
 
 def _hf_config():
+    """The tiny model's transformers LlamaConfig."""
     from transformers import LlamaConfig
 
-    return LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=8,
-        max_position_embeddings=128,
-    )
+    return LlamaConfig(**TINY, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
 
 
 def _hf_model():
+    """A seeded transformers Llama of the tiny shape."""
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -698,6 +696,7 @@ def _hf_model():
 
 
 def _hf_state() -> dict[str, torch.Tensor]:
+    """A transformers-named state dict of the tiny shape."""
     return _hf_model().state_dict()
 
 

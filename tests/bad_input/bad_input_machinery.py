@@ -147,6 +147,7 @@ def state(x: object) -> object:
 
 
 def _state(x: object, seen: dict[int, int]) -> object:
+    """``state`` with the ids of the objects already seen (cycles, shared objects)."""
     if x is None or isinstance(x, (bool, int, float, str, bytes, complex, enum.Enum, torch.dtype, torch.device)):
         return x if not (isinstance(x, float) and math.isnan(x)) else "nan"
     if isinstance(x, (type, types.FunctionType, types.MethodType, types.BuiltinFunctionType)):

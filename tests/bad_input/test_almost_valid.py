@@ -49,6 +49,7 @@ def assert_rejected(call, value: object, name: str) -> None:
 
 
 def manager() -> BlockManager:
+    """A manager holding 'a' (9 ids in blocks of 4)."""
     m = BlockManager(BlockManagerConfig(num_blocks=32, block_size=4))
     m.allocate("a", list(range(9)))
     return m

@@ -48,6 +48,7 @@ CELLS = sorted({(e.name, arg) for e, arg, _, _ in ROWS})
 
 
 def _kwargs(entry: Entry) -> dict[str, object]:
+    """Fresh valid arguments of an entry."""
     return {name: arg.make_valid() for name, arg in entry.args.items()}
 
 
