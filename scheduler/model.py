@@ -51,6 +51,8 @@ class ModelConfig:
         check_real("rope_theta", self.rope_theta, low=0.0, open_low=True)
         check_bool("tie_word_embeddings", self.tie_word_embeddings)
         check_bool("attention_bias", self.attention_bias)
+        if self.rope_scaling is not None:
+            check_type("rope_scaling", self.rope_scaling, Mapping, "a mapping (transformers' rope_scaling) or None")
         if self.num_heads % self.num_kv_heads:
             raise InvalidArgumentError(describe("num_kv_heads", self.num_kv_heads, f"a divisor of {self.num_heads}"))
 

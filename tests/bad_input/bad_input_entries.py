@@ -31,6 +31,8 @@ from paged_kv.kv_cache import KVCacheSpec, PagedKVCache
 
 NOT_NEGATIVE = {OUT_OF_RANGE: [-1]}  # counts with no upper bound: only a negative one is out of range
 NO_OPT = {WRONG_TYPE: ["3", [1]]}  # an int argument where None means "the default"
+# a facade's pool=: not a pool, or a pool of another geometry (head_dim 3 fits no facade here)
+POOL = Arg("obj", None, bad={WRONG_TYPE: ["x", 3, KVPool(num_layers=1, num_kv_heads=1, head_dim=3, num_blocks=4)]})
 
 
 # -- subjects --------------------------------------------------------------------------------------
@@ -174,6 +176,9 @@ def decode_args() -> dict[str, Arg]:
         "sliding_window": Arg("opt_int", 4, bad={OUT_OF_RANGE: [0, -1]}),
         "soft_cap": Arg("real", 10.0, bad={OUT_OF_RANGE: [0.0, -1.0], WRONG_TYPE: ["0.5"]}),  # None: no cap
         "backend": Arg("obj", "torch", bad={WRONG_TYPE: ["cuda", 3, None]}),
+        # a float cache takes no scales
+        "k_scale": Arg("obj", None, bad={WRONG_TYPE: ["x", torch.zeros(8, 4, 2)]}),
+        "v_scale": Arg("obj", None, bad={WRONG_TYPE: ["x", torch.zeros(8, 4, 2)]}),
     }
 
 
@@ -200,6 +205,21 @@ def engine() -> scheduler.LLMEngine:
     return e
 
 
+BAD_ROPE = [
+    scheduler.ModelConfig(**TINY, num_layers=1, num_heads=2, num_kv_heads=1, rope_scaling=scaling)
+    for scaling in (
+        {"rope_type": "linear"},
+        {"rope_type": "linear", "factor": "x"},
+        {"rope_type": "yarn"},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 4.0,
+            "high_freq_factor": 1.0,
+            "original_max_position_embeddings": 64,
+        },
+    )
+]
 TOKENS = {OUT_OF_RANGE: [[-1], [1, 10_000]]}  # prompt ids past the vocab too
 
 
@@ -372,7 +392,8 @@ def _entries() -> list[Entry]:
             "num_layers": Arg("int", 2, bad={OUT_OF_RANGE: [0, -1]}),
             "num_heads": Arg("int", 2, bad={OUT_OF_RANGE: [0]}),
             "head_dim": Arg("int", 4, bad={OUT_OF_RANGE: [0]}), "max_seq_len": Arg("int", 8, bad=NOT_NEGATIVE),
-            "block_size": Arg("opt_int", 4, bad={OUT_OF_RANGE: [0, 1 << 62]}), "device": Arg("device", "cpu")}),
+            "block_size": Arg("opt_int", 4, bad={OUT_OF_RANGE: [0, 1 << 62]}), "device": Arg("device", "cpu"),
+            "pool": POOL}),
         Entry("paged_kv.compat.ndarray_kv.KvCache.append_kv", "append_kv", {
             "layer": Arg("int", 1, bad={OUT_OF_RANGE: [-1, 2]}),
             "new_k": Arg("float_tensor", lambda: torch.ones(2, 2, 4, dtype=torch.float64), skip=(NAN_INF, BAD_DTYPE)),
@@ -384,7 +405,8 @@ def _entries() -> list[Entry]:
             "num_layers": Arg("int", 2, bad={OUT_OF_RANGE: [0, -1]}), "max_seq_len": Arg("int", 8, bad=NOT_NEGATIVE),
             "kv_dim": Arg("int", 8, bad={OUT_OF_RANGE: [0, -1]}),
             "num_kv_heads": Arg("opt_int", 2, bad={OUT_OF_RANGE: [0, 3]}),
-            "block_size": Arg("opt_int", 4, bad={OUT_OF_RANGE: [0]}), "device": Arg("device", "cpu")}),
+            "block_size": Arg("opt_int", 4, bad={OUT_OF_RANGE: [0]}), "device": Arg("device", "cpu"),
+            "pool": POOL}),
         Entry("paged_kv.compat.contiguous.KvCache.store_kv", "store_kv", {
             "layer": Arg("int", 1, bad={OUT_OF_RANGE: [-1, 2]}),
             "key": Arg("float_tensor", lambda: torch.ones(8), skip=(NAN_INF, BAD_DTYPE)),
@@ -427,7 +449,8 @@ def _entries() -> list[Entry]:
             "device": Arg("device", "cpu")}),
         Entry("paged_kv.compat.compressed.KvCacheCompressor", compressed.KvCacheCompressor, {
             "config": Arg("obj", lambda: turboquant.KvCacheConfig(**TQ), bad={WRONG_TYPE: [None, TQ]}),
-            "block_size": Arg("opt_int", 4, bad={OUT_OF_RANGE: [0]}), "device": Arg("device", "cpu")}),
+            "block_size": Arg("opt_int", 4, bad={OUT_OF_RANGE: [0]}), "device": Arg("device", "cpu"),
+            "pool": POOL}),
         Entry("paged_kv.compat.compressed.KvCacheCompressor.push", "push", {
             "key": Arg("float_tensor", lambda: torch.ones(8), skip=(BAD_DTYPE,)),
             "value": Arg("float_tensor", lambda: torch.ones(8), skip=(BAD_DTYPE,))}, compressor),
@@ -441,7 +464,8 @@ def _entries() -> list[Entry]:
         Entry("paged_kv.compat.compressed.MultiHeadKvCache", compressed.MultiHeadKvCache, {
             "num_heads": Arg("int", 2, bad={OUT_OF_RANGE: [0, 1 << 62]}),
             "config": Arg("obj", lambda: turboquant.KvCacheConfig(**TQ), bad={WRONG_TYPE: [None, TQ]}),
-            "block_size": Arg("opt_int", 4, bad={OUT_OF_RANGE: [0]}), "device": Arg("device", "cpu")}),
+            "block_size": Arg("opt_int", 4, bad={OUT_OF_RANGE: [0]}), "device": Arg("device", "cpu"),
+            "pool": POOL}),
         Entry("paged_kv.compat.compressed.MultiHeadKvCache.push_token", "push_token", {
             "keys": Arg("float_tensor", lambda: torch.ones(2, 8), skip=(BAD_DTYPE,)),
             "values": Arg("float_tensor", lambda: torch.ones(2, 8), skip=(BAD_DTYPE,))}, multi_head),
@@ -456,7 +480,8 @@ def _entries() -> list[Entry]:
             "num_kv_heads": Arg("int", 2, bad={OUT_OF_RANGE: [0]}),
             "max_seq_len": Arg("int", 8, bad=NOT_NEGATIVE), "head_dim": Arg("int", 4, bad={OUT_OF_RANGE: [0]}),
             "format": Arg("obj", "INT8", bad={WRONG_TYPE: [None, 3, "int4", torch.int8]}),
-            "block_size": Arg("opt_int", 4, bad={OUT_OF_RANGE: [0]}), "device": Arg("device", "cpu")}),
+            "block_size": Arg("opt_int", 4, bad={OUT_OF_RANGE: [0]}), "device": Arg("device", "cpu"),
+            "pool": POOL}),
         Entry("paged_kv.compat.quantized.QuantizedKVCache.write_kv", "write_kv", {
             "layer": Arg("int", 1, bad={OUT_OF_RANGE: [-1, 2]}), "pos": Arg("int", 1, bad={OUT_OF_RANGE: [-1, 16]}),
             "k_data": Arg("float_tensor", lambda: torch.ones(8), skip=(BAD_DTYPE,)),
@@ -558,6 +583,7 @@ def _entries() -> list[Entry]:
             "k_cache": Arg("tensor", kcache), "v_cache": Arg("tensor", kcache),
             "slot_mapping": Arg("tensor", lambda: torch.tensor([3, 9]), bad={OUT_OF_RANGE: [torch.tensor([3, 32])]}),
             "k_scale": Arg("obj", None, bad={WRONG_TYPE: ["x", torch.zeros(8, 4, 2)]}),
+            "v_scale": Arg("obj", None, bad={WRONG_TYPE: ["x", torch.zeros(8, 4, 2)]}),
             "backend": Arg("obj", "torch", bad={WRONG_TYPE: ["cuda", 3, None]})}),
         Entry("kernels.paged_decode_attention", kernels.paged_decode_attention, {
             **decode_args(), "num_splits": Arg("opt_int", 2, bad={OUT_OF_RANGE: [0, -1]}),
@@ -615,6 +641,7 @@ def _entries() -> list[Entry]:
             "head_dim": Arg("int", 8, bad={OUT_OF_RANGE: [0]}),
             "rms_norm_eps": Arg("real", 1e-5, bad={OUT_OF_RANGE: [0.0, -1.0]}),
             "rope_theta": Arg("real", 10000.0, bad={OUT_OF_RANGE: [0.0, -1.0]}),
+            "rope_scaling": Arg("obj", None, bad={WRONG_TYPE: ["linear", 3, ["linear"]]}),
             "max_position_embeddings": Arg("int", 128, bad={OUT_OF_RANGE: [0]}),
             "tie_word_embeddings": Arg("bool", False), "attention_bias": Arg("bool", False)}),
         Entry("scheduler.ModelConfig.from_hf", scheduler.ModelConfig.from_hf, {
@@ -626,7 +653,8 @@ def _entries() -> list[Entry]:
             "early_stopping": Arg("bool", False, bad={WRONG_TYPE: [1, "always", None]}),
             "stop_token_ids": Arg("ids", (5,), bad={WRONG_TYPE: ["12", 5, None]}), "ignore_eos": Arg("bool", False)}),
         Entry("scheduler.LlamaModel", scheduler.LlamaModel, {"cfg": Arg("obj", lambda: tiny_model().config,
-                                                                         bad={WRONG_TYPE: [None, {}, "x"]})}),
+            bad={WRONG_TYPE: [None, {}, "x"], OUT_OF_RANGE: BAD_ROPE})},  # scalings the model cannot build
+              named={"cfg": ("cfg", "rope_scaling")}),
         Entry("scheduler.LlamaModel.kv_cache_spec", "kv_cache_spec", {
             "block_size": Arg("int", 4, bad={OUT_OF_RANGE: [0, -1]}), "dtype": Arg("dtype", torch.float16)},
                 tiny_model),

@@ -141,6 +141,19 @@ def test_every_public_entry_point_is_in_the_matrix():
     assert not stale, f"matrix entries or exemptions for names that are not public entry points: {stale}"
 
 
+@pytest.mark.parametrize("entry", ENTRIES, ids=lambda e: e.name)
+def test_every_argument_of_an_entry_point_has_rows(entry):
+    # a new parameter of a public entry point must join its rows (an Arg, possibly with documented skips)
+    if entry.requires:
+        pytest.importorskip(entry.requires)
+    fn = getattr(entry.make(), entry.target) if isinstance(entry.target, str) else entry.target
+    if not isinstance(entry.target, str) and entry.target.__name__ == "<lambda>":  # a lazily imported class
+        fn = getattr(importlib.import_module(entry.name.rsplit(".", 1)[0]), entry.name.rsplit(".", 1)[1])
+    params = inspect.signature(fn).parameters.values()
+    named = {p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)} - {"self", "cls"}
+    assert named <= set(entry.args), f"arguments with no rows: {sorted(named - set(entry.args))}"
+
+
 def test_every_entry_has_rows_and_the_matrix_spans_every_kind():
     assert all(any(arg.bad_values() for arg in e.args.values()) for e in ENTRIES)
     assert {k for _, _, k, _ in ROWS} == set(KINDS)
