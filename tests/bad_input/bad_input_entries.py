@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -234,8 +235,32 @@ NEEDS_TRANSFORMERS = (
 
 
 def entries() -> list[Entry]:
-    """Every public entry point with a valid call."""
-    return [replace(e, requires="transformers") if e.name.startswith(NEEDS_TRANSFORMERS) else e for e in _entries()]
+    """Every public entry point with a valid call, and the facades' constructors again over a shared pool."""
+    out = _entries()
+    by_name = {e.name: e for e in out}
+    out += [by_name[name].with_subject_as("pool", make) for name, make in SHARED_POOLS.items()]
+    return [replace(e, requires="transformers") if e.name.startswith(NEEDS_TRANSFORMERS) else e for e in out]
+
+
+def _pool_of(dtype: torch.dtype, num_layers: int = 2) -> Callable[[], KVPool]:
+    """A factory of empty growable pools of the facades' geometry (2 KV heads of 4, blocks of 4)."""
+    return lambda: KVPool(num_layers=num_layers, num_kv_heads=2, head_dim=4, dtype=dtype, block_size=4)
+
+
+# A constructor that raises must leave a pool it was given as it was (no sequence, no page taken).
+SHARED_POOLS: dict[str, Callable[[], KVPool]] = {
+    "paged_kv.compat.ndarray_kv.KvCache": _pool_of(torch.float64),
+    "paged_kv.compat.contiguous.KvCache": _pool_of(torch.float32),
+    "paged_kv.compat.quantized.QuantizedKVCache": _pool_of(torch.int8),
+    "paged_kv.compat.compressed.KvCacheCompressor": lambda: compressed.compressed_pool(
+        turboquant.KvCacheConfig(**TQ), block_size=4
+    ),
+    "paged_kv.compat.compressed.MultiHeadKvCache": lambda: compressed.compressed_pool(
+        turboquant.KvCacheConfig(**TQ), block_size=4
+    ),
+    "paged_kv.compat.dynamic.KVCache": _pool_of(torch.float32, num_layers=1),
+    "paged_kv.integrations.transformers.PagedCache": _pool_of(torch.float32, num_layers=1),
+}
 
 
 def _entries() -> list[Entry]:

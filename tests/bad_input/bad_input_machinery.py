@@ -134,11 +134,19 @@ class Entry:
     make: Callable[[], object] = lambda: None  # the subject (None for functions and constructors)
     named: dict[str, str | tuple[str, ...]] = field(default_factory=dict)  # arg -> name(s) its errors use instead
     requires: str | None = None  # an optional package the entry needs (skipped without it)
+    subject_as: str | None = None  # a constructor given the subject as this argument (e.g. a shared pool)
 
     def call(self, subject: object, kwargs: dict[str, object]) -> object:
-        """Run the entry point on ``subject``."""
+        """Run the entry point on ``subject`` (or with it, as argument ``subject_as``)."""
+        if self.subject_as is not None:
+            kwargs = {**kwargs, self.subject_as: subject}
         fn = getattr(subject, self.target) if isinstance(self.target, str) else self.target
         return fn(**kwargs)
+
+    def with_subject_as(self, name: str, make: Callable[[], object]) -> Entry:
+        """This constructor called with ``make()`` as argument ``name``: rows then check that object is unchanged."""
+        args = {k: v for k, v in self.args.items() if k != name}
+        return dataclasses.replace(self, name=f"{self.name}[{name}]", args=args, make=make, subject_as=name)
 
 
 def state(x: object) -> object:
