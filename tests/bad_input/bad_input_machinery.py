@@ -45,8 +45,8 @@ def _device_values() -> list[object]:
 FAMILIES: dict[str, dict[str, list[object]]] = {
     "int": {
         WRONG_TYPE: ["3", None, [1]],
-        BOOL_FOR_INT: [True, False],
-        NONINTEGRAL: [1.5, 2.0],
+        BOOL_FOR_INT: [True, False, np.bool_(True)],
+        NONINTEGRAL: [1.5, 2.0, np.float64(2.0)],
         NAN_INF: [NAN, INF],
         OUT_OF_RANGE: [-1, 1 << 62],
     },
@@ -61,8 +61,8 @@ FAMILIES: dict[str, dict[str, list[object]]] = {
     "bool": {WRONG_TYPE: [1, "yes", None]},
     "ids": {
         WRONG_TYPE: ["ab", {1: 2}, None],
-        BOOL_FOR_INT: [[True, False], [3, True]],
-        NONINTEGRAL: [[1.7], [2.0]],
+        BOOL_FOR_INT: [[True, False], [3, True], np.array([True, False])],
+        NONINTEGRAL: [[1.7], [2.0], np.array([1.5, 2.0])],
         NAN_INF: [[NAN]],
         OUT_OF_RANGE: [[-1]],
     },
