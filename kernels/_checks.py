@@ -6,6 +6,7 @@ launches anything: an out-of-range block id in a kernel reads wild memory.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterable
 from typing import Literal
@@ -115,3 +116,34 @@ def check_triton_device(*tensors: torch.Tensor) -> None:
     if all(t.is_cuda for t in tensors) or os.environ.get("TRITON_INTERPRET") == "1":
         return
     raise InvalidArgumentError(describe("backend", "triton", "CUDA tensors (or TRITON_INTERPRET=1 on CPU)"))
+
+
+def check_device(name: str, device: object) -> torch.device:
+    """``device`` (a str or torch.device) as a torch.device that tensors can be made on, else InvalidArgumentError."""
+    if not isinstance(device, (str, torch.device)):
+        raise InvalidArgumentError(describe(name, device, "a device string or torch.device"))
+    resolved, problem = _probe_device(device)
+    if problem is not None:
+        raise InvalidArgumentError(describe(name, device, problem))
+    return resolved
+
+
+@functools.lru_cache(maxsize=64)
+def _probe_device(device: str | torch.device) -> tuple[torch.device | None, str | None]:
+    """(the device, None) if a tensor can be made there, else (None, what was expected); remembered per device."""
+    try:
+        resolved = torch.device(device)
+        torch.empty(0, device=resolved)  # unknown types, absent backends, out-of-range indices all fail here
+    except (RuntimeError, AssertionError, TypeError, ValueError) as exc:
+        return None, f"an available device ({str(exc).splitlines()[0][:100]})"
+    if resolved.type == "meta":  # meta tensors hold no data: nothing could be read back
+        return None, "a device that holds data (not 'meta')"
+    return resolved, None
+
+
+def check_dtype(name: str, dtype: object, allowed: Iterable[torch.dtype]) -> torch.dtype:
+    """Return ``dtype`` if it is one of ``allowed``, else raise InvalidArgumentError naming it."""
+    allowed = tuple(allowed)
+    if not isinstance(dtype, torch.dtype) or dtype not in allowed:
+        raise InvalidArgumentError(describe(name, dtype, f"one of {allowed}"))
+    return dtype

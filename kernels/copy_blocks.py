@@ -32,7 +32,7 @@ from kernels._checks import (
     use_triton,
 )
 from kernels.quant import as_storage
-from paged_kv.errors import InvalidArgumentError, describe
+from paged_kv.errors import InvalidArgumentError, OutOfRangeError, describe
 
 BlockMapping = torch.Tensor | Sequence[tuple[int, int]]
 
@@ -108,9 +108,14 @@ def _pair(i: int, pair: object) -> tuple[int, int]:
     """One (src, dst) pair of Python/numpy/torch integers."""
     try:
         src, dst = pair  # type: ignore[misc]
-        return operator.index(src), operator.index(dst)
+        if isinstance(src, bool) or isinstance(dst, bool):  # bools are never block ids
+            raise TypeError
+        ids = operator.index(src), operator.index(dst)
     except (TypeError, ValueError):
         raise InvalidArgumentError(describe(f"block_mapping[{i}]", pair, "a (src, dst) pair of ints")) from None
+    if not all(-(1 << 63) <= b < (1 << 63) for b in ids):  # past int64: out of every pool's range
+        raise OutOfRangeError(describe(f"block_mapping[{i}]", pair, "int64 block ids"))
+    return ids
 
 
 def _check_caches(caches: object, name: str = "caches") -> list[torch.Tensor]:

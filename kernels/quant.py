@@ -19,7 +19,11 @@ from __future__ import annotations
 
 import torch
 
+from kernels._checks import CACHE_DTYPES, check_dtype, check_tensor
 from paged_kv.errors import InvalidArgumentError, describe
+
+FLOAT_OUTPUTS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # what dequantize returns
+DEQUANT_INPUTS = CACHE_DTYPES + (torch.float64,)  # codes of any cache dtype (float ones pass through)
 
 INT8_MAX = 127.0
 FP8_E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
@@ -34,6 +38,8 @@ _QMAX: dict[torch.dtype, float] = {
 
 def is_quantized(dtype: torch.dtype) -> bool:
     """True for the quantized cache dtypes (int8, float8_e4m3fn, float8_e5m2)."""
+    if not isinstance(dtype, torch.dtype):
+        raise InvalidArgumentError(describe("dtype", dtype, "a torch.dtype"))
     return dtype in _QMAX
 
 
@@ -72,13 +78,17 @@ def dequantize(
     Float (unquantized) codes pass through with ``scales=None``, so one call
     serves every cache dtype.
     """
+    check_tensor("codes", codes, dtypes=DEQUANT_INPUTS)
+    check_dtype("out_dtype", out_dtype, FLOAT_OUTPUTS)
     if not is_quantized(codes.dtype):
         if scales is not None:
             raise InvalidArgumentError(describe("scales", "a tensor", f"None for {codes.dtype} codes"))
         return codes.to(out_dtype)
-    if scales is None or tuple(scales.shape) != tuple(codes.shape[:-1]):
-        got = None if scales is None else tuple(scales.shape)
-        raise InvalidArgumentError(describe("scales.shape", got, f"{tuple(codes.shape[:-1])}"))
+    if scales is None:
+        raise InvalidArgumentError(describe("scales.shape", None, f"{tuple(codes.shape[:-1])}"))
+    check_tensor("scales", scales, dtypes=(torch.float32,), device=codes.device)
+    if tuple(scales.shape) != tuple(codes.shape[:-1]):
+        raise InvalidArgumentError(describe("scales.shape", tuple(scales.shape), f"{tuple(codes.shape[:-1])}"))
     values = codes.to(torch.float32) * scales.to(torch.float32).unsqueeze(-1)  # [..., D]
     return values.to(out_dtype)
 

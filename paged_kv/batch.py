@@ -7,7 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
-from paged_kv.errors import InvalidArgumentError, describe
+from kernels._checks import INDEX_DTYPES, check_device, check_tensor
+from paged_kv.config import MAX_BLOCK_SIZE
+from paged_kv.errors import InvalidArgumentError, check_int, describe
+from paged_kv.tokens import as_id_list
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,15 +33,19 @@ def build_batch_metadata(
     device: str | torch.device = "cpu",
 ) -> BatchMetadata:
     """Build the tensors for sequences that hold ``num_computed`` tokens and add ``num_new``."""
+    table = block_table_tensor(tables)
+    num_computed = as_id_list("num_computed", num_computed, "token counts")
+    num_new = as_id_list("num_new", num_new, "token counts")
+    check_int("block_size", block_size, low=1, high=MAX_BLOCK_SIZE)
+    device = check_device("device", device)
     if not (len(tables) == len(num_computed) == len(num_new)):
         raise InvalidArgumentError(
             describe("len(tables), len(num_computed), len(num_new)",
                      (len(tables), len(num_computed), len(num_new)), "equal lengths")
         )
-    computed = torch.tensor(list(num_computed), dtype=torch.int64)
-    new = torch.tensor(list(num_new), dtype=torch.int64)
+    computed = torch.tensor(num_computed, dtype=torch.int64)
+    new = torch.tensor(num_new, dtype=torch.int64)
     seq_lens = computed + new
-    table = block_table_tensor(tables)
     max_len = int(seq_lens.max()) if len(tables) else 0
     if table.shape[1] * block_size < max_len:
         raise InvalidArgumentError(describe("tables", "too short", "a block for every token"))
@@ -54,15 +61,27 @@ def build_batch_metadata(
 
 def block_table_tensor(tables: Sequence[Sequence[int]]) -> torch.Tensor:
     """Pad block tables into one ``[S, max_blocks]`` int32 tensor (padding 0)."""
-    width = max((len(t) for t in tables), default=0)
-    out = torch.zeros(len(tables), max(width, 1), dtype=torch.int32)
-    for i, t in enumerate(tables):
-        out[i, : len(t)] = torch.as_tensor(list(t), dtype=torch.int32)
+    if isinstance(tables, (str, bytes, torch.Tensor)) or not isinstance(tables, Sequence):
+        raise InvalidArgumentError(describe("tables", type(tables).__name__, "a sequence of block tables"))
+    rows = [as_id_list(f"tables[{i}]", t, "block ids") for i, t in enumerate(tables)]
+    width = max((len(t) for t in rows), default=0)
+    out = torch.zeros(len(rows), max(width, 1), dtype=torch.int32)
+    for i, t in enumerate(rows):
+        out[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
     return out
 
 
 def slot_mapping(table: torch.Tensor, start: torch.Tensor, count: torch.Tensor, block_size: int) -> torch.Tensor:
     """Slots of positions ``[start[s], start[s] + count[s])`` of every sequence, concatenated."""
+    check_tensor("table", table, ndim=2, dtypes=INDEX_DTYPES)
+    for name, t in (("start", start), ("count", count)):
+        check_tensor(name, t, ndim=1, dtypes=INDEX_DTYPES)
+        if t.shape[0] != table.shape[0] or (t.numel() and int(t.min()) < 0):
+            raise InvalidArgumentError(describe(name, t.tolist(), f"{table.shape[0]} non-negative counts"))
+    check_int("block_size", block_size, low=1, high=MAX_BLOCK_SIZE)
+    ends = start.long() + count.long()  # [S]
+    if ends.numel() and int(ends.max()) > table.shape[1] * block_size:
+        raise InvalidArgumentError(describe("table", "too short", "a block for every position"))
     # seq_idx, pos: [T]
     seq_idx = torch.repeat_interleave(torch.arange(len(count)), count)
     offsets = torch.arange(int(count.sum())) - torch.repeat_interleave(torch.cumsum(count, 0) - count, count)

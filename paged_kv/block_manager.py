@@ -27,6 +27,7 @@ from paged_kv.errors import (
     SequenceStateError,
     UnknownSequenceError,
     check_int,
+    check_type,
     describe,
 )
 from paged_kv.stats import BlockManagerStats, HitCounter
@@ -58,6 +59,7 @@ class BlockManager:
     """Allocates, grows, forks, swaps and frees the block tables of sequences."""
 
     def __init__(self, config: BlockManagerConfig) -> None:
+        check_type("config", config, BlockManagerConfig, "a BlockManagerConfig")
         self.config = config
         self.block_size = config.block_size
         self.gpu = BlockPool(config.num_blocks, "gpu")
@@ -68,7 +70,11 @@ class BlockManager:
 
     # -- queries ----------------------------------------------------------
     def __contains__(self, seq_id: SeqId) -> bool:
-        return seq_id in self._seqs
+        """Whether ``seq_id`` is allocated; an unhashable id can never be, so it answers False (no error)."""
+        try:
+            return seq_id in self._seqs
+        except TypeError:  # unhashable
+            return False
 
     def block_table(self, seq_id: SeqId, start: int = 0) -> list[BlockId]:
         """The physical blocks of a sequence from logical block ``start`` on, in order (a copy)."""
@@ -389,13 +395,15 @@ class BlockManager:
         cow = self._shared_in(seq, start, end)
         if len(cow) > self.gpu.num_free:
             raise OutOfBlocksError(f"end={end}: needs {len(cow)} blocks, expected at most {self.gpu.num_free} free")
+        if end == start:  # an empty range writes nothing: nothing to copy, unhash or forget
+            return []
         copies = self._copy_on_write(seq, cow)
         for i in range(start // self.block_size, self._blocks_for(end)):
             self.gpu.unregister(seq.blocks[i])
         if start < min(end, seq.num_tokens):
             seq.cacheable = False  # the slots from ``start`` no longer hold the ids they were given
-        if end > start:  # hashes of the rewritten blocks are stale (swap_in would re-register them)
-            del seq.full[start // self.block_size :], seq.hashes[start // self.block_size :]
+        # hashes of the rewritten blocks are stale (swap_in would re-register them)
+        del seq.full[start // self.block_size :], seq.hashes[start // self.block_size :]
         return copies
 
     def _shared_in(self, seq: _Seq, start: int, end: int) -> list[int]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from paged_kv.errors import InvalidArgumentError, check_int, describe
+from paged_kv.errors import check_bool, check_int, check_real
 
 MAX_BLOCKS = 1 << 26  # 64M blocks: any larger count is a unit mistake, not a real pool
 MAX_BLOCK_SIZE = 1 << 12
@@ -24,10 +24,8 @@ class BlockManagerConfig:
         check_int("num_blocks", self.num_blocks, low=1, high=MAX_BLOCKS)
         check_int("block_size", self.block_size, low=1, high=MAX_BLOCK_SIZE)
         check_int("num_cpu_blocks", self.num_cpu_blocks, low=0, high=MAX_BLOCKS)
-        if not isinstance(self.watermark, (int, float)) or not 0.0 <= self.watermark < 1.0:
-            raise InvalidArgumentError(describe("watermark", self.watermark, "a fraction in [0, 1)"))
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise InvalidArgumentError(describe("enable_prefix_caching", self.enable_prefix_caching, "a bool"))
+        check_real("watermark", self.watermark, low=0.0, high=1.0, open_high=True)
+        check_bool("enable_prefix_caching", self.enable_prefix_caching)
 
     @property
     def watermark_blocks(self) -> int:

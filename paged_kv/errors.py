@@ -8,6 +8,8 @@ A call that raises leaves every object it touched exactly as it was.
 
 from __future__ import annotations
 
+import math
+import numbers
 import operator
 
 
@@ -61,3 +63,31 @@ def check_int(name: str, value: object, *, low: int = 0, high: int | None = None
         err = OutOfRangeError if high is not None else InvalidArgumentError
         raise err(describe(name, value, f"an integer {bound}"))
     return value
+
+
+def check_bool(name: str, value: object) -> bool:
+    """Return ``value`` if it is a bool (``0``/``1`` and other truthy objects are rejected), else raise."""
+    if not isinstance(value, bool):
+        raise InvalidArgumentError(describe(name, value, "a bool"))
+    return value
+
+
+def check_real(
+    name: str, value: object, *, low: float = -math.inf, high: float = math.inf,
+    open_low: bool = False, open_high: bool = False,
+) -> float:
+    """Return ``value`` as a finite float in the interval, else raise (bools, NaN and infinities are rejected)."""
+    interval = f"{'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy float scalars are Real
+        raise InvalidArgumentError(describe(name, value, f"a finite number in {interval}"))
+    x = float(value)
+    inside = (low < x if open_low else low <= x) and (x < high if open_high else x <= high)
+    if not (math.isfinite(x) and inside):
+        raise InvalidArgumentError(describe(name, value, f"a finite number in {interval}"))
+    return x
+
+
+def check_type(name: str, value: object, cls: type | tuple[type, ...], expected: str) -> None:
+    """Raise InvalidArgumentError unless ``value`` is an instance of ``cls`` (described as ``expected``)."""
+    if not isinstance(value, cls):
+        raise InvalidArgumentError(describe(name, type(value).__name__, expected))

@@ -19,16 +19,18 @@ from typing import NamedTuple
 
 import torch
 
-from kernels._checks import check_range
+from kernels._checks import INDEX_DTYPES, check_device, check_dtype, check_range, check_shape, check_tensor
 from kernels.copy_blocks import copy_blocks, swap_blocks
 from kernels.quant import is_quantized
 from kernels.write_kv import check_slots, write_kv
 from paged_kv.config import MAX_BLOCK_SIZE, MAX_BLOCKS
-from paged_kv.errors import InvalidArgumentError, check_int, describe
+from paged_kv.errors import InvalidArgumentError, check_int, check_type, describe
+from paged_kv.tokens import as_id_list
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
 RAW_DTYPES = (torch.float64, torch.uint8)  # stored as given, no kernel: float64 facades, packed codes
 STORAGE_DTYPES = KERNEL_DTYPES + RAW_DTYPES
+READ_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # what ``gather`` may return
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,8 +48,7 @@ class KVCacheSpec:
         check_int("num_kv_heads", self.num_kv_heads, low=1, high=1 << 12)
         check_int("head_dim", self.head_dim, low=1, high=1 << 14)
         check_int("block_size", self.block_size, low=1, high=MAX_BLOCK_SIZE)
-        if self.dtype not in STORAGE_DTYPES:
-            raise InvalidArgumentError(describe("dtype", self.dtype, f"one of {STORAGE_DTYPES}"))
+        check_dtype("dtype", self.dtype, STORAGE_DTYPES)
 
     @property
     def quantized(self) -> bool:
@@ -80,16 +81,18 @@ class PagedKVCache:
     """Owns the per-layer paged K/V tensors and applies writes, copies and swaps to them."""
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, device: str | torch.device = "cpu") -> None:
+        check_type("spec", spec, KVCacheSpec, "a KVCacheSpec")
         check_int("num_blocks", num_blocks, low=1, high=MAX_BLOCKS)
+        self.device = check_device("device", device)
         self.spec = spec
         self.num_blocks = num_blocks
-        self.device = torch.device(device)
         shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
         self.layers = [self._make_layer(shape) for _ in range(spec.num_layers)]
 
     @classmethod
     def from_bytes(cls, spec: KVCacheSpec, budget_bytes: int, device: str | torch.device = "cpu") -> PagedKVCache:
         """A cache with as many blocks as fit in ``budget_bytes``."""
+        check_type("spec", spec, KVCacheSpec, "a KVCacheSpec")
         return cls(spec, spec.num_blocks_for_bytes(budget_bytes), device)
 
     def _make_layer(self, shape: tuple[int, ...]) -> LayerKV:
@@ -141,27 +144,30 @@ class PagedKVCache:
 
     def _write_raw(self, lk: LayerKV, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
         """Store values as given (float64 or raw bytes) into distinct, in-range slots."""
+        check_tensor("slot_mapping", slots, ndim=1, dtypes=INDEX_DTYPES)
         shape = (slots.shape[0], *lk.k.shape[2:])
         for name, t in (("key", key), ("value", value)):
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != self.spec.dtype:
-                got = (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise InvalidArgumentError(describe(name, got, f"a {self.spec.dtype} tensor of shape {shape}"))
+            check_tensor(name, t, ndim=3, dtypes=(self.spec.dtype,))
+            check_shape(name, t, shape)
         check_slots(slots, self.num_blocks * self.block_size)
+        slots = slots.to(lk.k.device)
         keep = slots >= 0
         for cache, t in ((lk.k, key), (lk.v, value)):
             cache.view(-1, *cache.shape[2:])[slots[keep]] = t[keep].to(cache.device)
 
     def copy_blocks(self, mapping: Sequence[tuple[int, int]]) -> None:
-        """Run the (src, dst) block copies a block manager owes (copy-on-write) in one batch."""
-        if mapping:
-            copy_blocks(self.tensors(), mapping)
+        """Run the (src, dst) block copies a block manager owes (copy-on-write) in one batch.
+
+        ``mapping`` is what :func:`kernels.copy_blocks` takes: (src, dst) int pairs or a ``[P, 2]`` integer tensor.
+        """
+        copy_blocks(self.tensors(), mapping)  # validates (an empty mapping copies nothing)
 
     def swap_from(self, other: PagedKVCache, mapping: Sequence[tuple[int, int]]) -> None:
         """Copy blocks ``other[src] -> self[dst]`` between pools (CPU <-> GPU swapping)."""
+        check_type("other", other, PagedKVCache, "a PagedKVCache")
         if other.spec != self.spec:
             raise InvalidArgumentError(describe("other.spec", other.spec, f"{self.spec}"))
-        if mapping:
-            swap_blocks(other.tensors(), self.tensors(), mapping)
+        swap_blocks(other.tensors(), self.tensors(), mapping)  # validates (an empty mapping copies nothing)
 
     # -- reads ------------------------------------------------------------
     def gather(
@@ -169,6 +175,8 @@ class PagedKVCache:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Read K/V of positions ``[start, end)`` of a sequence as ``[T, H, D]`` (dequantized)."""
         lk = self.layer(layer)
+        if dtype is not None:
+            check_dtype("dtype", dtype, READ_DTYPES)
         slots = self.slots(block_table, start, end)
         out_dtype = dtype or (torch.float32 if self.spec.quantized else self.spec.dtype)
         return tuple(self._read(t, s, slots, out_dtype) for t, s in ((lk.k, lk.k_scale), (lk.v, lk.v_scale)))
@@ -182,9 +190,10 @@ class PagedKVCache:
     def slots(self, block_table: Sequence[int], start: int, end: int) -> torch.Tensor:
         """Slot ids of logical positions ``[start, end)`` of a sequence, checked against the table."""
         bs = self.block_size
-        check_int("end", end, low=0, high=len(block_table) * bs)
+        ids = as_id_list("block_table", block_table, "block ids")  # ints only: 1.7 or True is no block id
+        check_int("end", end, low=0, high=len(ids) * bs)
         check_int("start", start, low=0, high=end)
-        table = torch.as_tensor(list(block_table), dtype=torch.int64)
+        table = torch.tensor(ids, dtype=torch.int64)
         check_range("block_table", table, 0, self.num_blocks)
         pos = torch.arange(start, end, dtype=torch.int64)
         return (table[pos // bs] * bs + pos % bs).to(self.device)

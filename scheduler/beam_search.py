@@ -30,7 +30,15 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from paged_kv.errors import InvalidArgumentError, SequenceStateError, UnknownSequenceError, check_int, describe
+from paged_kv.errors import (
+    InvalidArgumentError,
+    SequenceStateError,
+    UnknownSequenceError,
+    check_bool,
+    check_int,
+    check_type,
+    describe,
+)
 from scheduler.engine import LLMEngine
 from scheduler.params import MAX_SAMPLES, SamplingParams
 from scheduler.scheduler_output import SchedulerOutput
@@ -207,6 +215,7 @@ class BeamSearch:
     """
 
     def __init__(self, engine: LLMEngine) -> None:
+        check_type("engine", engine, LLMEngine, "an LLMEngine")
         self.engine = engine
         self.last_memory: BeamMemory | None = None  # all requests of the last generate() together
         self._ids = itertools.count()
@@ -216,6 +225,9 @@ class BeamSearch:
         *, use_tqdm: bool = False,
     ) -> list[BeamSearchOutput]:  # fmt: skip
         """Beam-search every prompt (token id lists) to the end; outputs in prompt order."""
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Seq):
+            raise InvalidArgumentError(describe("prompts", type(prompts).__name__, "a list of token id lists"))
+        check_bool("use_tqdm", use_tqdm)
         requests = self._add_all(prompts, params)
         total = _Meter()
         try:
@@ -391,6 +403,8 @@ def _record_step(engine: LLMEngine, out: SchedulerOutput, start: float, generate
 def _per_prompt(params: BeamSearchParams | Seq[BeamSearchParams] | None, n: int) -> list[BeamSearchParams]:
     if params is None or isinstance(params, BeamSearchParams):
         return [params or BeamSearchParams()] * n
+    if isinstance(params, (str, bytes)) or not isinstance(params, Seq):
+        raise InvalidArgumentError(describe("params", params, f"a BeamSearchParams or {n} of them (one per prompt)"))
     params = list(params)
     if len(params) != n or not all(isinstance(p, BeamSearchParams) for p in params):
         raise InvalidArgumentError(describe("params", params, f"a BeamSearchParams or {n} of them (one per prompt)"))

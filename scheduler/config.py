@@ -8,7 +8,9 @@ from typing import Literal
 import torch
 
 from paged_kv.config import MAX_BLOCK_SIZE, MAX_BLOCKS
-from paged_kv.errors import InvalidArgumentError, check_int, describe
+from kernels._checks import check_device, check_dtype
+from paged_kv.errors import InvalidArgumentError, check_bool, check_int, check_real, describe
+from paged_kv.kv_cache import KERNEL_DTYPES
 
 PreemptionMode = Literal["recompute", "swap"]
 PREEMPTION_MODES = ("recompute", "swap")
@@ -26,8 +28,7 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         check_int("max_num_seqs", self.max_num_seqs, low=1, high=1 << 16)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, low=self.max_num_seqs, high=1 << 24)
-        if not isinstance(self.enable_chunked_prefill, bool):
-            raise InvalidArgumentError(describe("enable_chunked_prefill", self.enable_chunked_prefill, "a bool"))
+        check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
         if self.preemption_mode not in PREEMPTION_MODES:
             raise InvalidArgumentError(describe("preemption_mode", self.preemption_mode, f"one of {PREEMPTION_MODES}"))
 
@@ -58,12 +59,10 @@ class CacheConfig:
             check_int("num_gpu_blocks", self.num_gpu_blocks, low=1, high=MAX_BLOCKS)
         check_int("kv_cache_bytes", self.kv_cache_bytes, low=1)
         check_int("num_cpu_blocks", self.num_cpu_blocks, low=0, high=MAX_BLOCKS)
-        if not isinstance(self.watermark, (int, float)) or not 0.0 <= self.watermark < 1.0:
-            raise InvalidArgumentError(describe("watermark", self.watermark, "a fraction in [0, 1)"))
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise InvalidArgumentError(describe("enable_prefix_caching", self.enable_prefix_caching, "a bool"))
-        if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
-            raise InvalidArgumentError(describe("dtype", self.dtype, "a torch.dtype or None"))
+        check_real("watermark", self.watermark, low=0.0, high=1.0, open_high=True)
+        check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        if self.dtype is not None:
+            check_dtype("dtype", self.dtype, KERNEL_DTYPES)  # storage the attention kernels read
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,10 +86,7 @@ class EngineConfig:
                 describe("cache.num_cpu_blocks", 0, "> 0 when scheduler.preemption_mode='swap'")
             )
         if self.device is not None:
-            try:
-                torch.device(self.device)
-            except (RuntimeError, TypeError):
-                raise InvalidArgumentError(describe("device", self.device, "a device string or None")) from None
+            check_device("device", self.device)
 
     def resolved_device(self) -> torch.device:
         """The device the model and the KV cache live on."""

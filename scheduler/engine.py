@@ -26,8 +26,16 @@ from tqdm.auto import tqdm
 
 from paged_kv.block_manager import BlockManager
 from paged_kv.config import BlockManagerConfig
-from paged_kv.errors import DuplicateSequenceError, InvalidArgumentError, UnknownSequenceError, describe
+from paged_kv.errors import (
+    DuplicateSequenceError,
+    InvalidArgumentError,
+    UnknownSequenceError,
+    check_bool,
+    check_type,
+    describe,
+)
 from paged_kv.kv_cache import PagedKVCache
+from paged_kv.tokens import as_id_list
 from scheduler.config import EngineConfig
 from scheduler.metrics import EngineMetrics, MetricsSummary
 from scheduler.model import LlamaModel
@@ -49,6 +57,9 @@ class LLMEngine:
     """Serves generation requests with continuous batching, prefix caching and preemption."""
 
     def __init__(self, model: LlamaModel, config: EngineConfig | None = None, *, eos_token_id=None) -> None:
+        check_type("model", model, LlamaModel, "a LlamaModel")
+        check_type("config", config, (EngineConfig, type(None)), "an EngineConfig or None")
+        eos_ids = _as_id_set(eos_token_id)
         self.config = config = config or EngineConfig()
         self.device = config.resolved_device()
         self.model = model.to(self.device).eval()
@@ -69,7 +80,7 @@ class LLMEngine:
             logger.info("captured %d decode CUDA graphs (batch 1..%d) in %.1f s, %.2f GiB",
                         len(captured.sizes), captured.sizes[-1], captured.capture_seconds, captured.pool_bytes / 2**30)
         self.scheduler = Scheduler(sc, self.block_manager)
-        self.eos_token_ids = _as_id_set(eos_token_id)
+        self.eos_token_ids = eos_ids
         self.metrics = EngineMetrics()
         self._groups: dict[str, SequenceGroup] = {}
         self._auto_ids = itertools.count()
@@ -94,10 +105,11 @@ class LLMEngine:
         """An engine over the weights of a transformers Llama model, EOS taken from its configs."""
         from scheduler.weights import from_hf_model
 
+        model = from_hf_model(hf_model)  # checks hf_model first
         gen = getattr(hf_model, "generation_config", None)
         eos = getattr(gen, "eos_token_id", None) if gen is not None else None
         eos = eos if eos is not None else getattr(hf_model.config, "eos_token_id", None)
-        return cls(from_hf_model(hf_model), config, eos_token_id=eos)
+        return cls(model, config, eos_token_id=eos)
 
     # -- requests ---------------------------------------------------------
     def add_request(
@@ -249,6 +261,7 @@ class LLMEngine:
         """Run prompts (token id lists) to completion; outputs in prompt order."""
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Seq):
             raise InvalidArgumentError(describe("prompts", type(prompts).__name__, "a list of token id lists"))
+        check_bool("use_tqdm", use_tqdm)
         params = _per_prompt(sampling_params, len(prompts))
         ids = [f"generate-{next(self._auto_ids)}" for _ in prompts]
         checked = [self.check_request(i, prompt, p) for i, prompt, p in zip(ids, prompts, params)]  # all or none
@@ -277,6 +290,11 @@ def _per_prompt(params: SamplingParams | Seq[SamplingParams] | None, n: int) -> 
 
 
 def _as_id_set(ids: int | Iterable[int] | None) -> frozenset[int]:
+    """EOS ids as a set: None, one id or several (checked like token ids: no bools, no floats)."""
     if ids is None:
         return frozenset()
-    return frozenset([int(ids)] if isinstance(ids, int) else (int(i) for i in ids))
+    if isinstance(ids, int) and not isinstance(ids, bool):
+        ids = [ids]
+    elif isinstance(ids, (set, frozenset)):
+        ids = list(ids)
+    return frozenset(as_id_list("eos_token_id", ids, "token ids", "a token id or a list of them"))

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.attention_metadata import AttentionMetadata
-from paged_kv.errors import InvalidArgumentError, check_int, describe
+from paged_kv.errors import InvalidArgumentError, check_bool, check_int, check_real, check_type, describe
 from paged_kv.kv_cache import KVCacheSpec, PagedKVCache
 from scheduler.attention import AttentionPlan
 from scheduler.rope import RotaryEmbedding
@@ -47,6 +47,12 @@ class ModelConfig:
             check_int(name, getattr(self, name), low=1)
         check_int("num_kv_heads", self.num_kv_heads, low=1, high=self.num_heads)
         check_int("max_position_embeddings", self.max_position_embeddings, low=1)
+        check_real("rms_norm_eps", self.rms_norm_eps, low=0.0, open_low=True)
+        check_real("rope_theta", self.rope_theta, low=0.0, open_low=True)
+        check_bool("tie_word_embeddings", self.tie_word_embeddings)
+        check_bool("attention_bias", self.attention_bias)
+        if self.rope_scaling is not None:
+            check_type("rope_scaling", self.rope_scaling, Mapping, "a mapping (transformers' rope_scaling) or None")
         if self.num_heads % self.num_kv_heads:
             raise InvalidArgumentError(describe("num_kv_heads", self.num_kv_heads, f"a divisor of {self.num_heads}"))
 
@@ -54,6 +60,8 @@ class ModelConfig:
     def from_hf(cls, hf_config: object) -> ModelConfig:
         """Read a transformers ``LlamaConfig`` (v4 ``rope_scaling`` or v5 ``rope_parameters``)."""
         c = hf_config
+        if not all(hasattr(c, a) for a in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")):
+            raise InvalidArgumentError(describe("hf_config", type(c).__name__, "a transformers LlamaConfig"))
         rope = dict(getattr(c, "rope_scaling", None) or getattr(c, "rope_parameters", None) or {})
         theta = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -143,6 +151,7 @@ class LlamaModel(nn.Module):
     """Embedding, decoder layers, final norm and LM head over packed tokens."""
 
     def __init__(self, cfg: ModelConfig) -> None:
+        check_type("cfg", cfg, ModelConfig, "a ModelConfig")
         super().__init__()
         self.config = cfg
         rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)

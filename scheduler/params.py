@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from paged_kv.errors import InvalidArgumentError, check_int, describe
+from paged_kv.errors import InvalidArgumentError, check_bool, check_int, check_real, describe
+from paged_kv.tokens import as_id_list
 
 MAX_SAMPLES = 256
 MAX_LOGPROBS = 64
@@ -36,15 +36,14 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         check_int("max_tokens", self.max_tokens, low=1)
-        _check_real("temperature", self.temperature, 0.0, math.inf)
+        check_real("temperature", self.temperature, low=0.0)
         check_int("top_k", self.top_k, low=0)
-        _check_real("top_p", self.top_p, 0.0, 1.0, open_low=True)
+        check_real("top_p", self.top_p, low=0.0, high=1.0, open_low=True)
         if self.seed is not None:
             check_int("seed", self.seed, low=0, high=(1 << 63) - 1)
         check_int("n", self.n, low=1, high=MAX_SAMPLES)
         check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
-        if not isinstance(self.ignore_eos, bool):
-            raise InvalidArgumentError(describe("ignore_eos", self.ignore_eos, "a bool"))
+        check_bool("ignore_eos", self.ignore_eos)
         object.__setattr__(self, "stop_token_ids", _token_tuple(self.stop_token_ids))
 
     @property
@@ -53,18 +52,8 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def _check_real(name: str, value: object, low: float, high: float, *, open_low: bool = False) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    ok = ok and (low < value if open_low else low <= value) and value <= high
-    if not ok:
-        interval = f"{'(' if open_low else '['}{low}, {high}]"
-        raise InvalidArgumentError(describe(name, value, f"a finite number in {interval}"))
-
-
 def _token_tuple(ids: object) -> tuple[int, ...]:
+    """Stop ids as a tuple of ints: any iterable of non-negative int64 ids (no bools), e.g. a set."""
     if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
         raise InvalidArgumentError(describe("stop_token_ids", ids, "a sequence of token ids"))
-    ids = tuple(ids)
-    for t in ids:
-        check_int("stop_token_ids[i]", t, low=0)
-    return tuple(int(t) for t in ids)
+    return tuple(as_id_list("stop_token_ids", ids if hasattr(ids, "tolist") else list(ids), "token ids"))

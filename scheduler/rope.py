@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 import torch
 
-from paged_kv.errors import InvalidArgumentError, describe
+from paged_kv.errors import InvalidArgumentError, check_real, describe
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -23,18 +23,25 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: Mapping[str, objec
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if rope_type == "default":
         return inv_freq
-    if rope_type == "linear":
-        return inv_freq / float(scaling["factor"])
-    if rope_type == "llama3":
-        return _llama3_scaled(inv_freq, scaling)
+    try:
+        if rope_type == "linear":
+            return inv_freq / check_real("rope_scaling['factor']", scaling["factor"], low=0.0, open_low=True)
+        if rope_type == "llama3":
+            return _llama3_scaled(inv_freq, scaling)
+    except KeyError as missing:  # a field the scaling needs
+        expected = f"a {rope_type} scaling with {missing}"
+        raise InvalidArgumentError(describe("rope_scaling", dict(scaling), expected)) from None
     raise InvalidArgumentError(describe("rope_scaling.rope_type", rope_type, f"one of {SUPPORTED_ROPE_TYPES}"))
 
 
 def _llama3_scaled(inv_freq: torch.Tensor, scaling: Mapping[str, object]) -> torch.Tensor:
     """Llama 3.1 long-context scaling: slow pairs divided by ``factor``, fast pairs kept, a linear blend between."""
-    factor = float(scaling["factor"])
-    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-    old_len = float(scaling["original_max_position_embeddings"])
+    factor, low, high, old_len = (
+        check_real(f"rope_scaling[{k!r}]", scaling[k], low=0.0, open_low=True)
+        for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    )
+    if not low < high:
+        raise InvalidArgumentError(describe("rope_scaling['high_freq_factor']", high, f"> low_freq_factor={low}"))
     wavelen = 2 * math.pi / inv_freq
     # blend = 0 at wavelengths >= old_len / low (fully scaled), 1 at <= old_len / high (unscaled)
     blend = ((old_len / wavelen - low) / (high - low)).clamp(0.0, 1.0)

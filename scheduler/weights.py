@@ -10,7 +10,8 @@ from collections.abc import Mapping
 
 import torch
 
-from paged_kv.errors import InvalidArgumentError, describe
+from kernels._checks import FLOAT_DTYPES, check_device, check_dtype
+from paged_kv.errors import InvalidArgumentError, check_type, describe
 from scheduler.model import LlamaModel, ModelConfig
 
 
@@ -18,6 +19,7 @@ def from_hf_model(hf_model: torch.nn.Module, *, dtype: torch.dtype | None = None
     """Build a model with the weights of a transformers ``LlamaForCausalLM`` (or compatible) object."""
     if not hasattr(hf_model, "config") or not hasattr(hf_model, "state_dict"):
         raise InvalidArgumentError(describe("hf_model", type(hf_model).__name__, "a transformers causal LM"))
+    _check_target(dtype, device)
     state = hf_model.state_dict()
     dtype = dtype or next(iter(state.values())).dtype
     return from_state_dict(ModelConfig.from_hf(hf_model.config), state, dtype=dtype, device=device)
@@ -27,6 +29,9 @@ def from_state_dict(
     cfg: ModelConfig, state: Mapping[str, torch.Tensor], *, dtype: torch.dtype = torch.float32, device=None
 ) -> LlamaModel:
     """Build a model from a checkpoint state dict with transformers Llama key names."""
+    check_type("cfg", cfg, ModelConfig, "a ModelConfig")
+    check_type("state", state, Mapping, "a mapping of parameter names to tensors")
+    _check_target(dtype, device)
     model = LlamaModel(cfg)
     try:
         model.load_state_dict(convert_state_dict(cfg, state), strict=True)
@@ -34,6 +39,14 @@ def from_state_dict(
         problem = str(e).splitlines()[-1].strip()
         raise InvalidArgumentError(describe("state_dict", problem, f"weights for {cfg}")) from None
     return model.to(device=device, dtype=dtype).eval()
+
+
+def _check_target(dtype: torch.dtype | None, device: object) -> None:
+    """The model's dtype (a float dtype, None = the checkpoint's) and device (None = where the weights are)."""
+    if dtype is not None:
+        check_dtype("dtype", dtype, FLOAT_DTYPES)
+    if device is not None:
+        check_device("device", device)
 
 
 def convert_state_dict(cfg: ModelConfig, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

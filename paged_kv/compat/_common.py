@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from kernels._checks import check_device
 from paged_kv.compat.pool import KVPool, PagedSeq
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError, PagedKVError, check_int, describe
 
@@ -154,7 +155,7 @@ def make_pool(
     pool.compatible(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
     if block_size is not None:
         pool.compatible(block_size=block_size)
-    if device is not None and not _same_device(torch.device(device), pool.storage.device):
+    if device is not None and not _same_device(check_device("device", device), pool.storage.device):
         raise InvalidArgumentError(describe("device", str(device), f"{pool.storage.device} to match the pool"))
     return pool
 

@@ -21,7 +21,7 @@ import torch
 from paged_kv.compat._common import as_tensor, check_between, check_finite, check_shape, make_pool, to_numpy
 from paged_kv.compat.pool import KVPool, PagedSeq
 from paged_kv.compat.turboquant import SEED_MODULUS, KvCacheConfig, TurboQuantizer
-from paged_kv.errors import InvalidArgumentError, check_int, describe
+from paged_kv.errors import InvalidArgumentError, check_bool, check_int, describe
 
 MAX_HEADS = 4096  # head h of a multi-head cache is seeded (seed + h) mod 2**64
 
@@ -38,6 +38,7 @@ def compressed_pool(
     config: KvCacheConfig, *, block_size: int = 16, num_blocks: int | None = None, device: str | torch.device = "cpu"
 ) -> KVPool:
     """A pool that compressors of ``config``'s geometry (any seed) can share; ``num_blocks=None`` grows."""
+    config = _check_config(config)
     return KVPool(
         num_layers=1, num_kv_heads=1, head_dim=config.record_bytes, dtype=torch.uint8,
         block_size=block_size, num_blocks=num_blocks, device=device,
@@ -150,10 +151,12 @@ class KvCacheCompressor:
 
     def decode_keys(self, *, with_residual: bool = False) -> np.ndarray:
         """Approximate keys ``[len, head_dim]`` float32; ``with_residual`` adds the unbiased residual estimate."""
+        check_bool("with_residual", with_residual)
         return to_numpy(self.quantizer.decode(self._records(0).unsqueeze(0), with_residual=with_residual)[0])
 
     def decode_values(self, *, with_residual: bool = False) -> np.ndarray:
         """Approximate values ``[len, head_dim]`` float32; ``with_residual`` as in :meth:`decode_keys`."""
+        check_bool("with_residual", with_residual)
         return to_numpy(self.quantizer.decode(self._records(1).unsqueeze(0), with_residual=with_residual)[0])
 
     @property

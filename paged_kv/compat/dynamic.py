@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kernels._checks import check_device
 from paged_kv.compat._common import check_shape, make_pool
 from paged_kv.compat.pool import KVPool, PagedSeq
 from paged_kv.config import MAX_BLOCK_SIZE
@@ -351,12 +352,7 @@ class KVCacheEntry:
 # -- helpers ------------------------------------------------------------------
 def _as_device(device: object) -> torch.device | None:
     """``device`` as a torch.device (None stays None), or a typed error naming it."""
-    if device is None:
-        return None
-    try:
-        return torch.device(device)
-    except (RuntimeError, TypeError):
-        raise InvalidArgumentError(describe("device", device, "a torch device or its name")) from None
+    return None if device is None else check_device("device", device)
 
 
 def _shared_pool(pool: object, block_size: int | None, device: object, dtype: torch.dtype | None) -> KVPool:

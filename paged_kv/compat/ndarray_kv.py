@@ -55,6 +55,7 @@ class KvCache:
         device: str | torch.device | None = None,
     ) -> None:
         self._max_seq_len = check_count("max_seq_len", max_seq_len)
+        check_count("num_heads", num_heads, low=1)  # the pool would name it num_kv_heads
         self._pool = make_pool(
             pool, num_layers=num_layers, num_kv_heads=num_heads, head_dim=head_dim,
             dtype=torch.float64, block_size=block_size, device=device,

@@ -18,7 +18,8 @@ import torch
 
 from paged_kv.block_manager import BlockManager
 from paged_kv.config import BlockManagerConfig
-from paged_kv.errors import InvalidArgumentError, OutOfBlocksError, check_int, describe
+from kernels._checks import check_tensor
+from paged_kv.errors import InvalidArgumentError, OutOfBlocksError, check_int, check_type, describe
 from paged_kv.kv_cache import KVCacheSpec, PagedKVCache
 
 _INITIAL_BLOCKS = 4
@@ -62,8 +63,11 @@ class KVPool:
     def compatible(self, **kwargs: object) -> None:
         """Raise unless this pool's geometry matches the facade's (num_layers=..., head_dim=...)."""
         for name, want in kwargs.items():
+            if name not in KVCacheSpec.__dataclass_fields__:
+                fields = ", ".join(KVCacheSpec.__dataclass_fields__)
+                raise InvalidArgumentError(describe(name, want, f"a KVCacheSpec field ({fields})"))
             have = getattr(self.spec, name)
-            if have != want:
+            if have != want or type(have) is not type(want):  # 2.0 is no layer count, True no head_dim
                 raise InvalidArgumentError(describe(f"pool.{name}", have, f"{want} to match the cache"))
 
     def add_layers(self, num_layers: int) -> None:
@@ -77,11 +81,12 @@ class KVPool:
 
     def ensure_free(self, num_blocks: int) -> None:
         """Make ``num_blocks`` free: grow a private pool (doubling), or raise for a fixed one."""
+        check_int("num_blocks", num_blocks, low=0)
         free = self.manager.gpu.num_free
         if num_blocks <= free:
             return
         if not self.growable:
-            raise OutOfBlocksError(f"pool: needs {num_blocks} free pages, expected at most {free}")
+            raise OutOfBlocksError(f"pool: needs num_blocks={num_blocks} free pages, expected at most {free}")
         extra = max(num_blocks - free, self.manager.gpu.num_blocks)
         self.storage.grow(extra)
         self.manager.add_blocks(extra)
@@ -91,6 +96,9 @@ class PagedSeq:
     """One sequence of pages in a :class:`KVPool`, addressed by token position."""
 
     def __init__(self, pool: KVPool, parent: PagedSeq | None) -> None:
+        check_type("pool", pool, KVPool, "a KVPool")
+        if parent is not None and (not isinstance(parent, PagedSeq) or parent.pool is not pool):
+            raise InvalidArgumentError(describe("parent", parent, "None or a PagedSeq of the same pool"))
         self.pool = pool
         self.seq_id = next(pool._ids)
         manager = pool.manager
@@ -133,6 +141,8 @@ class PagedSeq:
 
     def write(self, layer: int, start: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Write K/V ``[T, H, D]`` at positions ``[start, start + T)`` (all below ``length``)."""
+        check_int("start", start, low=0)
+        check_tensor("key", key, ndim=3)
         end = start + key.shape[0]
         check_int("start", start, low=0, high=max(self.length - key.shape[0], 0))
         manager = self.pool.manager

@@ -25,6 +25,10 @@ import torch
 import torch.nn.functional as F
 
 from paged_kv.compat._common import check_between
+
+# The public name is the quantiser's configuration; the quantiser and its bit packing are the
+# compressed facade's machinery, called only with inputs the facade has already checked.
+__all__ = ["KvCacheConfig"]
 from paged_kv.errors import InvalidArgumentError, describe
 
 MAX_HEAD_DIM = 4096

@@ -17,9 +17,10 @@ from collections.abc import Sequence
 
 import torch
 
+from kernels._checks import check_tensor
 from paged_kv.compat.dynamic import KVCache
 from paged_kv.compat.pool import KVPool
-from paged_kv.errors import InvalidArgumentError, PagedKVError, check_int, describe
+from paged_kv.errors import InvalidArgumentError, PagedKVError, check_int, check_type, describe
 
 __all__ = ["PagedCache", "PagedLayer", "TransformersUnavailableError"]
 
@@ -49,7 +50,8 @@ class PagedLayer(CacheLayerMixin):
     is_compileable = False
 
     def __init__(self, store: KVCache, layer_idx: int) -> None:  # no super().__init__: keys/values are views
-        self.store, self.layer_idx = store, layer_idx
+        check_type("store", store, KVCache, "a paged_kv.compat.dynamic.KVCache")
+        self.store, self.layer_idx = store, check_int("layer_idx", layer_idx, low=0, high=store.num_layers() - 1)
 
     @property
     def keys(self) -> torch.Tensor | None:
@@ -81,6 +83,8 @@ class PagedLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Set the layer to an empty entry of the given batch, heads, head size and dtype."""
+        check_tensor("key_states", key_states, ndim=4)
+        check_tensor("value_states", value_states, ndim=4)
         if not self.is_initialized:
             self.store.update(self.layer_idx, key_states[..., :0, :], value_states[..., :0, :])
 
@@ -96,7 +100,8 @@ class PagedLayer(CacheLayerMixin):
     def get_mask_sizes(self, query_length: int | torch.Tensor) -> tuple[int, int]:
         """``(kv_length, kv_offset)`` for the mask; accepts a query length or (older API) a cache_position."""
         if isinstance(query_length, torch.Tensor):
-            query_length = query_length.shape[0]
+            query_length = check_tensor("query_length", query_length, ndim=1).shape[0]
+        query_length = check_int("query_length", query_length, low=0)
         return self.get_seq_length() + query_length, 0
 
     def get_max_length(self) -> int:

@@ -284,6 +284,16 @@ class BlockManagerMachine(RuleBasedStateMachine):
         content = self.content[sid]
         content[start : min(end, len(content))] = values[: max(0, len(content) - start)]
 
+    @precondition(lambda self: self.has(False))
+    @rule(i=picks, a=st.integers(0, 1 << 10))
+    def prepare_write_empty(self, i, a):
+        # an empty range writes nothing: no copy, and no cached block (even one shared mid-block) leaves the cache
+        sid = self.pick(i, swapped=False)
+        pos = a % (len(self.m.block_table(sid)) * BS + 1)
+        before = snapshot(self.m)
+        assert self.m.prepare_write(sid, pos, pos) == []
+        assert snapshot(self.m) == before, "an empty prepare_write changed the manager"
+
     @precondition(lambda self: self.m.stats().num_blocks < 16)
     @rule(n=st.integers(0, 2))
     def add_blocks(self, n):
@@ -367,6 +377,7 @@ RANDOM_RULES = {  # rule -> (precondition, random arguments), mirroring the rule
     "swap_forked_group_out_and_in": (lambda s: s.has(False), lambda r: dict(i=rand_pick(r), k=r.randrange(4))),
     "reset_prefix_cache": (lambda s: True, lambda r: dict(now=r.random() < 1 / 8)),
     "prepare_write": (lambda s: s.has(False), lambda r: dict(i=rand_pick(r), a=rand_pick(r), b=rand_pick(r))),
+    "prepare_write_empty": (lambda s: s.has(False), lambda r: dict(i=rand_pick(r), a=rand_pick(r))),
     "add_blocks": (lambda s: s.m.stats().num_blocks < 16, lambda r: dict(n=r.randrange(3))),
 }
 

@@ -13,7 +13,10 @@ from paged_kv.errors import (
     PagedKVError,
     SequenceStateError,
     UnknownSequenceError,
+    check_bool,
     check_int,
+    check_real,
+    check_type,
     describe,
 )
 
@@ -88,3 +91,35 @@ def test_check_int_outside_bounds_is_out_of_range(value):
 
 def test_check_int_bounds_are_inclusive():
     assert check_int("i", 3, low=3, high=3) == 3
+
+
+@pytest.mark.parametrize("value", [0, 0.5, np.float32(0.25), np.float64(0.75), -0.0])
+def test_check_real_accepts_finite_reals_in_the_interval(value):
+    assert check_real("w", value, low=0.0, high=1.0, open_high=True) == float(value)
+
+
+@pytest.mark.parametrize(
+    "value", [True, False, np.bool_(True), "0.5", None, float("nan"), float("inf"), -float("inf"), 1.0, -0.1, 1 + 0j]
+)
+def test_check_real_rejects_bools_non_numbers_non_finite_and_out_of_interval(value):
+    with pytest.raises(InvalidArgumentError, match=r"^w=.*: expected a finite number in \[0.0, 1.0\)$"):
+        check_real("w", value, low=0.0, high=1.0, open_high=True)
+
+
+def test_check_real_open_and_closed_ends():
+    assert check_real("t", 1.0, low=0.0, high=1.0) == 1.0
+    with pytest.raises(InvalidArgumentError, match=r"in \(0.0, 1.0\]"):
+        check_real("t", 0.0, low=0.0, high=1.0, open_low=True)
+
+
+@pytest.mark.parametrize("value", [1, 0, "yes", None, np.bool_(True)])
+def test_check_bool_takes_only_bools(value):
+    with pytest.raises(InvalidArgumentError, match=r"^flag=.*: expected a bool$"):
+        check_bool("flag", value)
+    assert check_bool("flag", True) is True and check_bool("flag", False) is False
+
+
+def test_check_type_names_the_type_given():
+    check_type("cfg", 3, int, "an int")
+    with pytest.raises(InvalidArgumentError, match=r"^cfg='str': expected a config$"):
+        check_type("cfg", "x", (int, float), "a config")

@@ -79,6 +79,22 @@ def test_copy_blocks_copies_every_layer_and_scale(dtype):
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float64, torch.uint8))
+def test_a_tensor_mapping_copies_exactly_as_pairs(dtype):
+    # kernels.copy_blocks takes a [P, 2] integer tensor; the cache must take the same mapping
+    as_pairs, as_tensor = make(dtype), make(dtype)
+    for c in (as_pairs, as_tensor):
+        for t in c.tensors():
+            t.copy_(torch.arange(t.numel()).reshape(t.shape).to(dtype))
+    as_pairs.copy_blocks([(1, 4), (3, 6)])
+    as_tensor.copy_blocks(torch.tensor([[1, 4], [3, 6]], dtype=torch.int32))
+    assert same(snapshot(as_pairs), snapshot(as_tensor))
+    assert not same(snapshot(as_pairs), snapshot(make(dtype)))  # something was copied
+    empty = snapshot(as_tensor)
+    as_tensor.copy_blocks(torch.empty(0, 2, dtype=torch.int64))  # an empty tensor copies nothing
+    assert same(snapshot(as_tensor), empty)
+
+
 def test_swap_roundtrip_between_pools():
     torch.manual_seed(2)
     gpu, cpu = make(num_blocks=6), make(num_blocks=4)

@@ -57,7 +57,9 @@ def test_non_sequences_are_rejected_naming_the_type(spec, shown):
 @pytest.mark.parametrize(
     ("spec", "bad"),
     [([1, 2.0, 3], "2.0"), ([1, "2"], "'2'"), ([None], "None"), ([1, 1 << 63], str(1 << 63)),
-     ([-(1 << 64)], str(-(1 << 64))), ([[1]], r"\[1\]"), (np.array([0.5, 1.5]), "0.5")],
+     ([-(1 << 64)], str(-(1 << 64))), ([[1]], r"\[1\]"), (np.array([0.5, 1.5]), "0.5"),
+     ([True, False], "True"), ([5, 0, False], "False"), (np.array([True]), "True"),
+     (list(range(300)) + [True], "True")],
 )
 def test_non_int64_ids_are_rejected_naming_the_first_bad_one(spec, bad):
     with pytest.raises(InvalidArgumentError, match=rf"^token_ids={bad}: expected token ids as int64 integers$"):
@@ -74,3 +76,11 @@ def test_too_long_a_list_is_rejected(monkeypatch):
     assert tokens_mod.as_token_list("t", [0] * 4) == [0] * 4
     with pytest.raises(InvalidArgumentError, match=r"^len\(t\)=5: expected at most 4$"):
         tokens_mod.as_token_list("t", [0] * 5)
+
+
+@pytest.mark.parametrize("spec", [[True, False], [7, 1, True], (0, False), [256, 1, 0, 257, True]])
+def test_bools_are_not_ids_on_the_packed_fast_path(spec):
+    # bools pack as int64 0 / 1, so the fast path must look at the ids packed as 0 or 1
+    with pytest.raises(InvalidArgumentError, match=r"^token_ids=(True|False): expected token ids as int64 integers$"):
+        tokens_mod.as_token_array("token_ids", spec)
+    assert tokens_mod.as_token_array("token_ids", [int(t) for t in spec]).tolist() == [int(t) for t in spec]
