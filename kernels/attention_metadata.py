@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kernels._checks import check_device
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError, check_int, describe
 
 
@@ -86,6 +87,7 @@ def prepare_attention_metadata(
     """
     check_int("block_size", block_size, low=1)
     check_int("num_blocks", num_blocks, low=1)
+    device = check_device("device", device)
     computed, new = _host_lengths(tables, num_computed, num_new)
     seq_lens = computed + new
     width = max((len(t) for t in tables), default=0)

@@ -352,8 +352,10 @@ def paged_decode_attention_prepared(
     geo = check_cache(q, k_cache, v_cache, k_scale, v_scale)
     opts = check_options(geo.head_dim, scale, sliding_window, soft_cap)
     check_metadata(meta, num_blocks=geo.num_blocks, block_size=geo.block_size, device=q.device)
-    if not meta.is_decode or q.shape[0] != meta.num_seqs:
-        raise InvalidArgumentError(describe("q.shape[0]", q.shape[0], "one query per sequence of a decode step"))
+    if not meta.is_decode:
+        raise InvalidArgumentError(describe("meta.max_query_len", meta.max_query_len, "1 (a decode step)"))
+    if q.shape[0] != meta.num_seqs:
+        raise InvalidArgumentError(describe("q.shape[0]", q.shape[0], f"meta.num_seqs={meta.num_seqs}"))
     if num_splits is not None:
         check_int("num_splits", num_splits, low=1, high=MAX_SPLITS)
     if q.shape[0] == 0:

@@ -94,6 +94,8 @@ def write_kv_prepared(
 
     The slots were validated (in range, distinct) when ``meta`` was prepared.
     """
+    if not isinstance(meta, AttentionMetadata):
+        raise InvalidArgumentError(describe("meta", type(meta).__name__, "an AttentionMetadata"))
     _check_inputs(key, value, meta.slot_mapping)
     _check_caches(k_cache, v_cache, key.shape[1], key.shape[2])
     _check_scales(k_scale, v_scale, k_cache)

@@ -79,7 +79,7 @@ class BlockManager:
     def block_table(self, seq_id: SeqId, start: int = 0) -> list[BlockId]:
         """The physical blocks of a sequence from logical block ``start`` on, in order (a copy)."""
         blocks = self._get(seq_id).blocks
-        return blocks[check_int("start", start, high=len(blocks)) :] if start else list(blocks)
+        return blocks[check_int("start", start, high=len(blocks)) :]
 
     def num_tokens(self, seq_id: SeqId) -> int:
         """Tokens whose slots the sequence holds (lookahead slots not counted)."""
@@ -258,6 +258,8 @@ class BlockManager:
         replacements, then new blocks past the old end, in the order made; all
         other entries are as before, so a persistent device table needs only these.
         """
+        if changed is not None and not isinstance(changed, list):
+            raise InvalidArgumentError(describe("changed", type(changed).__name__, "a list to extend, or None"))
         plan = self._plan_append_all(requests)
         copies: list[CopyOp] = []
         bs, gpu, one = self.block_size, self.gpu, array("q", (0,))

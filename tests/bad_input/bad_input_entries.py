@@ -183,6 +183,21 @@ def decode_args() -> dict[str, Arg]:
     }
 
 
+def prepared_meta(q_lens: list[int] | None = None, num_blocks: int = 8) -> kernels.AttentionMetadata:
+    """Host-validated metadata of two sequences of 5 and 3 tokens over blocks [0, 1] and [2, 3]."""
+    q_lens = q_lens or [1, 1]
+    return kernels.prepare_attention_metadata([[0, 1], [2, 3]], [5 - q_lens[0], 3 - q_lens[1]], q_lens,
+                                              block_size=4, num_blocks=num_blocks)  # fmt: skip
+
+
+def prepared_args() -> dict[str, Arg]:
+    """Valid arguments of the prepared decode attention (prefill replaces q and meta)."""
+    args = {k: v for k, v in decode_args().items() if k not in ("block_tables", "seq_lens")}
+    args["meta"] = Arg("obj", prepared_meta, bad={WRONG_TYPE: [None, "x", prepared_meta([2, 1])],
+                                                  OUT_OF_RANGE: [prepared_meta(num_blocks=16)]})  # fmt: skip
+    return args
+
+
 # -- scheduler ----------------------------------------------------------------------------------------
 TINY = dict(vocab_size=64, hidden_size=16, intermediate_size=32, head_dim=8, max_position_embeddings=128)
 
@@ -284,7 +299,8 @@ def _entries() -> list[Entry]:
         Entry("paged_kv.BlockManager.append", "append", {
             "seq_id": Arg("seq_id", "a", bad={BAD_ID: [["l"], "zz", "s"]}), "token_ids": Arg("ids", [7]),
             "num_lookahead_slots": Arg("int", 0)}, m),
-        Entry("paged_kv.BlockManager.block_table", "block_table", {"seq_id": seq_id("a")}, m),
+        Entry("paged_kv.BlockManager.block_table", "block_table", {
+            "seq_id": seq_id("a"), "start": Arg("int", 0, bad={OUT_OF_RANGE: [-1, 99]})}, m),
         Entry("paged_kv.BlockManager.num_tokens", "num_tokens", {"seq_id": seq_id("a")}, m),
         Entry("paged_kv.BlockManager.is_swapped", "is_swapped", {"seq_id": seq_id("s")}, m),
         Entry("paged_kv.BlockManager.free", "free", {"seq_id": seq_id("a")}, m),
@@ -296,6 +312,23 @@ def _entries() -> list[Entry]:
         Entry("paged_kv.BlockManager.can_swap_in", "can_swap_in", {"seq_id": seq_id("s")}, m),
         Entry("paged_kv.BlockManager.swap_in", "swap_in",
             {"seq_id": Arg("seq_id", "s", bad={BAD_ID: [["l"], "zz", "a"]})}, m),
+        Entry("paged_kv.BlockManager.append_all", "append_all", {
+            "requests": Arg("obj", [("a", [7]), ("b", [8])], bad={
+                WRONG_TYPE: [None, "ab", 3, [("a",)]], BAD_ID: [[("zz", [7])], [("s", [7])], [("a", [7]), ("a", [8])]],
+                BOOL_FOR_INT: [[("a", [True])]], NONINTEGRAL: [[("a", [1.5])]], OUT_OF_RANGE: [[("a", [-1])]]}),
+            "changed": Arg("obj", None, bad={WRONG_TYPE: ["x", 3, ()]})}, m,
+            named={"requests": ("requests", "seq_id", "token_ids")}),
+        Entry("paged_kv.BlockManager.can_append_all", "can_append_all", {
+            "requests": Arg("obj", [("a", 1), ("b", 2)], bad={
+                WRONG_TYPE: [None, "ab", 3], BAD_ID: [[("zz", 1)], [("s", 1)]], BOOL_FOR_INT: [[("a", True)]],
+                NONINTEGRAL: [[("a", 1.5)]], OUT_OF_RANGE: [[("a", -1)]]})}, m,
+            named={"requests": ("requests", "seq_id", "num_new_tokens")}),
+        *[Entry(f"paged_kv.BlockManager.{name}", name, {"seq_ids": Arg("obj", valid, bad={
+            WRONG_TYPE: [None, "ab", 3], BAD_ID: [["zz"], [["l"]], *extra]})}, m, named={"seq_ids": ("seq_ids", "seq_id")})
+          for name, valid, extra in (
+              ("swap_out_group", ["a", "b"], [["s"], ["a", "a"]]), ("swap_in_group", ["s"], [["a"], ["s", "s"]]),
+              ("can_swap_out_group", ["a", "b"], [["s"]]), ("can_swap_in_group", ["s"], []),
+              ("num_distinct_blocks", ["a", "b"], []))],
         Entry("paged_kv.BlockManager.can_allocate", "can_allocate", {
             "token_ids": Arg("ids", [1, 2]), "cache_salt": Arg("opt_str", None), "num_lookahead_slots": Arg("int", 0)},
                 m),
@@ -618,6 +651,35 @@ def _entries() -> list[Entry]:
             "cu_seqlens_q": Arg("tensor", lambda: torch.tensor([0, 2, 3], dtype=torch.int32),
                                 bad={OUT_OF_RANGE: [torch.tensor([0, 2, 9], dtype=torch.int32)]}),
             "return_lse": Arg("bool", False, skip=(WRONG_TYPE,))}),  # not bool-checked: kernels engineer (see report)
+        Entry("kernels.prepare_attention_metadata", kernels.prepare_attention_metadata, {
+            "tables": Arg("obj", [[0, 1], [2, 3]], bad={
+                WRONG_TYPE: ["ab", None, torch.zeros(2, 2, dtype=torch.int32), [[0, 1], "ab"]],
+                OUT_OF_RANGE: [[[0, 9], [2, 3]], [[-1, 1], [2, 3]]], BOOL_FOR_INT: [[[True, 1], [2, 3]]],
+                NONINTEGRAL: [[[0.5, 1], [2, 3]]], WRONG_SHAPE: [[[0], [2, 3]], [[0, 1]]]}),
+            "num_computed": Arg("obj", [4, 2], bad={WRONG_TYPE: [None, "ab", torch.tensor([4, 2])],
+                WRONG_SHAPE: [[4]], BOOL_FOR_INT: [[True, 2]], NONINTEGRAL: [[4.5, 2]], OUT_OF_RANGE: [[-1, 2]]}),
+            "num_new": Arg("obj", [1, 1], bad={WRONG_TYPE: [None, "ab"], WRONG_SHAPE: [[1, 1, 1]],
+                BOOL_FOR_INT: [[True, 1]], NONINTEGRAL: [[1.5, 1]], OUT_OF_RANGE: [[-1, 1], [9, 1]]}),
+            "block_size": Arg("int", 4, bad={OUT_OF_RANGE: [0, -1]}),
+            "num_blocks": Arg("int", 8, bad={OUT_OF_RANGE: [0, -1, 1]}),
+            "device": Arg("device", "cpu")},
+            named={"tables": "tables", "num_computed": ("num_computed", "tables"), "num_new": ("num_new", "tables"),
+                   "num_blocks": ("num_blocks", "tables")}),
+        Entry("kernels.paged_decode_attention_prepared", kernels.paged_decode_attention_prepared, {
+            **prepared_args(), "num_splits": Arg("opt_int", 2, bad={OUT_OF_RANGE: [0, -1]})}),
+        Entry("kernels.paged_prefill_attention_prepared", kernels.paged_prefill_attention_prepared, {
+            **prepared_args(), "q": Arg("float_tensor", lambda: torch.ones(3, 4, 4), skip=(NAN_INF,)),
+            "meta": Arg("obj", lambda: prepared_meta([2, 1]), bad={WRONG_TYPE: [None, "x", prepared_meta()],
+                OUT_OF_RANGE: [prepared_meta([2, 1], num_blocks=16)]})}),
+        Entry("kernels.write_kv_prepared", kernels.write_kv_prepared, {
+            "key": Arg("tensor", lambda: kv(2)), "value": Arg("tensor", lambda: kv(2)),
+            "k_cache": Arg("tensor", kcache), "v_cache": Arg("tensor", kcache),
+            "meta": Arg("obj", prepared_meta, bad={WRONG_TYPE: [None, "x", prepared_meta([2, 1])],
+                OUT_OF_RANGE: [prepared_meta(num_blocks=16)]}),
+            "k_scale": Arg("obj", None, bad={WRONG_TYPE: ["x", torch.zeros(8, 4, 2)]}),
+            "v_scale": Arg("obj", None, bad={WRONG_TYPE: ["x", torch.zeros(8, 4, 2)]}),
+            "backend": Arg("obj", "torch", bad={WRONG_TYPE: ["cuda", 3, None]})},
+            named={"meta": ("meta", "slot_mapping")}),
         Entry("kernels.merge_attention_states", kernels.merge_attention_states, {
             "out_a": Arg("tensor", lambda: torch.ones(2, 2, 4)), "lse_a": Arg("tensor", lambda: torch.zeros(2, 2)),
             "out_b": Arg("tensor", lambda: torch.ones(2, 2, 4)), "lse_b": Arg("tensor", lambda: torch.zeros(2, 2)),
@@ -651,11 +713,13 @@ def _entries() -> list[Entry]:
             "num_gpu_blocks": Arg("opt_int", 8, bad={OUT_OF_RANGE: [0, 1 << 62]}),
             "kv_cache_bytes": Arg("int", 1 << 20, bad={OUT_OF_RANGE: [0]}), "num_cpu_blocks": Arg("int", 0),
             "watermark": Arg("real", 0.01, bad={OUT_OF_RANGE: [1.0, -0.1]}), "enable_prefix_caching": Arg("bool", True),
-            "dtype": Arg("dtype", torch.float16, bad={BAD_DTYPE: [torch.complex64, torch.int16, torch.float64]})}),
+            "dtype": Arg("dtype", torch.float16, bad={BAD_DTYPE: [torch.complex64, torch.int16, torch.float64]}),
+            "gpu_memory_utilization": Arg("real", None, skip=(WRONG_TYPE,),
+                                          bad={OUT_OF_RANGE: [0.0, 1.5, -0.5], WRONG_TYPE: ["0.5"]})}),
         Entry("scheduler.EngineConfig", scheduler.EngineConfig, {
             "cache": Arg("obj", lambda: scheduler.CacheConfig(num_cpu_blocks=1), bad={WRONG_TYPE: [None, {}]}),
             "scheduler": Arg("obj", lambda: scheduler.SchedulerConfig(), bad={WRONG_TYPE: [None, {}]}),
-            "device": Arg("device", "cpu")}),
+            "device": Arg("device", "cpu"), "enforce_eager": Arg("bool", False)}),
         Entry("scheduler.ModelConfig", scheduler.ModelConfig, {
             "vocab_size": Arg("int", 64, bad={OUT_OF_RANGE: [0]}),
             "hidden_size": Arg("int", 16, bad={OUT_OF_RANGE: [0]}),
@@ -771,6 +835,10 @@ EXEMPT: dict[str, str] = {
     "scheduler.BeamSearchOutput": "a result record beam search builds",
     "scheduler.LlamaModel.forward": "the model's forward pass over engine-made batch tensors (a torch.nn.Module "
     "call inside the runner; its kernels are rows of kernels.*)",
+    "scheduler.LlamaModel.hidden_states": "the decoder layers of forward (what CUDA graphs capture), same inputs",
+    "scheduler.LlamaModel.compute_logits": "the LM head of forward over the model's own hidden states",
+    "kernels.AttentionMetadata": "a record prepare_attention_metadata (a row) builds and validates; the prepared "
+    "kernels' meta rows check what they are given",
     "scheduler.LLMEngine.add_group": "custom-decoder API over engine-made SequenceGroup objects (engine internals)",
     "scheduler.LLMEngine.append_token": "custom-decoder API over engine-made Sequence objects (engine internals)",
     "scheduler.LLMEngine.finish_sequence": "custom-decoder API over engine-made Sequence objects (engine internals)",
