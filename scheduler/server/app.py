@@ -8,9 +8,10 @@ never gives a 500, and the server keeps serving after every error.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -66,22 +67,22 @@ def build_app(llm: LLM, *, max_in_flight: int = 256, model_names: tuple[str, ...
         return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
+    async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
         prompts = [llm.encode(p) for p in body.prompts()]
         ctx = ResponseContext("completion", body.model, body.n, llm.tokenizer, body.logprobs)
         params = [_params(engine, body, len(ids), body.max_tokens, body.logprobs or 0) for ids, _ in prompts]
-        return await _respond(engine, ctx, body, prompts, params)
+        return await _respond(request, engine, ctx, body, prompts, params)
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest):
+    async def chat(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
         ids = llm.chat_prompt(body.message_dicts())
         top = body.top_logprobs or 0
         ctx = ResponseContext("chat", body.model, body.n, llm.tokenizer, top if body.logprobs else None)
         max_tokens = body.max_completion_tokens or body.max_tokens
         params = [_params(engine, body, len(ids), max_tokens, top)]
-        return await _respond(engine, ctx, body, [(ids, None)], params)
+        return await _respond(request, engine, ctx, body, [(ids, None)], params)
 
     return app
 
@@ -100,19 +101,45 @@ def _params(engine: AsyncEngine, body: _SamplingFields, prompt_len: int, max_tok
     )  # fmt: skip
 
 
-async def _respond(engine: AsyncEngine, ctx: ResponseContext, body: _SamplingFields,
+async def _respond(request: Request, engine: AsyncEngine, ctx: ResponseContext, body: _SamplingFields,
                    prompts: list[tuple[list[int], str | None]], params: list[SamplingParams]):  # fmt: skip
     events = engine.generate(prompts, params)
     first = await _next(events)  # admission errors (400, 503) surface here, before any byte is sent
-    if body.stream:
+    if body.stream:  # starlette cancels the stream when the client goes away
         return StreamingResponse(_stream(ctx, body, first, events, len(prompts)), media_type="text/event-stream")
-    results: list[TextRequestOutput | None] = [None] * len(prompts)
+    results = await _unless_disconnected(request, _results(first, events, len(prompts)))
+    return ctx.response(results) if results is not None else Response(status_code=499)
+
+
+async def _results(first: Event, events: AsyncIterator[Event], num_prompts: int) -> list[TextRequestOutput]:
+    """Every prompt's result; closing (or cancelling) this aborts the requests left."""
+    results: list[TextRequestOutput | None] = [None] * num_prompts
     async with contextlib.aclosing(events):
         ev = first
         while ev is not None:
             _collect(ev, results)
             ev = await anext(events, None)
-    return ctx.response(results)
+    return results
+
+
+async def _unless_disconnected(request: Request, work: Awaitable):
+    """The result of ``work``, or None (``work`` cancelled) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnect(request))
+    await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None
+
+
+async def _disconnect(request: Request) -> None:
+    """Return when the client disconnects (the body has been read: the next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _next(events: AsyncIterator[Event]) -> Event:

@@ -248,3 +248,12 @@ def test_metrics_parse_and_count_the_requests(served, client):
     assert samples["paged_kv:generation_tokens_total"] >= 5
     assert samples["paged_kv:e2e_request_latency_seconds_count"] >= 1
     assert samples["paged_kv:num_requests_running"] == 0
+
+
+def test_a_client_that_gives_up_on_a_whole_response_aborts_it(served):
+    before = served.engine.num_aborted
+    body = {"model": _model(served), "prompt": "hello", "max_tokens": 480, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(served.url + "/v1/completions", json=body, timeout=0.3)
+    _wait_idle(served)
+    assert served.engine.num_aborted == before + 1
