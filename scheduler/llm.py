@@ -17,19 +17,22 @@ from tqdm.auto import tqdm
 from paged_kv.errors import InvalidArgumentError, describe
 from scheduler.config import EngineConfig
 from scheduler.engine import LLMEngine, _per_prompt
-from scheduler.loader import load_model
+from scheduler.loader import LoadedModel, load_model
 from scheduler.output_processor import OutputProcessor, TextRequestOutput
 from scheduler.params import SamplingParams
 
 Prompt = str | Sequence[int]
 Messages = Sequence[Mapping[str, object]]
+Params = SamplingParams | Sequence[SamplingParams] | None
 
 
 class LLM:
     """A model, its tokenizer and a continuous-batching engine behind a text-in, text-out API."""
 
-    def __init__(self, model: str | os.PathLike | None = None, *, engine_config: EngineConfig | None = None) -> None:
-        loaded = load_model(model)
+    def __init__(self, model: str | os.PathLike | LoadedModel | None = None, *,
+                 engine_config: EngineConfig | None = None) -> None:  # fmt: skip
+        """Load ``model`` (a local folder, a .gguf file, None for SmolLM2, or an already loaded model)."""
+        loaded = model if isinstance(model, LoadedModel) else load_model(model)
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         self.engine = LLMEngine.from_hf(loaded.hf_model, engine_config)
@@ -54,12 +57,12 @@ class LLM:
         try:
             ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
         except Exception as e:  # template errors (jinja raise_exception, missing keys) mean bad messages
-            raise InvalidArgumentError(describe("messages", type(e).__name__, f"messages the chat template accepts ({e})"))
+            expected = f"messages the chat template accepts ({e})"
+            raise InvalidArgumentError(describe("messages", type(e).__name__, expected)) from None
         return list(ids["input_ids"] if isinstance(ids, Mapping) or hasattr(ids, "keys") else ids)
 
     def generate(
-        self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        *, use_tqdm: bool = False,
+        self, prompts: Prompt | Sequence[Prompt], sampling_params: Params = None, *, use_tqdm: bool = False
     ) -> list[TextRequestOutput]:  # fmt: skip
         """Complete every prompt (strings or token id lists); outputs in prompt order, with ``.text``."""
         if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
@@ -68,8 +71,7 @@ class LLM:
         return self._run([ids for ids, _ in encoded], [text for _, text in encoded], sampling_params, use_tqdm)
 
     def chat(
-        self, messages: Messages | Sequence[Messages], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        *, use_tqdm: bool = False,
+        self, messages: Messages | Sequence[Messages], sampling_params: Params = None, *, use_tqdm: bool = False
     ) -> list[TextRequestOutput]:  # fmt: skip
         """Answer one conversation (a list of messages) or several; outputs in order, with ``.text``."""
         if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:

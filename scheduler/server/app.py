@@ -93,7 +93,8 @@ def _params(engine: AsyncEngine, body: _SamplingFields, prompt_len: int, max_tok
     if max_tokens is None:
         max_tokens = engine.max_new_tokens(prompt_len, body.n)
         if max_tokens < 1:
-            raise InvalidArgumentError(describe("prompt", f"{prompt_len} tokens", "a prompt that leaves room to answer"))
+            expected = "a prompt that leaves room to answer"
+            raise InvalidArgumentError(describe("prompt", f"{prompt_len} tokens", expected))
     return SamplingParams(
         max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
         seed=body.seed, n=body.n, stop=tuple(body.stop or ()), stop_token_ids=tuple(body.stop_token_ids or ()),

@@ -31,7 +31,8 @@ class ResponseContext:
 
     def head(self, *, chunk: bool) -> dict:
         """The fields before ``choices``."""
-        obj = "text_completion" if self.kind == "completion" else ("chat.completion.chunk" if chunk else "chat.completion")
+        chat = "chat.completion.chunk" if chunk else "chat.completion"
+        obj = "text_completion" if self.kind == "completion" else chat
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def token_text(self, token_id: int) -> str:
@@ -62,8 +63,8 @@ class ResponseContext:
         return {**self.head(chunk=False), "choices": choices, "usage": usage(results)}
 
     def _choice(self, key: int, c: TextCompletion) -> dict:
-        body = {"index": key * self.n + c.index, "logprobs": self.logprobs_block(c.token_ids, c.logprobs, c.top_logprobs),
-                "finish_reason": c.finish_reason}  # fmt: skip
+        logprobs = self.logprobs_block(c.token_ids, c.logprobs, c.top_logprobs)
+        body = {"index": key * self.n + c.index, "logprobs": logprobs, "finish_reason": c.finish_reason}
         if self.kind == "chat":
             body["message"] = {"role": "assistant", "content": c.text}
         else:
@@ -75,8 +76,8 @@ class ResponseContext:
     # -- streamed responses ------------------------------------------------
     def chunk(self, key: int, d: SampleDelta, include_usage: bool) -> dict:
         """A streamed chunk carrying one sample's delta."""
-        choice = {"index": key * self.n + d.index, "logprobs": self.logprobs_block(d.token_ids, d.logprobs, d.top_logprobs),
-                  "finish_reason": d.finish_reason}  # fmt: skip
+        logprobs = self.logprobs_block(d.token_ids, d.logprobs, d.top_logprobs)
+        choice = {"index": key * self.n + d.index, "logprobs": logprobs, "finish_reason": d.finish_reason}
         if self.kind == "chat":
             choice["delta"] = {"content": d.text} if d.text else {}
         else:
@@ -85,7 +86,8 @@ class ResponseContext:
 
     def role_chunk(self, index: int, include_usage: bool) -> dict:
         """The first chunk of a streamed chat choice: the assistant role."""
-        choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        delta = {"role": "assistant", "content": ""}
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
         return self._with_usage({**self.head(chunk=True), "choices": [choice]}, include_usage)
 
     def usage_chunk(self, results: list[TextRequestOutput]) -> dict:
