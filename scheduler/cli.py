@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     commands = {"serve": serve, "run": _run}
     if not argv or argv[0] not in commands:
         print("usage: paged-kv {serve,run} [options]  (paged-kv serve --help)", file=sys.stderr)
-        raise SystemExit(2 if argv and argv[0] not in ("-h", "--help") else 0)
+        raise SystemExit(0 if argv[:1] in (["-h"], ["--help"]) else 2)
     commands[argv[0]](argv[1:])
 
 
