@@ -183,6 +183,8 @@ class OutputProcessor:
             out = finished.get(rid) or self.engine.request_output(rid)
             deltas = req.update(out)
             done = out.finished or req.all_stopped
+            if not done:
+                self._finish_stopped_samples(req, deltas)
             if done:
                 del self.requests[rid]
                 if not out.finished:  # every sample hit a stop string: free its blocks now
@@ -190,3 +192,13 @@ class OutputProcessor:
             if deltas or done:
                 changed.append((req, deltas, done))
         return changed
+
+    def _finish_stopped_samples(self, req: TextRequest, deltas: list[SampleDelta]) -> None:
+        """Free the blocks of samples a stop string just ended while their siblings run on (``n > 1``)."""
+        stopped = {d.index for d in deltas if d.stop_reason is not None}
+        if not stopped:
+            return
+        group = next(g for g in self.engine.scheduler.groups() if g.request_id == req.request_id)
+        for seq in group.seqs:
+            if seq.index in stopped and not seq.is_finished:
+                self.engine.finish_sequence(seq, "stop")

@@ -85,3 +85,16 @@ def test_a_bad_prompt_in_a_batch_queues_nothing(llm):
 def test_load_model_rejects_paths_that_do_not_exist(tmp_path):
     with pytest.raises(InvalidArgumentError, match="model"):
         load_model(tmp_path / "nope")
+
+
+def test_a_sample_ended_by_a_stop_string_stops_generating_while_its_siblings_run(llm):
+    p = SamplingParams(max_tokens=20, temperature=1.0, seed=5, n=2, ignore_eos=True)
+    free = [s.text for s in llm.generate("hello", p)[0].outputs]
+    stop = next(free[0][i : i + 2] for i in range(2, len(free[0]) - 2) if free[0][i : i + 2] not in free[1])
+    steps_before = len(llm.engine.metrics.steps)
+    (out,) = llm.generate("hello", SamplingParams(**{**p.__dict__, "stop": (stop,)}))
+    generated = sum(s.num_generated_tokens for s in llm.engine.metrics.steps[steps_before:])
+    first, second = out.outputs
+    assert first.finish_reason == "stop" and first.text == free[0][: free[0].find(stop)]
+    assert second.text == free[1] and second.finish_reason == "length"
+    assert generated == len(first.token_ids) + len(second.token_ids) < 40  # the stopped sample took no more steps
