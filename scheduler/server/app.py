@@ -23,7 +23,7 @@ from scheduler.llm import LLM
 from scheduler.output_processor import TextRequestOutput
 from scheduler.params import SamplingParams
 from scheduler.server.async_engine import AsyncEngine, Event, Overloaded
-from scheduler.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields, error_body
+from scheduler.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, error_body
 from scheduler.server.serving import ResponseContext, sse, wants_chunk
 
 RETRY_AFTER_S = 1
@@ -39,6 +39,7 @@ def build_app(llm: LLM, *, max_in_flight: int = 256, model_names: tuple[str, ...
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
+        """Run the engine thread while the app serves."""
         engine.start()
         yield
         engine.stop()
@@ -54,20 +55,24 @@ def build_app(llm: LLM, *, max_in_flight: int = 256, model_names: tuple[str, ...
 
     @app.get("/health")
     async def health() -> Response:
+        """200 while the server is up."""
         return Response(status_code=200)
 
     @app.get("/v1/models")
     async def models() -> dict:
+        """The served model."""
         card = {"id": names[0], "object": "model", "created": int(time.time()), "owned_by": "paged-kv",
                 "max_model_len": llm.engine.model.config.max_position_embeddings}  # fmt: skip
         return {"object": "list", "data": [card]}
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        """Prometheus text exposition."""
         return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
+        """OpenAI completions, whole or streamed."""
         check_model(body.model)
         prompts = [llm.encode(p) for p in body.prompts()]
         ctx = ResponseContext("completion", body.model, body.n, llm.tokenizer, body.logprobs)
@@ -76,6 +81,7 @@ def build_app(llm: LLM, *, max_in_flight: int = 256, model_names: tuple[str, ...
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
+        """OpenAI chat completions, whole or streamed."""
         check_model(body.model)
         ids = llm.chat_prompt(body.message_dicts())
         top = body.top_logprobs or 0
@@ -87,7 +93,7 @@ def build_app(llm: LLM, *, max_in_flight: int = 256, model_names: tuple[str, ...
     return app
 
 
-def _params(engine: AsyncEngine, body: _SamplingFields, prompt_len: int, max_tokens: int | None,
+def _params(engine: AsyncEngine, body: SamplingFields, prompt_len: int, max_tokens: int | None,
             logprobs: int) -> SamplingParams:  # fmt: skip
     """The engine's sampling parameters of one prompt; max_tokens defaults to what still fits."""
     if max_tokens is None:
@@ -102,7 +108,7 @@ def _params(engine: AsyncEngine, body: _SamplingFields, prompt_len: int, max_tok
     )  # fmt: skip
 
 
-async def _respond(request: Request, engine: AsyncEngine, ctx: ResponseContext, body: _SamplingFields,
+async def _respond(request: Request, engine: AsyncEngine, ctx: ResponseContext, body: SamplingFields,
                    prompts: list[tuple[list[int], str | None]], params: list[SamplingParams]):  # fmt: skip
     events = engine.generate(prompts, params)
     first = await _next(events)  # admission errors (400, 503) surface here, before any byte is sent
@@ -159,7 +165,7 @@ def _collect(ev: Event, results: list[TextRequestOutput | None]) -> None:
         results[ev.key] = ev.result
 
 
-async def _stream(ctx: ResponseContext, body: _SamplingFields, first: Event, events: AsyncIterator[Event],
+async def _stream(ctx: ResponseContext, body: SamplingFields, first: Event, events: AsyncIterator[Event],
                   num_prompts: int) -> AsyncIterator[str]:  # fmt: skip
     """Server-sent events of a streamed response; closing it (client gone) aborts the requests left."""
     usage = body.include_usage
@@ -192,6 +198,7 @@ def _error(status: int, message: str, type_: str, param: str | None = None, head
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def bad_body(_: Request, exc: RequestValidationError):
+        """Bad JSON or a field of the wrong type or range: 400."""
         errors = exc.errors()
         first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
@@ -199,23 +206,28 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(PagedKVError)
     async def bad_value(_: Request, exc: PagedKVError):
+        """A value the engine rejects (or a request it can never serve): 400."""
         message = str(exc)
         param = message.split("=", 1)[0] if "=" in message else None
         return _error(400, message, "invalid_request_error", param)
 
     @app.exception_handler(ModelNotFound)
     async def no_model(_: Request, exc: ModelNotFound):
+        """An unknown model: 404."""
         return _error(404, str(exc), "invalid_request_error", "model")
 
     @app.exception_handler(Overloaded)
     async def overloaded(_: Request, exc: Overloaded):
+        """Too many requests in flight: 503 with Retry-After."""
         return _error(503, f"server overloaded: {exc}; retry later", "server_overloaded",
                       headers={"Retry-After": str(RETRY_AFTER_S)})  # fmt: skip
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException):
+        """Unknown routes and methods, in OpenAI's error body."""
         return _error(exc.status_code, str(exc.detail), "invalid_request_error")
 
     @app.exception_handler(Exception)
     async def internal(_: Request, exc: Exception):
+        """A server bug (never bad input): 500 in OpenAI's error body."""
         return _error(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error")

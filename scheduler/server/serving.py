@@ -46,12 +46,11 @@ class ResponseContext:
         texts = [self.token_text(t) for t in token_ids]
         top = [_top(d, self.logprobs) for d in tops] + [[]] * (len(token_ids) - len(tops))
         if self.kind == "chat":
-            return {"content": [
-                {"token": s, "logprob": lp, "bytes": list(s.encode()),
-                 "top_logprobs": [{"token": (ts := self.token_text(t)), "logprob": v, "bytes": list(ts.encode())}
-                                  for t, v in tp]}
-                for s, lp, tp in zip(texts, logprobs, top)
-            ]}  # fmt: skip
+            entries = []
+            for text, lp, tp in zip(texts, logprobs, top):
+                alternatives = [_chat_logprob(self.token_text(t), v) for t, v in tp]
+                entries.append({**_chat_logprob(text, lp), "top_logprobs": alternatives})
+            return {"content": entries}
         offsets = [sum(len(s) for s in texts[:i]) for i in range(len(texts))]
         tops_by_text = [{self.token_text(t): v for t, v in tp} for tp in top]
         return {"tokens": texts, "token_logprobs": logprobs, "top_logprobs": tops_by_text, "text_offset": offsets}
@@ -116,6 +115,10 @@ def usage(results: list[TextRequestOutput]) -> dict:
 def sse(body: dict | str) -> str:
     """One server-sent event."""
     return f"data: {body if isinstance(body, str) else json.dumps(body)}\n\n"
+
+
+def _chat_logprob(text: str, logprob: float) -> dict:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
 
 def _top(top: dict[int, float], k: int) -> list[tuple[int, float]]:

@@ -114,6 +114,9 @@ def test_logprobs_match_the_offline_logprobs(served, client, offline):
     lp = r.choices[0].logprobs
     assert lp.token_logprobs == pytest.approx(ref.outputs[0].logprobs, abs=1e-4)
     assert all(1 <= len(top) <= 2 for top in lp.top_logprobs)
+    chunks = list(client.completions.create(model=_model(served), prompt=PROMPTS[2], max_tokens=5, temperature=0,
+                                            logprobs=2, stream=True))  # fmt: skip
+    assert [x for c in chunks for x in c.choices[0].logprobs.token_logprobs] == pytest.approx(lp.token_logprobs)
     chat = client.chat.completions.create(model=_model(served), messages=CHAT, max_tokens=4, temperature=0,
                                           logprobs=True, top_logprobs=3)  # fmt: skip
     content = chat.choices[0].logprobs.content
