@@ -27,6 +27,7 @@ from scheduler.server.metrics import EngineSnapshot, ServerMetrics
 
 log = logging.getLogger("paged_kv.server")
 _STOP = object()
+SNAPSHOT_INTERVAL_S = 0.1  # how stale /metrics gauges may be while the engine is busy
 
 
 class Overloaded(Exception):
@@ -68,6 +69,7 @@ class AsyncEngine:
         self._live: dict[str, _Live] = {}  # worker thread only
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
+        self._snapshot_time = 0.0
 
     # -- lifecycle --------------------------------------------------------
     def start(self) -> None:
@@ -142,7 +144,14 @@ class AsyncEngine:
                 self._apply(command)
             if self.processor.has_unfinished():
                 self._step()
+            self._snapshot()
+
+    def _snapshot(self) -> None:
+        """Publish the engine's gauges: when idle, else at most every SNAPSHOT_INTERVAL_S (stats cost O(blocks))."""
+        now = time.perf_counter()
+        if not self.processor.has_unfinished() or now - self._snapshot_time >= SNAPSHOT_INTERVAL_S:
             self.metrics.snapshot = EngineSnapshot.of(self.engine)
+            self._snapshot_time = now
 
     def _apply(self, command: tuple) -> None:
         if command[0] == "add":
