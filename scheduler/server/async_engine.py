@@ -18,7 +18,6 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from paged_kv.errors import PagedKVError
 from scheduler.engine import LLMEngine
 from scheduler.output_processor import OutputProcessor, SampleDelta, TextRequest, TextRequestOutput
 from scheduler.params import SamplingParams
@@ -158,13 +157,16 @@ class AsyncEngine:
             _, rid, ids, text, params, live = command
             try:
                 self.processor.add(rid, ids, params, text)
-            except PagedKVError as e:
+            except Exception as e:  # PagedKVError: a bad request (400); anything else: a bug, still answered
                 _send(live, Event(live.key, [], error=e))
                 return
             self._live[rid] = live
         elif command[1] in self._live:  # abort of a request still running
             self._live.pop(command[1])
-            self.processor.abort(command[1])
+            try:
+                self.processor.abort(command[1])
+            except Exception:  # a bug; the loop must keep serving the others
+                log.exception("abort of %s failed", command[1])
             self.num_aborted += 1
 
     def _step(self) -> None:
