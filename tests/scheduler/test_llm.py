@@ -7,6 +7,7 @@ import pytest
 from paged_kv.errors import InvalidArgumentError
 from scheduler.config import CacheConfig, EngineConfig
 from scheduler.llm import LLM
+from scheduler import loader
 from scheduler.loader import load_model
 from scheduler.params import SamplingParams
 
@@ -82,9 +83,20 @@ def test_a_bad_prompt_in_a_batch_queues_nothing(llm):
     assert not llm.engine.has_unfinished_requests()
 
 
-def test_load_model_rejects_paths_that_do_not_exist(tmp_path):
+@pytest.mark.parametrize("name", ["nope", "weights.bin", "empty-dir"])
+def test_load_model_rejects_paths_that_are_not_a_model(tmp_path, name):
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    (tmp_path / "empty-dir").mkdir()
     with pytest.raises(InvalidArgumentError, match="model"):
-        load_model(tmp_path / "nope")
+        load_model(tmp_path / name)
+
+
+def test_a_gguf_file_loads_through_transformers_gguf_support(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(loader, "_from_pretrained", lambda folder, **kw: calls.append((folder, kw)) or ("m", "t"))
+    (tmp_path / "tiny.Q4.gguf").write_bytes(b"GGUF")
+    loaded = load_model(tmp_path / "tiny.Q4.gguf")
+    assert calls == [(str(tmp_path), {"gguf_file": "tiny.Q4.gguf"})] and loaded.name == "tiny.Q4"
 
 
 def test_a_sample_ended_by_a_stop_string_stops_generating_while_its_siblings_run(llm):
