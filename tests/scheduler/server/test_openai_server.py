@@ -200,6 +200,7 @@ BAD_BODIES = {
     "negative token": ({"prompt": [1, -1], "max_tokens": 3}, 400),
     "longer than the model": ({"prompt": "hello " * 400, "max_tokens": 3}, 400),
     "max_tokens past the context": ({"prompt": "hello", "max_tokens": 5000}, 400),
+    "samples past the KV pool": ({"prompt": "hello", "max_tokens": 300, "n": 8}, 400),
     "prompt an object": ({"prompt": {"a": 1}, "max_tokens": 3}, 400),
 }
 
@@ -232,6 +233,13 @@ def test_bad_chat_requests_get_400(served, client, case):
         client.chat.completions.create(model=_model(served), max_tokens=3, **BAD_CHATS[case])
     assert info.value.body["message"]
     assert client.chat.completions.create(model=_model(served), messages=CHAT, max_tokens=2).choices
+
+
+def test_chat_without_max_tokens_runs_to_eos_or_the_context(served, client):
+    r = client.chat.completions.create(model=_model(served), messages=CHAT, temperature=0)
+    context = served.llm.engine.model.config.max_position_embeddings
+    assert r.usage.total_tokens == context or r.choices[0].finish_reason == "stop"
+    assert r.usage.total_tokens <= context
 
 
 def test_unknown_routes_get_an_openai_404(served):
