@@ -67,3 +67,16 @@ def test_holdback_keeps_only_a_tail_that_may_become_a_stop():
     assert holdback("hello", ["world"]) == 0
     assert holdback("ab", ["abc", "bx"]) == 2
     assert holdback("anything", []) == 0
+
+
+@pytest.mark.slow
+def test_smollm2_incremental_text_equals_the_full_decode(smollm2):
+    _, tokenizer = smollm2
+    rng = random.Random(7)
+    text = "Olá! 你好, 世界 🌍🚀 — naïve café, ½ × π ≈ 1.57"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert "".join(_stream(tokenizer, ids)) == tokenizer.decode(ids, clean_up_tokenization_spaces=False)
+    for _ in range(3):
+        ids = [rng.randrange(len(tokenizer)) for _ in range(80)]
+        full = tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        assert "".join(_stream(tokenizer, ids)) == full
