@@ -29,8 +29,8 @@ from scheduler.server.serving import ResponseContext, sse, wants_chunk
 RETRY_AFTER_S = 1
 
 
-class ModelNotFound(Exception):
-    """The request names a model this server does not serve."""
+class ModelNotFound(InvalidArgumentError):
+    """The request names a model this server does not serve (answered with 404)."""
 
 
 def build_app(llm: LLM, *, max_in_flight: int = 256, model_names: tuple[str, ...] = ()) -> FastAPI:
@@ -51,7 +51,7 @@ def build_app(llm: LLM, *, max_in_flight: int = 256, model_names: tuple[str, ...
 
     def check_model(name: str) -> None:
         if name not in names:
-            raise ModelNotFound(f"The model `{name}` does not exist; this server serves {names[0]!r}.")
+            raise ModelNotFound(describe("model", name, f"one of the served names {list(names)}"))
 
     @app.get("/health")
     async def health() -> Response:
