@@ -28,6 +28,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=48, help="longest answer; each request draws its own limit")
     p.add_argument("--arrivals-per-step", type=int, default=2,
                    help="requests that join per engine step (0: all at once)")
+    p.add_argument("--show", type=int, default=3, help="answers to print")
+    p.add_argument("--beam-width", type=int, default=4, help="beam width of the beam-search example (0: skip it)")
+    add_engine_options(p)
+    p.add_argument("--seed", type=int, default=0, help="workload seed")
+    return p.parse_args(argv)
+
+
+def add_engine_options(p: argparse.ArgumentParser) -> None:
+    """The engine's options (KV pool, budgets, preemption, device, threads), shared with ``paged-kv serve``."""
     p.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
     p.add_argument("--kv-blocks", type=int, default=128, help="GPU KV pool size in blocks (the KV budget)")
     p.add_argument("--cpu-blocks", type=int, default=None,
@@ -36,8 +45,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=16, help="sequences per step")
     p.add_argument("--max-batched-tokens", type=int, default=256, help="new tokens per step (prefill chunks + decodes)")
     p.add_argument("--no-prefix-caching", action="store_true", help="recompute shared prompt prefixes")
-    p.add_argument("--show", type=int, default=3, help="answers to print")
-    p.add_argument("--beam-width", type=int, default=4, help="beam width of the beam-search example (0: skip it)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode steps eagerly, no CUDA graphs")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
@@ -45,12 +52,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1: small decode matmuls gain little from more, "
                         "and lose badly when the cores are shared; 0: torch's default)")  # fmt: skip
-    p.add_argument("--seed", type=int, default=0, help="workload seed")
-    return p.parse_args(argv)
 
 
-def build_engine(hf_model, args: argparse.Namespace) -> LLMEngine:
-    """The engine over SmolLM2's weights with the command line's pool and budgets."""
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine configuration of the command line's pool and budgets."""
     cpu_blocks = args.cpu_blocks
     if cpu_blocks is None:
         cpu_blocks = 2 * args.kv_blocks if args.preemption_mode == "swap" else 0
@@ -62,8 +67,12 @@ def build_engine(hf_model, args: argparse.Namespace) -> LLMEngine:
         max_num_batched_tokens=args.max_batched_tokens, max_num_seqs=args.max_num_seqs,
         preemption_mode=args.preemption_mode,
     )  # fmt: skip
-    config = EngineConfig(cache=cache, scheduler=sched, device=args.device, enforce_eager=args.enforce_eager)
-    return LLMEngine.from_hf(hf_model, config)
+    return EngineConfig(cache=cache, scheduler=sched, device=args.device, enforce_eager=args.enforce_eager)
+
+
+def build_engine(hf_model, args: argparse.Namespace) -> LLMEngine:
+    """The engine over SmolLM2's weights with the command line's pool and budgets."""
+    return LLMEngine.from_hf(hf_model, engine_config(args))
 
 
 def serve(engine: LLMEngine, requests: list[ChatRequest], arrivals_per_step: int) -> dict[str, RequestOutput]:

@@ -279,6 +279,13 @@ class LLMEngine:
         """Throughput, latencies, KV usage and cache figures of the run so far."""
         return self.metrics.summary(self.block_manager.stats(), self.scheduler.num_preemptions)
 
+    def request_output(self, request_id: str) -> RequestOutput:
+        """A snapshot of an unfinished request's samples so far (streaming front ends read it after each step)."""
+        group = self._groups.get(request_id) if isinstance(request_id, str) else None
+        if group is None:
+            raise UnknownSequenceError(describe("request_id", request_id, "the id of an unfinished request"))
+        return RequestOutput.from_group(group)
+
 
 def _per_prompt(params: SamplingParams | Seq[SamplingParams] | None, n: int) -> list[SamplingParams]:
     if params is None or isinstance(params, SamplingParams):

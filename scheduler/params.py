@@ -22,6 +22,10 @@ class SamplingParams:
     prompt's KV blocks (copy-on-write). A stop token, or EOS unless
     ``ignore_eos``, ends a sample and is kept as its last output token.
     ``logprobs`` asks for that many top log-probabilities per generated token.
+    ``stop`` strings end a sample at their first occurrence in its text; they
+    are matched by the text layers that own a tokenizer (``LLM``, the server),
+    not by the token-level engine. ``cache_salt`` isolates the request's prefix
+    cache: blocks are shared only between requests with the same salt.
     """
 
     max_tokens: int = 16
@@ -33,6 +37,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int = 0
+    stop: tuple[str, ...] = ()
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         check_int("max_tokens", self.max_tokens, low=1)
@@ -45,6 +51,9 @@ class SamplingParams:
         check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
         check_bool("ignore_eos", self.ignore_eos)
         object.__setattr__(self, "stop_token_ids", _token_tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop", _stop_tuple(self.stop))
+        if self.cache_salt is not None and not (isinstance(self.cache_salt, str) and self.cache_salt):
+            raise InvalidArgumentError(describe("cache_salt", self.cache_salt, "a non-empty str or None"))
 
     @property
     def greedy(self) -> bool:
@@ -57,3 +66,14 @@ def _token_tuple(ids: object) -> tuple[int, ...]:
     if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
         raise InvalidArgumentError(describe("stop_token_ids", ids, "a sequence of token ids"))
     return tuple(as_id_list("stop_token_ids", ids if hasattr(ids, "tolist") else list(ids), "token ids"))
+
+
+def _stop_tuple(stop: object) -> tuple[str, ...]:
+    if isinstance(stop, str):
+        stop = (stop,)
+    if not hasattr(stop, "__iter__") or isinstance(stop, bytes):
+        raise InvalidArgumentError(describe("stop", stop, "a str or a sequence of non-empty str"))
+    stop = tuple(stop)
+    if not all(isinstance(s, str) and s for s in stop):
+        raise InvalidArgumentError(describe("stop", stop, "non-empty strings"))
+    return stop

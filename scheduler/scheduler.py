@@ -206,8 +206,9 @@ class Scheduler:
             if plan is None:
                 return
             self.waiting.popleft()
+            salt = group.params.cache_salt
             for seq, cached, n in plan:
-                start = self.bm.allocate(seq.seq_id, seq.token_ids[: cached + n])  # >= cached
+                start = self.bm.allocate(seq.seq_id, seq.token_ids[: cached + n], cache_salt=salt)  # >= cached
                 seq.num_computed = start
                 step.add(ScheduledSeq(seq, group, start, cached + n - start))
             group.set_status(SequenceStatus.RUNNING)
@@ -218,10 +219,10 @@ class Scheduler:
 
         Each sequence gets at least one token: the budget keeps one token per later sequence in reserve.
         """
-        seqs = group.unfinished()
+        seqs, salt = group.unfinished(), group.params.cache_salt
         plan, left = [], step.tokens_left
         for i, seq in enumerate(seqs):
-            cached = self.bm.num_cached_tokens(seq.token_ids)
+            cached = self.bm.num_cached_tokens(seq.token_ids, cache_salt=salt)
             n, mine = seq.num_tokens - cached, left - (len(seqs) - 1 - i)
             if n > mine and not self.config.enable_chunked_prefill:
                 return None
@@ -232,7 +233,7 @@ class Scheduler:
             left -= n
         if len(plan) == 1:
             seq, cached, n = plan[0]
-            return plan if self.bm.can_allocate(seq.token_ids[: cached + n]) else None
+            return plan if self.bm.can_allocate(seq.token_ids[: cached + n], cache_salt=salt) else None
         bs = self.bm.block_size
         upper = sum(-(-(c + n) // bs) for _, c, n in plan)  # counts every hit as a fresh block
         return plan if self.bm.gpu.num_free - upper >= self.bm.config.watermark_blocks else None

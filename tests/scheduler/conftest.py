@@ -69,3 +69,11 @@ def smollm2():
     from scheduler.hf import load_smollm2
 
     return load_smollm2()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A local transformers folder: a seeded random 2-layer Llama (safetensors) and a tiny BPE tokenizer."""
+    from text_helpers import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"))

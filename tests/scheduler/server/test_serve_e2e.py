@@ -1,0 +1,71 @@
+"""End to end: SmolLM2 through the server equals SmolLM2 offline; the ``paged-kv serve`` command serves."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from scheduler.config import CacheConfig, EngineConfig
+from scheduler.llm import LLM
+from scheduler.loader import DEFAULT_MODEL_NAME, LoadedModel
+from scheduler.params import SamplingParams
+from scheduler.server.app import build_app
+from scheduler.server.background import free_port, serve_in_thread
+
+QUESTIONS = ["What is the capital of France?", "Why is the sky blue?"]
+MAX_TOKENS = 16
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_chat_through_the_server_equals_offline(smollm2):
+    config = EngineConfig(cache=CacheConfig(num_gpu_blocks=64))
+    llm = LLM(LoadedModel(*smollm2, DEFAULT_MODEL_NAME), engine_config=config)
+    chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    offline = [o.outputs[0].text for o in llm.chat(chats, SamplingParams(max_tokens=MAX_TOKENS))]
+    assert all(offline)
+    with serve_in_thread(build_app(llm)) as url, openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0) as c:
+        for chat, ref in zip(chats, offline):
+            r = c.chat.completions.create(model=llm.model_name, messages=chat, max_tokens=MAX_TOKENS,
+                                          temperature=0)  # fmt: skip
+            assert r.choices[0].message.content == ref
+        stream = c.chat.completions.create(model=llm.model_name, messages=chats[0], max_tokens=MAX_TOKENS,
+                                           temperature=0, stream=True)  # fmt: skip
+        assert "".join(ch.choices[0].delta.content or "" for ch in stream) == offline[0]
+
+
+@pytest.mark.slow
+def test_the_serve_command_starts_answers_and_stops(tiny_model_dir):
+    port = free_port()
+    cmd = [sys.executable, "-m", "scheduler.cli", "serve", "--model", str(tiny_model_dir), "--port", str(port),
+           "--kv-blocks", "64", "--block-size", "4", "--served-model-name", "tiny"]  # fmt: skip
+    root = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        _wait_healthy(f"http://127.0.0.1:{port}/health", proc)
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0) as c:
+            assert [m.id for m in c.models.list().data] == ["tiny"]
+            r = c.completions.create(model="tiny", prompt="hello", max_tokens=5, temperature=0)
+            assert r.usage.completion_tokens >= 1
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) is not None
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read().decode()
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.2)
+    raise AssertionError("the server did not come up")

@@ -1,0 +1,112 @@
+"""The text-level LLM API: loading a local folder, text outputs, chat, stop strings, seeds, errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from paged_kv.errors import InvalidArgumentError
+from scheduler.config import CacheConfig, EngineConfig
+from scheduler.llm import LLM
+from scheduler import loader
+from scheduler.loader import load_model
+from scheduler.params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    return LLM(tiny_model_dir, engine_config=EngineConfig(cache=CacheConfig(block_size=4, num_gpu_blocks=256),
+                                                          device="cpu"))  # fmt: skip
+
+
+def test_text_equals_the_decode_of_the_tokens_and_the_engine_output(llm):
+    (out,) = llm.generate(["hello world"], GREEDY)
+    sample = out.outputs[0]
+    assert out.prompt == "hello world" and out.prompt_token_ids == llm.tokenizer.encode("hello world")
+    assert len(sample.token_ids) == 24 and sample.finish_reason == "length"
+    assert sample.text == llm.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+    (ref,) = llm.engine.generate([out.prompt_token_ids], GREEDY, use_tqdm=False)
+    assert ref.outputs[0].token_ids == sample.token_ids
+    assert llm.engine.block_manager.seq_ids() == []
+
+
+def test_token_id_prompts_and_string_prompts_agree(llm):
+    ids = llm.tokenizer.encode("the quick brown fox")
+    a, b = llm.generate([ids, "the quick brown fox"], GREEDY)
+    assert a.outputs[0].text == b.outputs[0].text and a.prompt is None
+
+
+def test_stop_string_cuts_the_text_before_it(llm):
+    full = llm.generate("hello world", GREEDY)[0].outputs[0].text
+    k = next(i for i in range(4, len(full) - 3) if full.find(full[i : i + 3]) == i and full[i : i + 3].strip())
+    stop = full[k : k + 3]
+    (out,) = llm.generate("hello world", SamplingParams(max_tokens=24, ignore_eos=True, stop=[stop, "\x00zz"]))
+    s = out.outputs[0]
+    assert (s.text, s.finish_reason, s.stop_reason) == (full[:k], "stop", stop)
+    assert len(s.token_ids) < 24  # generation ended early
+    assert llm.engine.block_manager.seq_ids() == [] and not llm.engine.has_unfinished_requests()
+
+
+def test_chat_uses_the_template(llm):
+    messages = [{"role": "user", "content": "hello there"}]
+    (out,) = llm.chat(messages, GREEDY)
+    ids = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
+    assert out.prompt_token_ids == list(ids)
+    assert out.outputs[0].text == llm.generate([list(ids)], GREEDY)[0].outputs[0].text
+
+
+def test_seeded_samples_repeat_and_differ_between_seeds(llm):
+    p = lambda seed: SamplingParams(max_tokens=16, temperature=1.0, seed=seed, n=2, ignore_eos=True)  # noqa: E731
+    a, b, c = llm.generate(["hello", "hello", "hello"], [p(1), p(1), p(2)])
+    texts = lambda o: [s.text for s in o.outputs]  # noqa: E731
+    assert texts(a) == texts(b) and texts(a) != texts(c)
+    assert texts(a)[0] != texts(a)[1]  # the n samples draw their own tokens
+
+
+def test_logprobs_are_reported_per_token(llm):
+    (out,) = llm.generate("hello", SamplingParams(max_tokens=5, logprobs=3, ignore_eos=True))
+    s = out.outputs[0]
+    assert len(s.logprobs) == len(s.top_logprobs) == 5
+    assert all(len(top) >= 3 and max(top.values()) >= lp - 1e-5 for lp, top in zip(s.logprobs, s.top_logprobs))
+
+
+@pytest.mark.parametrize("bad", [[{"role": "user"}], [], "hi"])
+def test_bad_chat_messages_raise(llm, bad):
+    with pytest.raises(InvalidArgumentError, match="messages"):
+        llm.chat(bad if bad != "hi" else [bad])
+
+
+def test_a_bad_prompt_in_a_batch_queues_nothing(llm):
+    with pytest.raises(InvalidArgumentError):
+        llm.generate(["hello", [1] * 600], GREEDY)
+    assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("name", ["nope", "weights.bin", "empty-dir"])
+def test_load_model_rejects_paths_that_are_not_a_model(tmp_path, name):
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    (tmp_path / "empty-dir").mkdir()
+    with pytest.raises(InvalidArgumentError, match="model"):
+        load_model(tmp_path / name)
+
+
+def test_a_gguf_file_loads_through_transformers_gguf_support(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(loader, "_from_pretrained", lambda folder, **kw: calls.append((folder, kw)) or ("m", "t"))
+    (tmp_path / "tiny.Q4.gguf").write_bytes(b"GGUF")
+    loaded = load_model(tmp_path / "tiny.Q4.gguf")
+    assert calls == [(str(tmp_path), {"gguf_file": "tiny.Q4.gguf"})] and loaded.name == "tiny.Q4"
+
+
+def test_a_sample_ended_by_a_stop_string_stops_generating_while_its_siblings_run(llm):
+    p = SamplingParams(max_tokens=20, temperature=1.0, seed=5, n=2, ignore_eos=True)
+    free = [s.text for s in llm.generate("hello", p)[0].outputs]
+    stop = next(free[0][i : i + 2] for i in range(2, len(free[0]) - 2) if free[0][i : i + 2] not in free[1])
+    steps_before = len(llm.engine.metrics.steps)
+    (out,) = llm.generate("hello", SamplingParams(**{**p.__dict__, "stop": (stop,)}))
+    generated = sum(s.num_generated_tokens for s in llm.engine.metrics.steps[steps_before:])
+    first, second = out.outputs
+    assert first.finish_reason == "stop" and first.text == free[0][: free[0].find(stop)]
+    assert second.text == free[1] and second.finish_reason == "length"
+    assert generated == len(first.token_ids) + len(second.token_ids) < 40  # the stopped sample took no more steps

@@ -1,0 +1,53 @@
+"""Helpers of the text-level tests: a tiny byte-level BPE tokenizer with a chat template and a tiny Llama dir."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog", "hello world, hello there", "a library opens at nine",
+    "what is the capital of france? paris is.", "numbers: 1 2 3 4 5 6 7 8 9 10", "stop here. and there.",
+    "héllo wörld", "naïve café",
+]  # fmt: skip
+
+
+def tiny_tokenizer():
+    """A byte-level BPE tokenizer (about 300 ids) trained on a few lines; rare characters split into bytes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|endoftext|>", pad_token="<|endoftext|>",
+        clean_up_tokenization_spaces=False,
+    )  # fmt: skip
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def save_tiny_model(folder: Path) -> Path:
+    """Write a seeded random 2-layer Llama (safetensors) and the tiny tokenizer into ``folder``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = tiny_tokenizer()
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=None, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    LlamaForCausalLM(cfg).eval().save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
