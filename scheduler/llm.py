@@ -14,7 +14,8 @@ from collections.abc import Mapping, Sequence
 
 from tqdm.auto import tqdm
 
-from paged_kv.errors import InvalidArgumentError, describe
+from paged_kv.errors import InvalidArgumentError, check_bool, check_type, describe
+from paged_kv.tokens import as_id_list
 from scheduler.config import EngineConfig
 from scheduler.engine import LLMEngine, _per_prompt
 from scheduler.loader import LoadedModel, load_model
@@ -32,6 +33,8 @@ class LLM:
     def __init__(self, model: str | os.PathLike | LoadedModel | None = None, *,
                  engine_config: EngineConfig | None = None) -> None:  # fmt: skip
         """Load ``model`` (a local folder, a .gguf file, None for SmolLM2, or an already loaded model)."""
+        check_type("model", model, (str, os.PathLike, LoadedModel, type(None)), "a path, a LoadedModel or None")
+        check_type("engine_config", engine_config, (EngineConfig, type(None)), "an EngineConfig or None")
         loaded = model if isinstance(model, LoadedModel) else load_model(model)
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
@@ -44,7 +47,7 @@ class LLM:
         if isinstance(prompt, str):
             return list(self.tokenizer.encode(prompt, add_special_tokens=False)), prompt
         if isinstance(prompt, Sequence) and not isinstance(prompt, bytes):
-            return list(prompt), None
+            return as_id_list("prompt", prompt, "token ids"), None
         raise InvalidArgumentError(describe("prompt", type(prompt).__name__, "a str or a list of token ids"))
 
     def chat_prompt(self, messages: Messages) -> list[int]:
@@ -65,6 +68,9 @@ class LLM:
         self, prompts: Prompt | Sequence[Prompt], sampling_params: Params = None, *, use_tqdm: bool = False
     ) -> list[TextRequestOutput]:  # fmt: skip
         """Complete every prompt (strings or token id lists); outputs in prompt order, with ``.text``."""
+        check_bool("use_tqdm", use_tqdm)
+        if isinstance(prompts, bytes) or not isinstance(prompts, (str, Sequence)) or not prompts:
+            raise InvalidArgumentError(describe("prompts", type(prompts).__name__, "a prompt or a non-empty list"))
         if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         encoded = [self.encode(p) for p in prompts]
@@ -74,6 +80,7 @@ class LLM:
         self, messages: Messages | Sequence[Messages], sampling_params: Params = None, *, use_tqdm: bool = False
     ) -> list[TextRequestOutput]:  # fmt: skip
         """Answer one conversation (a list of messages) or several; outputs in order, with ``.text``."""
+        check_bool("use_tqdm", use_tqdm)
         if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
             raise InvalidArgumentError(describe("messages", messages, "a non-empty list of messages or of chats"))
         convs = [messages] if isinstance(messages[0], Mapping) else list(messages)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+import sys
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 from bad_input_machinery import (
@@ -219,6 +222,34 @@ def engine() -> scheduler.LLMEngine:
     e = scheduler.LLMEngine(tiny_model(), engine_config(), eos_token_id=2)
     e.add_request("r0", [1, 2, 3], scheduler.SamplingParams(max_tokens=2))
     return e
+
+
+@functools.cache
+def _tiny_text_model() -> tuple[object, object]:
+    """(transformers model, tokenizer): the scheduler tests' tiny Llama and BPE tokenizer, built once."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "scheduler"))
+    from text_helpers import tiny_tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = tiny_tokenizer()
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    return LlamaForCausalLM(cfg).eval(), tokenizer
+
+
+def loaded_tiny() -> object:
+    """The tiny model and tokenizer as the loader hands them to LLM."""
+    from scheduler.loader import LoadedModel
+
+    hf, tokenizer = _tiny_text_model()
+    return LoadedModel(hf_model=hf, tokenizer=tokenizer, name="tiny")
+
+
+def tiny_llm() -> scheduler.LLM:
+    """A text-level LLM over the tiny model (a fresh engine each time)."""
+    return scheduler.LLM(loaded_tiny(), engine_config=engine_config())
 
 
 BAD_ROPE = [
@@ -702,7 +733,9 @@ def _entries() -> list[Entry]:
             "seed": Arg("opt_int", 3, bad={OUT_OF_RANGE: [-1, 1 << 63]}),
             "n": Arg("int", 1, bad={OUT_OF_RANGE: [0, 1 << 20]}),
             "stop_token_ids": Arg("ids", (5,), bad={WRONG_TYPE: ["12", 5, None]}), "ignore_eos": Arg("bool", False),
-            "logprobs": Arg("int", 0, bad={OUT_OF_RANGE: [-1, 1000]})}),
+            "logprobs": Arg("int", 0, bad={OUT_OF_RANGE: [-1, 1000]}),
+            "stop": Arg("obj", ("\n",), bad={WRONG_TYPE: [3, [""], ["a", 3], b"x"]}),
+            "cache_salt": Arg("obj", None, bad={WRONG_TYPE: [3, "", ["x"]]})}),
         Entry("scheduler.SchedulerConfig", scheduler.SchedulerConfig, {
             "max_num_batched_tokens": Arg("int", 64, bad={OUT_OF_RANGE: [1, 1 << 62]}),
             "max_num_seqs": Arg("int", 8, bad={OUT_OF_RANGE: [0, 1 << 62]}),
@@ -761,6 +794,29 @@ def _entries() -> list[Entry]:
             "request_id": Arg("obj", "x", bad={WRONG_TYPE: [None, 7], BAD_ID: ["r0"]}),
             "prompt_token_ids": Arg("ids", [1, 2], bad={**TOKENS, WRONG_TYPE: ["ab", 5, None, []]}),
             "sampling_params": Arg("obj", None, bad={WRONG_TYPE: [{"max_tokens": 3}]})}, engine),
+        Entry("scheduler.LLMEngine.request_output", "request_output", {
+            "request_id": Arg("obj", "r0", bad={WRONG_TYPE: [None, 7, ["x"]], BAD_ID: ["zz"]})}, engine),
+        Entry("scheduler.LLM", scheduler.LLM, {
+            "model": Arg("obj", loaded_tiny, bad={WRONG_TYPE: [3, ["x"], 2.5],
+                BAD_ID: ["/no/such/model", "/no/such/model.gguf"]}),
+            "engine_config": Arg("obj", engine_config, bad={WRONG_TYPE: ["x", {}, 3]})},
+            named={"model": ("model",)}),
+        Entry("scheduler.LLM.encode", "encode", {
+            "prompt": Arg("obj", "hello", bad={WRONG_TYPE: [None, 3, b"hi"], BOOL_FOR_INT: [[True]],
+                NONINTEGRAL: [[1.5]], OUT_OF_RANGE: [[-1]]})}, tiny_llm),
+        Entry("scheduler.LLM.chat_prompt", "chat_prompt", {
+            "messages": Arg("obj", lambda: [{"role": "user", "content": "hi"}],
+                bad={WRONG_TYPE: [None, "hi", [], [{"role": "user"}], [{"role": 3, "content": "x"}]]})}, tiny_llm),
+        Entry("scheduler.LLM.generate", "generate", {
+            "prompts": Arg("obj", lambda: ["hello"], bad={WRONG_TYPE: [None, 3, [3.5], [None]],
+                BOOL_FOR_INT: [[[True]]], NONINTEGRAL: [[[1.5]]], OUT_OF_RANGE: [[[-1]], [[10**6]]]}),
+            "sampling_params": Arg("obj", None, bad={WRONG_TYPE: ["x", {"max_tokens": 2}]}),
+            "use_tqdm": Arg("bool", False)}, tiny_llm, named={"prompts": ("prompt", "prompts")}),
+        Entry("scheduler.LLM.chat", "chat", {
+            "messages": Arg("obj", lambda: [{"role": "user", "content": "hi"}],
+                bad={WRONG_TYPE: [None, "hi", [], [{"role": "user"}]]}),
+            "sampling_params": Arg("obj", None, bad={WRONG_TYPE: ["x", {"max_tokens": 2}]}),
+            "use_tqdm": Arg("bool", False)}, tiny_llm),
         Entry("scheduler.LLMEngine.abort", "abort",
             {"request_id": Arg("obj", "r0", bad={BAD_ID: ["zz", ["r0"], None]})}, engine),
         Entry("scheduler.LLMEngine.generate", "generate", {
