@@ -200,6 +200,19 @@ def assert_close(actual, expected, tol):
     torch.testing.assert_close(actual, expected.double(), atol=tol, rtol=tol)
 
 
+HOST_READS = ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__")
+
+
+def forbid_host_reads(monkeypatch) -> None:
+    """Make every Tensor method that reads a value on the host (a device sync on a GPU) raise."""
+
+    def fail(*args, **kwargs):
+        raise AssertionError("a tensor value was read on the host")
+
+    for name in HOST_READS:
+        monkeypatch.setattr(torch.Tensor, name, fail)
+
+
 def fail_launch(*args, **kwargs):
     """Stand-in for a kernel path that must not run."""
     raise AssertionError("launched despite invalid input")
