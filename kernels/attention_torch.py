@@ -169,13 +169,8 @@ def _decode_probs(q, k, inside, *, scale, soft_cap, need_lse):
         logits.div_(soft_cap).tanh_().mul_(soft_cap)
     if inside is not None:
         logits.masked_fill_(~inside[:, None, :], float("-inf"))  # [S, 1, L] against [Hkv, S, G, L]
-    top = logits.amax(-1, keepdim=True)  # [Hkv, S, G, 1], finite: every row sees a key
-    total = logits.sub_(top).exp_().sum(-1, keepdim=True)  # logits now hold exp(logit - top)
-    probs = logits.div_(total)
-    if not need_lse:
-        return probs, None
-    lse = (total.log_() + top)[..., 0]  # [Hkv, S, G]
-    return probs, lse.transpose(0, 1).reshape(num_seqs, -1)
+    lse = torch.logsumexp(logits, -1).transpose(0, 1).reshape(num_seqs, -1) if need_lse else None  # [S, Hq]
+    return torch.softmax(logits, -1), lse  # finite: every row sees a key
 
 
 def _weighted_values(probs, v_cache, v_scale, layout: DecodeLayout) -> torch.Tensor:
