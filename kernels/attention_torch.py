@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from kernels.quant import as_storage
 
-SCRATCH_MAX_BYTES = 64 * 2**20  # largest CPU buffer kept for reuse, per role and thread
+SCRATCH_MAX_BYTES = 16 * 2**20  # largest CPU buffer kept for reuse, per (role, dtype) and thread
 
 
 class _Scratch(threading.local):
@@ -30,7 +30,8 @@ class _Scratch(threading.local):
 
     A fresh tensor of a few MB is mmap'd by the C allocator and page-faulted on first write,
     which on the 2-core machine costs several times the copy that fills it; reused buffers
-    are already mapped.
+    are already mapped. A thread keeps a handful (K, V, logits; codes and scales when
+    quantized), each at most SCRATCH_MAX_BYTES, which bounds a decode group's dense K too.
     """
 
     def __init__(self) -> None:
