@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -33,7 +32,7 @@ from kernels.attention_checks import (
     window_start,
 )
 from kernels.attention_metadata import AttentionMetadata, check_metadata
-from kernels.attention_torch import dense_attention, gather_blocks
+from kernels.attention_torch import DecodeLayout, decode_attention, decode_layout, token_slots
 from kernels.attention_triton import (
     cache_arguments,
     dot_precision,
@@ -195,55 +194,47 @@ def _decode_triton(q, k_cache, v_cache, block_tables, seq_lens, geo, opts, k_sca
 def _decode_torch(q, k_cache, v_cache, block_tables, seq_lens, opts, k_scale, v_scale, lens, need_lse):
     """Batched torch path over groups of sequences whose dense K fits in TORCH_CHUNK_BYTES; returns (out, lse).
 
-    Sequences are independent, so groups need no merging; bounded groups keep the gathered
-    buffers small enough for the allocator to reuse instead of page-faulting fresh memory.
+    ``lens`` is the batch's (min_len, max_len) as host ints: this path reads no device value, so a
+    caller that knows them (the engine's prepared path) runs it without a device sync. Sequences
+    are independent, so groups need no merging; bounded groups keep the gathered buffers small.
     """
-    padded = -(-lens[1] // k_cache.shape[1]) * k_cache.shape[1]
-    per_seq = padded * k_cache.shape[2] * k_cache.shape[3] * 4  # float32 bytes of one sequence's dense K
+    per_seq = _columns(lens[1], opts[1]) * k_cache.shape[2] * k_cache.shape[3] * 4  # float32 bytes of dense K
     step = max(1, TORCH_CHUNK_BYTES // per_seq)
+    args = (opts, k_scale, v_scale, lens, need_lse)
+    if step >= q.shape[0]:
+        return _decode_torch_group(q, k_cache, v_cache, block_tables, seq_lens, *args)
     parts = [
         _decode_torch_group(
-            q[i : i + step], k_cache, v_cache, block_tables[i : i + step], seq_lens[i : i + step], opts,
-            k_scale, v_scale, lens, need_lse,
-        )  # fmt: skip
+            q[i : i + step], k_cache, v_cache, block_tables[i : i + step], seq_lens[i : i + step], *args
+        )
         for i in range(0, q.shape[0], step)
     ]
-    if len(parts) == 1:
-        return parts[0]
     return torch.cat([o for o, _ in parts]), None if not need_lse else torch.cat([lse for _, lse in parts])
 
 
-def _decode_torch_group(q, k_cache, v_cache, block_tables, seq_lens, opts, k_scale, v_scale, lens, need_lse):
-    """Gather whole blocks to a padded dense cache, masked softmax attention; returns (out, lse).
+def _columns(max_len: int, window: int | None) -> int:
+    """Keys the torch path lays out per sequence: its last ``window`` positions at most."""
+    return max_len if window is None else min(max_len, window)
 
-    ``lens`` are the synced (min, max) seq_lens of the whole batch. When every gathered position
-    is visible (equal lengths filling whole blocks, window covering them) no mask is built and
-    nothing is zeroed.
-    """
+
+def _decode_torch_group(q, k_cache, v_cache, block_tables, seq_lens, opts, k_scale, v_scale, lens, need_lse):
+    """Attend positions ``[kv_start, kv_start + L)`` of each sequence, masked past its length; returns (out, lse)."""
     scale, window, soft_cap = opts
-    min_len, max_len = lens
-    padded = -(-max_len // k_cache.shape[1]) * k_cache.shape[1]
-    full = min_len == padded and (window is None or window >= max_len)
+    group = q.shape[1] // k_cache.shape[2]
+    layout = _decode_layout(block_tables, seq_lens, window, lens, k_cache.shape[1], k_cache.shape[2], group)
+    out, lse = decode_attention(
+        q, k_cache, v_cache, k_scale, v_scale, layout, scale=scale, soft_cap=soft_cap, need_lse=need_lse
+    )
+    return out.to(q.dtype), lse
+
+
+def _decode_layout(block_tables, seq_lens, window, lens, block_size, num_kv_heads, group) -> DecodeLayout:
+    """The batch's :class:`DecodeLayout`: columns ``[kv_start, kv_start + L)``, masked where a sequence is shorter."""
+    length = _columns(lens[1], window)
     kv_start = window_start(seq_lens, window)
-    k = gather_blocks(k_cache, k_scale, block_tables, seq_lens, kv_start, max_len, zero_invalid=not full)
-    v = gather_blocks(v_cache, v_scale, block_tables, seq_lens, kv_start, max_len, zero_invalid=not full)
-    # k, v: [S, L, Hkv, D]
-    if soft_cap is None and not need_lse:
-        mask = None
-        if not full:
-            kpos = torch.arange(padded, device=q.device)  # [L]
-            mask = (kpos >= kv_start[:, None]) & (kpos < seq_lens.long()[:, None])  # [S, L]
-            mask = mask[:, None, None]  # [S, 1, 1, L]
-        out = F.scaled_dot_product_attention(
-            q.float()[:, :, None], k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=True
-        )  # [S, Hq, 1, D]
-        return out[:, :, 0].to(q.dtype), None
-    q_pos = (seq_lens.long() - 1)[:, None]  # [S, 1]
-    out, lse = dense_attention(
-        q.float()[:, None], k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3), q_pos, seq_lens, scale=scale,
-        sliding_window=window, soft_cap=soft_cap, need_lse=need_lse,
-    )  # fmt: skip
-    return out[:, 0].to(q.dtype), None if lse is None else lse[:, 0]
+    slots, inside = token_slots(block_tables, seq_lens, kv_start, length, block_size, from_start=True)
+    all_visible = _columns(lens[0], window) == length  # every sequence sees all L columns
+    return decode_layout(slots, None if all_visible else inside, num_kv_heads, group)
 
 
 def _validate_decode(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, scale, window, cap, splits):

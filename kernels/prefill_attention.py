@@ -152,7 +152,8 @@ def _prefill_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens, opts
     """Batched torch path: pad queries to ``[S, max_q]``, gather dense K/V, attend in query chunks.
 
     Chunk c..c+n only needs keys below max_ctx + c + n (causal), so it attends that prefix of the
-    gathered K/V: a view whose (Hkv, S) batch still collapses for bmm, no copy.
+    gathered K/V: a view whose (Hkv, S) batch still collapses for bmm, no copy. ``sizes`` are host
+    ints and no device value is read here (packed rows are found by index, not by boolean mask).
     """
     scale, window, soft_cap = opts
     max_q, max_len, max_ctx = sizes
@@ -162,8 +163,8 @@ def _prefill_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens, opts
     q_pad = q[torch.where(valid_q, cu_seqlens[:-1, None].long() + steps, 0)].float()  # [S, max_q, Hq, D]
     q_pos = seq_lens.long()[:, None] - q_lens[:, None] + steps[None, :]  # [S, max_q]
     kv_start = window_start(seq_lens, window, q_lens)
-    k = gather_kv(k_cache, k_scale, block_tables, seq_lens, kv_start, max_len)  # [Hkv, S, L, D]
-    v = gather_kv(v_cache, v_scale, block_tables, seq_lens, kv_start, max_len)
+    k = gather_kv(k_cache, k_scale, block_tables, seq_lens, kv_start, max_len, "k")  # [Hkv, S, L, D]
+    v = gather_kv(v_cache, v_scale, block_tables, seq_lens, kv_start, max_len, "v")
     chunk = max(1, MAX_LOGITS // max(1, q.shape[1] * max_len * seq_lens.shape[0]))
     outs, lses = [], []
     for c in range(0, max_q, chunk):
@@ -174,8 +175,16 @@ def _prefill_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens, opts
         )  # fmt: skip
         outs.append(out)
         lses.append(lse)
-    out = torch.cat(outs, 1)[valid_q].to(q.dtype)  # row-major mask order == packed order
-    return out, torch.cat(lses, 1)[valid_q] if need_lse else None  # [T, Hq, D], [T, Hq]
+    seq_of_row, step_of_row = _packed_rows(cu_seqlens, q_lens, q.shape[0])
+    out = torch.cat(outs, 1)[seq_of_row, step_of_row].to(q.dtype)  # [T, Hq, D]
+    return out, torch.cat(lses, 1)[seq_of_row, step_of_row] if need_lse else None  # lse: [T, Hq]
+
+
+def _packed_rows(cu_seqlens, q_lens, total_q: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence, step) ``[T]`` of each packed query row; ``total_q`` (host) sizes the result without a sync."""
+    seqs = torch.arange(q_lens.shape[0], device=q_lens.device)
+    seq_of_row = torch.repeat_interleave(seqs, q_lens, output_size=total_q)  # [T]
+    return seq_of_row, torch.arange(total_q, device=q_lens.device) - cu_seqlens[seq_of_row].long()
 
 
 def _check_cu_seqlens(cu_seqlens, device: torch.device) -> int:

@@ -68,7 +68,7 @@ def test_decode_matches_naive(backend, q_dtype, cache_dtype, hq, hkv, head_dim, 
     assert out.dtype == q_dtype and out.shape == q.shape and lse.dtype == F32
     assert_close(out, expected, TOL[q_dtype])
     assert_close(lse, expected_lse, TOL[q_dtype])
-    assert_close(run_decode(q, paged, backend=backend), expected, TOL[q_dtype])  # torch: the SDPA path
+    assert_close(run_decode(q, paged, backend=backend), expected, TOL[q_dtype])  # without lse
 
 
 # Error bound of the output vs attention over the unquantized values, per format: absmax scaling
