@@ -43,14 +43,20 @@ def _greedy(engine: LLMEngine, prompts) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
 
 
-@pytest.mark.gpu
-@cuda
-def test_graph_replay_equals_eager_forward(tiny_hf, prompts):
-    engine = _cuda_engine(tiny_hf, eager=False, max_num_seqs=8)
+def _decoding(hf, prompts, *, eager: bool) -> LLMEngine:
+    """A CUDA engine past the prefill of five prompts: its next step is a decode step."""
+    engine = _cuda_engine(hf, eager=eager, max_num_seqs=8)
     for i, p in enumerate(prompts[:5]):
         engine.add_request(f"r{i}", p, SamplingParams(max_tokens=4))
     engine.step()
     engine.step()
+    return engine
+
+
+@pytest.mark.gpu
+@cuda
+def test_graph_replay_equals_eager_forward(tiny_hf, prompts):
+    engine = _decoding(tiny_hf, prompts, eager=False)
     step = engine.inputs.build(engine.schedule())
     graphs = engine.runner.graphs
     assert graphs.can_run(step)
@@ -83,11 +89,7 @@ def test_preemption_under_graphs_keeps_outputs(tiny_hf, prompts, hf_greedy):
 @pytest.mark.gpu
 @cuda
 def test_decode_forward_never_syncs(tiny_hf, prompts):
-    engine = _cuda_engine(tiny_hf, eager=True, max_num_seqs=8)
-    for i, p in enumerate(prompts[:5]):
-        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=4))
-    engine.step()
-    engine.step()
+    engine = _decoding(tiny_hf, prompts, eager=True)
     out = engine.schedule()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
