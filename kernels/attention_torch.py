@@ -51,7 +51,8 @@ def scratch(role: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch
         return torch.empty(shape, dtype=dtype, device=device)
     buf = _SCRATCH.buffers.get((role, dtype))
     if buf is None or buf.numel() < numel:
-        buf = _SCRATCH.buffers[(role, dtype)] = torch.empty(numel, dtype=dtype)
+        with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode
+            buf = _SCRATCH.buffers[(role, dtype)] = torch.empty(numel, dtype=dtype)
     return buf[:numel].view(shape)
 
 

@@ -58,6 +58,15 @@ def test_scratch_reuses_one_buffer_per_role_and_dtype():
     assert first.shape == huge and first is not second  # not kept: other devices get fresh tensors
 
 
+def test_scratch_made_in_inference_mode_is_written_outside_it():
+    """The engine's forward runs in inference mode; a later direct kernel call must still reuse the buffers."""
+    with torch.inference_mode():
+        made = scratch("test-inference", (4, 8), torch.float32, torch.device("cpu"))
+    again = scratch("test-inference", (4, 8), torch.float32, torch.device("cpu"))
+    again.fill_(1.0)  # an inference tensor would refuse this in-place write
+    assert again.data_ptr() == made.data_ptr() and not again.is_inference()
+
+
 def _decode_inputs(dtype=F32, seed=21):
     paged = build_paged(
         [5, 33, 17], block_size=8, num_kv_heads=2, head_dim=32, dtype=dtype, shared_blocks=1, seed=seed
