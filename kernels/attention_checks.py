@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels._checks import FLOAT_DTYPES, INDEX_DTYPES, check_cache_pair, check_scales, check_shape, check_tensor
+from kernels.attention_metadata import AttentionMetadata, check_metadata
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError, check_int, describe
 
 MAX_HEAD_DIM = 256
@@ -112,3 +113,13 @@ def check_block_ids(lo: int, hi: int, num_blocks: int) -> None:
     if lo < 0 or hi >= num_blocks:
         bad = lo if lo < 0 else hi
         raise OutOfRangeError(describe("block_tables", bad, f"block ids in [0, {num_blocks}) where used"))
+
+
+def check_prepared(
+    q, k_cache, v_cache, meta: AttentionMetadata, k_scale, v_scale, scale, sliding_window, soft_cap
+) -> tuple[CacheGeometry, tuple[float, int | None, float | None]]:
+    """The host-only checks of a prepared attention call: cache, options, metadata; returns (geometry, options)."""
+    geo = check_cache(q, k_cache, v_cache, k_scale, v_scale)
+    opts = check_options(geo.head_dim, scale, sliding_window, soft_cap)
+    check_metadata(meta, num_blocks=geo.num_blocks, block_size=geo.block_size, device=q.device)
+    return geo, opts

@@ -95,9 +95,9 @@ def prepare_attention_metadata(
     for s, row in enumerate(tables):
         _check_row(s, row, int(seq_lens[s]), block_size, num_blocks)
         table[s, : len(row)] = row
-    cu = np.zeros(len(tables) + 1, dtype=np.int64)
-    np.cumsum(new, out=cu[1:])
-    slots = host_slot_mapping(table, np.arange(len(tables)), computed, new, cu, block_size)
+    cu = offsets(new)
+    seq_of_token, positions = host_positions(computed, new, cu)
+    slots = host_slot_mapping(table, np.arange(len(tables)), seq_of_token, positions, block_size)
     if len(np.unique(slots)) != len(slots):
         raise InvalidArgumentError(describe("tables", "a slot written twice", "no block shared by two writers"))
     return AttentionMetadata(
@@ -110,16 +110,29 @@ def prepare_attention_metadata(
     )  # fmt: skip
 
 
-def host_slot_mapping(table, rows, computed, new, cu, block_size: int) -> np.ndarray:
-    """Slots ``[T]`` int64 of positions ``[computed[s], computed[s] + new[s])`` of each sequence, concatenated.
+def offsets(counts: np.ndarray) -> np.ndarray:
+    """Exclusive prefix sums ``[S + 1]`` int64 of ``counts``: where each sequence's rows start, then the total."""
+    out = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=out[1:])
+    return out
+
+
+def host_positions(computed: np.ndarray, new: np.ndarray, cu: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(sequence, position) ``[T]`` of every new token: sequence s adds ``[computed[s], computed[s] + new[s])``.
+
+    ``cu`` is ``offsets(new)``.
+    """
+    seq_of_token = np.repeat(np.arange(len(new)), new)  # [T]
+    return seq_of_token, np.arange(int(cu[-1])) - cu[:-1][seq_of_token] + computed[seq_of_token]
+
+
+def host_slot_mapping(table, rows, seq_of_token, positions, block_size: int) -> np.ndarray:
+    """Slots ``[T]`` int64 of tokens at ``positions`` of sequences ``seq_of_token`` (:func:`host_positions`).
 
     ``table`` is a host ``[R, W]`` block table and ``rows[s]`` the row of sequence s.
     """
-    num_tokens = int(cu[-1])
-    seq_of_token = np.repeat(np.arange(len(new)), new)  # [T]
-    pos = np.arange(num_tokens) - cu[:-1][seq_of_token] + computed[seq_of_token]  # [T]
-    blocks = table[rows[seq_of_token], pos // block_size].astype(np.int64)
-    return blocks * block_size + pos % block_size
+    blocks = table[rows[seq_of_token], positions // block_size].astype(np.int64)
+    return blocks * block_size + positions % block_size
 
 
 def _host_lengths(tables, num_computed, num_new) -> tuple[np.ndarray, np.ndarray]:
@@ -147,9 +160,11 @@ def _check_row(s: int, row: Sequence[int], seq_len: int, block_size: int, num_bl
         raise InvalidArgumentError(describe(f"len(tables[{s}])", len(row), f">= {used} blocks for {seq_len} tokens"))
     for i, block in enumerate(row):
         check_int(f"tables[{s}][{i}]", block, low=-(1 << 62))
-    if used and not 0 <= min(row[:used]) <= max(row[:used]) < num_blocks:
-        bad = min(row[:used]) if min(row[:used]) < 0 else max(row[:used])
-        raise OutOfRangeError(describe(f"tables[{s}]", bad, f"block ids in [0, {num_blocks})"))
+    if not used:
+        return
+    lo, hi = min(row[:used]), max(row[:used])
+    if lo < 0 or hi >= num_blocks:
+        raise OutOfRangeError(describe(f"tables[{s}]", lo if lo < 0 else hi, f"block ids in [0, {num_blocks})"))
 
 
 def check_metadata(meta: object, *, num_blocks: int, block_size: int, device: torch.device) -> AttentionMetadata:

@@ -28,10 +28,11 @@ from kernels.attention_checks import (
     check_block_ids,
     check_cache,
     check_options,
+    check_prepared,
     check_tables,
     window_start,
 )
-from kernels.attention_metadata import AttentionMetadata, check_metadata
+from kernels.attention_metadata import AttentionMetadata
 from kernels.attention_torch import DecodeLayout, decode_attention, decode_layout, token_slots
 from kernels.attention_triton import (
     cache_arguments,
@@ -340,9 +341,7 @@ def paged_decode_attention_prepared(
     q ``[S, Hq, D]`` -> out ``[S, Hq, D]``; block ids and lengths were validated when ``meta``
     was prepared, and the split count comes from its host-side ``max_seq_len``.
     """
-    geo = check_cache(q, k_cache, v_cache, k_scale, v_scale)
-    opts = check_options(geo.head_dim, scale, sliding_window, soft_cap)
-    check_metadata(meta, num_blocks=geo.num_blocks, block_size=geo.block_size, device=q.device)
+    geo, opts = check_prepared(q, k_cache, v_cache, meta, k_scale, v_scale, scale, sliding_window, soft_cap)
     if not meta.is_decode:
         raise InvalidArgumentError(describe("meta.max_query_len", meta.max_query_len, "1 (a decode step)"))
     if q.shape[0] != meta.num_seqs:

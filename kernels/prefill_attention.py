@@ -23,10 +23,11 @@ from kernels.attention_checks import (
     check_block_ids,
     check_cache,
     check_options,
+    check_prepared,
     check_tables,
     window_start,
 )
-from kernels.attention_metadata import AttentionMetadata, check_metadata
+from kernels.attention_metadata import AttentionMetadata
 from kernels.attention_torch import dense_attention, gather_kv
 from kernels.attention_triton import (
     cache_arguments,
@@ -313,9 +314,7 @@ def paged_prefill_attention_prepared(
 
     q ``[T, Hq, D]`` (the step's new tokens, packed as ``meta.cu_seqlens_q``) -> out ``[T, Hq, D]``.
     """
-    geo = check_cache(q, k_cache, v_cache, k_scale, v_scale)
-    opts = check_options(geo.head_dim, scale, sliding_window, soft_cap)
-    check_metadata(meta, num_blocks=geo.num_blocks, block_size=geo.block_size, device=q.device)
+    geo, opts = check_prepared(q, k_cache, v_cache, meta, k_scale, v_scale, scale, sliding_window, soft_cap)
     if q.shape[0] != meta.num_tokens:
         raise InvalidArgumentError(describe("q.shape[0]", q.shape[0], f"meta.num_tokens={meta.num_tokens}"))
     if q.shape[0] == 0:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from kernels.attention_metadata import AttentionMetadata
+from kernels.attention_metadata import AttentionMetadata, offsets
 from kernels.decode_attention import paged_decode_attention_prepared
 from kernels.prefill_attention import paged_prefill_attention_prepared
 from kernels.write_kv import write_kv_prepared
@@ -58,14 +58,14 @@ class AttentionPlan:
 def _subset(meta: AttentionMetadata, keep: np.ndarray) -> _Part:
     """The sequences where ``keep`` holds, with their query rows (index tensors built on the host)."""
     q_lens, seq_lens = meta.host_query_lens[keep], meta.host_seq_lens[keep]
-    starts = np.concatenate([[0], np.cumsum(meta.host_query_lens)])[:-1][keep]
-    rows = np.repeat(starts - np.concatenate([[0], np.cumsum(q_lens)])[:-1], q_lens) + np.arange(q_lens.sum())
-    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    starts = offsets(meta.host_query_lens)[:-1][keep]  # first packed row of each kept sequence
+    cu = offsets(q_lens)
+    rows = np.repeat(starts - cu[:-1], q_lens) + np.arange(cu[-1])  # [T_part]
     seqs = torch.from_numpy(np.flatnonzero(keep)).to(meta.device)
     row_index = torch.from_numpy(rows).to(meta.device)
     sub = replace(
         meta, block_tables=meta.block_tables.index_select(0, seqs), seq_lens=meta.seq_lens.index_select(0, seqs),
-        cu_seqlens_q=torch.from_numpy(cu).to(meta.device), slot_mapping=meta.slot_mapping.index_select(0, row_index),
+        cu_seqlens_q=torch.from_numpy(cu.astype(np.int32)).to(meta.device), slot_mapping=meta.slot_mapping.index_select(0, row_index),
         host_seq_lens=seq_lens, host_query_lens=q_lens, max_seq_len=int(seq_lens.max()),
         max_query_len=int(q_lens.max()),
     )  # fmt: skip

@@ -19,6 +19,7 @@ from collections.abc import Hashable
 import numpy as np
 import torch
 
+from kernels.attention_metadata import host_positions, offsets
 from paged_kv.block_manager import BlockManager
 from paged_kv.errors import OutOfRangeError, describe
 
@@ -82,13 +83,12 @@ class BlockTables:
         if not self._updates:
             empty = np.zeros(0, dtype=np.int64)
             return empty, empty, empty
-        counts = [len(ids) for _, _, ids in self._updates]
-        rows = np.repeat([r for r, _, _ in self._updates], counts)
-        first = np.repeat([c for _, c, _ in self._updates], counts)
-        offsets = np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)
-        ids = np.fromiter((b for _, _, block_ids in self._updates for b in block_ids), np.int64, len(rows))
+        rows, first, ids = zip(*self._updates)
+        counts = np.fromiter(map(len, ids), np.int64, len(ids))
+        which, cols = host_positions(np.array(first, np.int64), counts, offsets(counts))  # update, column [U]
         self._updates.clear()
-        return rows.astype(np.int64), first + offsets, ids
+        flat = np.fromiter((b for block_ids in ids for b in block_ids), np.int64, len(cols))
+        return np.array(rows, np.int64)[which], cols, flat
 
     def apply_updates(self, rows: torch.Tensor, cols: torch.Tensor, ids: torch.Tensor) -> None:
         """Write :meth:`take_updates`' entries, already on the device, into the device rows."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.attention_metadata import AttentionMetadata, host_slot_mapping
+from kernels.attention_metadata import AttentionMetadata, host_positions, host_slot_mapping, offsets
 from paged_kv.block_manager import BlockManager, CopyOp
 from scheduler.block_tables import BlockTables
 from scheduler.scheduler_output import SchedulerOutput
@@ -89,18 +89,17 @@ class StepInputBuilder:
         n = len(items)
         computed = np.fromiter((s.start for s in items), np.int64, n)
         new = np.fromiter((s.num_tokens for s in items), np.int64, n)
-        totals = np.fromiter((s.seq.num_tokens for s in items), np.int64, n)
-        rows = self.tables.sync_all([s.seq.seq_id for s in items], computed + new, force=bool(out.copies))
-        ids = [t for s in items for t in s.seq.token_ids[s.start : s.start + s.num_tokens]]
-        return self._pack(out, rows, computed, new, computed + new == totals, ids)
-
-    def _pack(self, out, rows, computed, new, samples, ids) -> StepInput:
-        bs = self.bm.block_size
         seq_lens = computed + new  # [S]
-        cu = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum(new, out=cu[1:])
-        positions = np.arange(cu[-1]) - np.repeat(cu[:-1] - computed, new)  # [T]
-        slots = host_slot_mapping(self.tables.host, rows, computed, new, cu, bs)
+        samples = seq_lens == np.fromiter((s.seq.num_tokens for s in items), np.int64, n)
+        rows = self.tables.sync_all([s.seq.seq_id for s in items], seq_lens, force=bool(out.copies))
+        ids = [t for s in items for t in s.seq.token_ids[s.start : s.start + s.num_tokens]]
+        return self._pack(out, rows, computed, new, seq_lens, samples, ids)
+
+    def _pack(self, out, rows, computed, new, seq_lens, samples, ids) -> StepInput:
+        bs = self.bm.block_size
+        cu = offsets(new)
+        seq_of_token, positions = host_positions(computed, new, cu)  # [T], [T]
+        slots = host_slot_mapping(self.tables.host, rows, seq_of_token, positions, bs)
         max_len = int(seq_lens.max(initial=0))
         upd_rows, upd_cols, upd_ids = self.tables.take_updates()
         parts = [np.asarray(ids, dtype=np.int64), positions, slots, seq_lens, cu, rows, cu[1:][samples] - 1,
