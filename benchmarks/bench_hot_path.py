@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from contextlib import ExitStack
+from contextlib import nullcontext
 from unittest import mock
 
 import torch
@@ -57,9 +57,8 @@ def bench_decode_call(device: torch.device, batch: int = 1, context: int = 1024)
                                       num_blocks=k.shape[0], device=device)  # fmt: skip
     args = (q, k, v, meta.block_tables, meta.seq_lens)
     backend = "triton" if device.type == "cuda" else "torch"
-    with ExitStack() as stack:
-        if device.type != "cuda":  # time the wrappers' own work, not the CPU attention
-            stack.enter_context(mock.patch.object(dec, "_decode_torch", lambda *a, **kw: (q, None)))
+    stub = mock.patch.object(dec, "_decode_torch", lambda *a, **kw: (q, None))  # the wrappers' own work only
+    with nullcontext() if device.type == "cuda" else stub:
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         checked = _best_us(lambda: paged_decode_attention(*args, backend=backend), 200, sync=sync)
         prepared = _best_us(lambda: paged_decode_attention_prepared(q, k, v, meta, backend=backend), 200, sync=sync)
