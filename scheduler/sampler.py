@@ -36,6 +36,7 @@ def sample(
     Everything runs on the logits' device; the chosen tokens, their log-probabilities and the
     top log-probabilities asked for come back in one device->host transfer.
     """
+    logits = logits.float()  # a no-op for the model's float32 logits
     tokens = logits.argmax(dim=-1)  # [R]; greedy rows keep these
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
@@ -43,11 +44,11 @@ def sample(
         picked = [params[i] for i in random_rows], [generators[i] for i in random_rows]
         tokens[rows] = _sample_rows(logits[rows], *picked)
     k = max((p.logprobs for p in params), default=0)
-    lse = torch.logsumexp(logits.float(), dim=-1, keepdim=True)  # [R, 1]
-    chosen = logits.gather(1, tokens[:, None]).float() - lse  # [R, 1]
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [R, 1]
+    chosen = logits.gather(1, tokens[:, None]) - lse  # [R, 1]
     parts = [tokens[:, None].double(), chosen.double()]
     if k:
-        top_values, top_ids = logits.float().topk(min(k, logits.shape[-1]), dim=-1)  # [R, k]
+        top_values, top_ids = logits.topk(min(k, logits.shape[-1]), dim=-1)  # [R, k]
         parts += [(top_values - lse).double(), top_ids.double()]  # ids < 2**53 are exact
     host = torch.cat(parts, dim=1).tolist()  # the step's one device->host transfer
     return SampleResult(
