@@ -25,7 +25,6 @@ import torch
 import kernels.decode_attention as dec
 from kernels import paged_decode_attention, paged_decode_attention_prepared, prepare_attention_metadata
 from paged_kv import BlockManager, BlockManagerConfig
-from paged_kv.batch import build_batch_metadata
 from scheduler.params import SamplingParams
 from scheduler.scheduler_output import ScheduledSeq, SchedulerOutput
 from scheduler.sequence import Sequence, SequenceGroup
@@ -82,9 +81,17 @@ def list_rebuild_pack(out: SchedulerOutput, bm: BlockManager, device: torch.devi
     """The previous per-step packing: every table copied from the block manager and padded into a new tensor."""
     items = out.scheduled
     ids = [t for s in items for t in s.seq.token_ids[s.start : s.start + s.num_tokens]]
-    starts, counts = [s.start for s in items], [s.num_tokens for s in items]
-    meta = build_batch_metadata([bm.block_table(s.seq.seq_id) for s in items], starts, counts, bm.block_size, device)
-    return torch.tensor(ids).to(device), meta
+    tables = [bm.block_table(s.seq.seq_id) for s in items]
+    width = max(len(t) for t in tables)
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)  # [S, W]
+    starts = torch.tensor([s.start for s in items])
+    counts = torch.tensor([s.num_tokens for s in items])
+    seq_of_row = torch.repeat_interleave(torch.arange(len(items)), counts)  # [T]
+    pos = starts[seq_of_row] + torch.arange(len(ids)) - torch.cumsum(counts, 0)[seq_of_row] + counts[seq_of_row]
+    slots = padded[seq_of_row, pos // bm.block_size].long() * bm.block_size + pos % bm.block_size
+    cu = torch.nn.functional.pad(torch.cumsum(counts, 0), (1, 0)).to(torch.int32)
+    tensors = (padded, (starts + counts).to(torch.int32), cu, slots, torch.tensor(ids))
+    return [t.to(device) for t in tensors]
 
 
 def bench_build(device: torch.device, batch: int, context: int = 1024) -> tuple[float, float]:

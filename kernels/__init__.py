@@ -11,12 +11,12 @@ loop's hot path, and what CUDA graphs capture.
 """
 
 from kernels.attention_metadata import AttentionMetadata, prepare_attention_metadata
-from kernels.copy_blocks import copy_blocks, swap_blocks
+from kernels.block_copy import copy_blocks, swap_blocks
 from kernels.decode_attention import paged_decode_attention, paged_decode_attention_prepared
 from kernels.merge_states import merge_attention_states
 from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_prepared
 from kernels.quant import dequantize, is_quantized, quantize_per_token_head
-from kernels.write_kv import write_kv, write_kv_prepared
+from kernels.cache_write import write_kv, write_kv_prepared
 
 __all__ = [
     "AttentionMetadata", "prepare_attention_metadata",

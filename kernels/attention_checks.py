@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels._checks import FLOAT_DTYPES, INDEX_DTYPES, check_cache_pair, check_scales, check_shape, check_tensor
+from kernels._checks import check_cache_pair, check_scales
+from paged_kv.tensor_checks import FLOAT_DTYPES, INDEX_DTYPES, check_shape, check_tensor
 from kernels.attention_metadata import AttentionMetadata, check_metadata
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError, check_int, describe
 

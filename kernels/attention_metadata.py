@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels._checks import check_device
+from paged_kv.tensor_checks import check_device
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError, check_int, describe
 
 

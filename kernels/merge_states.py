@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import FLOAT_DTYPES, Backend, check_shape, check_tensor, check_triton_device, use_triton
+from kernels._checks import Backend, check_triton_device, use_triton
+from paged_kv.tensor_checks import FLOAT_DTYPES, check_shape, check_tensor
 
 ROWS_PER_PROGRAM = 16
 

@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import INDEX_DTYPES, Backend, check_tensor, check_triton_device, use_triton
+from kernels._checks import Backend, check_triton_device, use_triton
+from paged_kv.tensor_checks import INDEX_DTYPES, check_tensor
 from kernels.attention_checks import (
     block_id_bounds,
     check_block_ids,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._checks import CACHE_DTYPES, check_dtype, check_tensor
+from paged_kv.tensor_checks import CACHE_DTYPES, check_dtype, check_tensor
 from paged_kv.errors import InvalidArgumentError, describe
 
 FLOAT_OUTPUTS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # what dequantize returns

@@ -19,10 +19,10 @@ from typing import NamedTuple
 
 import torch
 
-from kernels._checks import INDEX_DTYPES, check_device, check_dtype, check_range, check_shape, check_tensor
-from kernels.copy_blocks import copy_blocks, swap_blocks
+from paged_kv.tensor_checks import INDEX_DTYPES, check_device, check_dtype, check_range, check_shape, check_tensor
+from kernels.block_copy import copy_blocks, swap_blocks
 from kernels.quant import is_quantized
-from kernels.write_kv import check_slots, write_kv
+from kernels.cache_write import check_slots, write_kv
 from paged_kv.config import MAX_BLOCK_SIZE, MAX_BLOCKS
 from paged_kv.errors import InvalidArgumentError, check_int, check_type, describe
 from paged_kv.tokens import as_id_list

@@ -18,7 +18,7 @@ import torch
 from kernels.attention_metadata import AttentionMetadata, offsets
 from kernels.decode_attention import paged_decode_attention_prepared
 from kernels.prefill_attention import paged_prefill_attention_prepared
-from kernels.write_kv import write_kv_prepared
+from kernels.cache_write import write_kv_prepared
 from paged_kv.kv_cache import LayerKV
 
 

@@ -8,7 +8,7 @@ from typing import Literal
 import torch
 
 from paged_kv.config import MAX_BLOCK_SIZE, MAX_BLOCKS
-from kernels._checks import check_device, check_dtype
+from paged_kv.tensor_checks import check_device, check_dtype
 from paged_kv.errors import InvalidArgumentError, check_bool, check_int, check_real, describe
 from paged_kv.kv_cache import KERNEL_DTYPES
 

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 import torch
 
-from kernels._checks import FLOAT_DTYPES, check_device, check_dtype
+from paged_kv.tensor_checks import FLOAT_DTYPES, check_device, check_dtype
 from paged_kv.errors import InvalidArgumentError, check_type, describe
 from scheduler.model import LlamaModel, ModelConfig
 

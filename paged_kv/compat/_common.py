@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kernels._checks import check_device
+from paged_kv.tensor_checks import check_device
 from paged_kv.compat.pool import KVPool, PagedSeq
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError, PagedKVError, check_int, describe
 

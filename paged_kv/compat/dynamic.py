@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels._checks import check_device
+from paged_kv.tensor_checks import check_device
 from paged_kv.compat._common import check_shape, make_pool
 from paged_kv.compat.pool import KVPool, PagedSeq
 from paged_kv.config import MAX_BLOCK_SIZE

@@ -28,7 +28,6 @@ from bad_input_machinery import (
 import kernels
 import scheduler
 from paged_kv import BlockManager, BlockManagerConfig
-from paged_kv.batch import block_table_tensor, build_batch_metadata, slot_mapping
 from paged_kv.compat import compressed, contiguous, dynamic, ndarray_kv, quantized, turboquant
 from paged_kv.compat.pool import KVPool, PagedSeq
 from paged_kv.kv_cache import KVCacheSpec, PagedKVCache
@@ -432,20 +431,6 @@ def _entries() -> list[Entry]:
             "value": Arg("tensor", lambda dt=dt: kv(2, dt)),
             "slot_mapping": Arg("tensor", lambda: torch.tensor([3, 9]), bad={OUT_OF_RANGE: [torch.tensor([3, 32])]})},
             lambda dt=dt: cache(dt)) for dt in (torch.float32, torch.float64, torch.uint8)],
-        Entry("paged_kv.batch.build_batch_metadata", build_batch_metadata, {
-            "tables": Arg("obj", [[0, 1], [2]], bad={WRONG_TYPE: [None, "ab", [[0.5]]], BOOL_FOR_INT: [[[True], [2]]],
-                                                     NONINTEGRAL: [[[1.7], [2]]], OUT_OF_RANGE: [[[-1], [2]]]}),
-            "num_computed": Arg("ids", [4, 0]), "num_new": Arg("ids", [1, 3]),
-            "block_size": Arg("int", 4, bad={OUT_OF_RANGE: [0, -1]}), "device": Arg("device", "cpu")}),
-        Entry("paged_kv.batch.block_table_tensor", block_table_tensor, {
-            "tables": Arg("obj", [[0, 1], [2]], bad={WRONG_TYPE: [None, "ab", 3], BOOL_FOR_INT: [[[False]]],
-                                                     NONINTEGRAL: [[[1.7]]], NAN_INF: [[[NAN]]],
-                                                         OUT_OF_RANGE: [[[-1]]]})}),
-        Entry("paged_kv.batch.slot_mapping", slot_mapping, {
-            "table": Arg("tensor", lambda: torch.tensor([[0, 1], [2, 0]], dtype=torch.int32)),
-            "start": Arg("tensor", lambda: torch.tensor([4, 0]), bad={OUT_OF_RANGE: [torch.tensor([-1, 0])]}),
-            "count": Arg("tensor", lambda: torch.tensor([1, 3]), bad={OUT_OF_RANGE: [torch.tensor([-1, 3])]}),
-            "block_size": Arg("int", 4, bad={OUT_OF_RANGE: [0, -1]})}),
         # ---- paged_kv.compat.pool -----------------------------------------------------------------------
         Entry("paged_kv.compat.pool.KVPool", KVPool, {
             "num_layers": Arg("int", 1, bad={OUT_OF_RANGE: [0]}),
@@ -879,7 +864,6 @@ EXEMPT: dict[str, str] = {
     "paged_kv.CopyOp": "a type alias (tuple[int, int]), not callable",
     "paged_kv.BlockManagerStats": "a result record the manager builds; never built from user input",
     "paged_kv.kv_cache.LayerKV": "a NamedTuple of one layer's tensors that PagedKVCache builds",
-    "paged_kv.batch.BatchMetadata": "a record build_batch_metadata builds (its inputs are checked there)",
     "paged_kv.compat.contiguous.KvCacheSnapshot": "a record snapshot() builds; restore_from_snapshot checks its parts",
     "paged_kv.compat.contiguous.KvCacheAccess": "an abstract interface (ABC): its methods are rows of KvCache",
     "paged_kv.compat.quantized.KVCacheFormat": (

@@ -21,7 +21,7 @@ from paged_kv.errors import PagedKVError
 OURS = ("paged_kv", "kernels", "scheduler")
 # The public modules: packages with __all__, and the modules a user imports names from.
 MODULES = (
-    "paged_kv", "paged_kv.kv_cache", "paged_kv.batch", "paged_kv.compat.pool", "paged_kv.compat.ndarray_kv",
+    "paged_kv", "paged_kv.kv_cache", "paged_kv.compat.pool", "paged_kv.compat.ndarray_kv",
     "paged_kv.compat.contiguous", "paged_kv.compat.compressed", "paged_kv.compat.quantized", "paged_kv.compat.dynamic",
     "paged_kv.compat.turboquant", "paged_kv.integrations.transformers", "kernels", "scheduler",
 )  # fmt: skip

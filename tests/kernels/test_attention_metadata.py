@@ -29,7 +29,7 @@ from kernels import (
 )
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError, PagedKVError
 
-wkv = importlib.import_module("kernels.write_kv")
+wkv = importlib.import_module("kernels.cache_write")
 DEVICE = TRITON_DEVICE  # the interpreter on CPU; inputs are built there, so call_on_backend moves nothing
 
 

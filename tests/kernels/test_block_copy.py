@@ -1,18 +1,16 @@
-"""Tests of kernels/copy_blocks.py: one-launch block copies (Triton interpreter vs torch vs naive) and swaps."""
+"""Tests of kernels/block_copy.py: one-launch block copies (Triton interpreter vs torch vs naive) and swaps."""
 
 from __future__ import annotations
 
-import importlib
 
 import pytest
 import torch
 from backend_device import TRITON_DEVICE, call_on_backend, gpu_test
 
-from kernels.copy_blocks import copy_blocks, copy_blocks_reference, mapping_to_pairs, swap_blocks
+import kernels.block_copy as copy_module
+from kernels.block_copy import copy_blocks, copy_blocks_reference, mapping_to_pairs, swap_blocks
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError
 
-# The module itself: the package rebinds the name kernels.copy_blocks to its function.
-copy_module = importlib.import_module("kernels.copy_blocks")
 
 NUM_BLOCKS = 7
 

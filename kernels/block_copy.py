@@ -22,15 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import (
-    Backend,
-    check_contiguous,
-    check_range,
-    check_same_device,
-    check_tensor,
-    check_triton_device,
-    use_triton,
-)
+from kernels._checks import Backend, check_triton_device, use_triton
+from paged_kv.tensor_checks import check_contiguous, check_range, check_same_device, check_tensor
 from kernels.quant import as_storage
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError, describe
 

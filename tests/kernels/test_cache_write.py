@@ -1,8 +1,7 @@
-"""Tests of kernels/write_kv.py: Triton (interpreter) vs torch reference vs a naive per-token loop."""
+"""Tests of kernels/cache_write.py: Triton (interpreter) vs torch reference vs a naive per-token loop."""
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 
 import pytest
@@ -10,11 +9,10 @@ import torch
 from backend_device import call_on_backend
 
 from kernels.quant import as_storage, is_quantized, quant_max, quantize_per_token_head
-from kernels.write_kv import write_kv, write_kv_reference
+import kernels.cache_write as write_kv_module
+from kernels.cache_write import write_kv, write_kv_reference
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError
 
-# The module itself: the package rebinds the name kernels.write_kv to its function.
-write_kv_module = importlib.import_module("kernels.write_kv")
 
 CACHE_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
 QUANT_DTYPES = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
