@@ -11,6 +11,7 @@ import os
 from collections.abc import Iterable
 from typing import Literal
 
+import numpy as np
 import torch
 
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError, describe
@@ -147,3 +148,18 @@ def check_dtype(name: str, dtype: object, allowed: Iterable[torch.dtype]) -> tor
     if not isinstance(dtype, torch.dtype) or dtype not in allowed:
         raise InvalidArgumentError(describe(name, dtype, f"one of {allowed}"))
     return dtype
+
+
+def check_host_ints(name: str, value: object, ndim: int) -> np.ndarray:
+    """``value`` (a numpy array or nested list of ints, host values) as an int64 array of rank ``ndim``."""
+    if isinstance(value, (str, bytes, torch.Tensor)) or not isinstance(value, (np.ndarray, list, tuple)):
+        raise InvalidArgumentError(describe(name, type(value).__name__, "a numpy array or list of ints (host values)"))
+    try:
+        arr = np.asarray(value)
+    except ValueError as exc:  # ragged nesting
+        raise InvalidArgumentError(describe(name, "a ragged list", f"a rectangular {ndim}-d array")) from exc
+    if arr.size and (arr.dtype == np.bool_ or arr.dtype.kind not in "iu"):
+        raise InvalidArgumentError(describe(f"{name}.dtype", arr.dtype, "integers"))
+    if arr.ndim != ndim:
+        raise InvalidArgumentError(describe(f"{name}.shape", arr.shape, f"{ndim} dimensions"))
+    return arr.astype(np.int64)
