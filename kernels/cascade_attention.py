@@ -83,18 +83,21 @@ def cascade_host_arrays(
     num_seqs, num_groups = len(lens), len(plens)
     if tables.ndim != 2 or tables.shape[0] != num_seqs or groups.shape != (num_seqs,) or plens.ndim != 1:
         got = (tables.shape, lens.shape, groups.shape, plens.shape)
-        raise InvalidArgumentError(describe("tables, seq_lens, seq_groups, prefix_lens shapes", got, "[S, W], [S], [S], [G]"))
+        names = "tables, seq_lens, seq_groups, prefix_lens shapes"
+        raise InvalidArgumentError(describe(names, got, "[S, W], [S], [S], [G]"))
     if ((groups < -1) | (groups >= num_groups)).any():
         raise OutOfRangeError(describe("seq_groups", groups.tolist(), f"group ids in [-1, {num_groups})"))
     sizes = np.bincount(groups[groups >= 0], minlength=num_groups)
     if num_groups and sizes.min() < 1:
-        raise InvalidArgumentError(describe("seq_groups", groups.tolist(), f"at least one member in each of {num_groups} groups"))
+        expected = f"at least one member in each of {num_groups} groups"
+        raise InvalidArgumentError(describe("seq_groups", groups.tolist(), expected))
     if ((plens < block_size) | (plens % block_size != 0)).any():
         raise OutOfRangeError(describe("prefix_lens", plens.tolist(), f"positive multiples of block_size {block_size}"))
     member_plen = np.where(groups >= 0, plens[np.maximum(groups, 0)] if num_groups else 0, 0)  # [S]
     if (member_plen >= lens).any():
         bad = int(np.flatnonzero(member_plen >= lens)[0])
-        raise OutOfRangeError(describe(f"prefix_lens[{groups[bad]}]", int(member_plen[bad]), f"< seq_lens[{bad}]={lens[bad]}"))
+        expected = f"< seq_lens[{bad}]={lens[bad]}"
+        raise OutOfRangeError(describe(f"prefix_lens[{groups[bad]}]", int(member_plen[bad]), expected))
     q_rows = np.flatnonzero(groups >= 0)
     q_rows = q_rows[np.argsort(groups[q_rows], kind="stable")]  # [Tg] members, group after group
     cu = offsets(sizes)
@@ -106,7 +109,7 @@ def cascade_host_arrays(
     )  # fmt: skip
 
 
-def _check_shared_blocks(tables: np.ndarray, groups: np.ndarray, prefix_blocks: np.ndarray, leaders: np.ndarray) -> None:
+def _check_shared_blocks(tables: np.ndarray, groups: np.ndarray, prefix_blocks: np.ndarray, leaders: np.ndarray):
     """Every member's row holds its leader's block ids over the group's prefix blocks."""
     if (prefix_blocks > tables.shape[1]).any():
         raise OutOfRangeError(describe("prefix_lens", prefix_blocks.tolist(), f"<= {tables.shape[1]} table columns"))
@@ -119,7 +122,9 @@ def _check_shared_blocks(tables: np.ndarray, groups: np.ndarray, prefix_blocks: 
         raise InvalidArgumentError(describe(f"tables[{seq}]", "other prefix block ids", "its group's shared blocks"))
 
 
-def build_cascade_metadata(arrays: CascadeArrays, uploaded: list[torch.Tensor], meta: AttentionMetadata) -> CascadeMetadata:
+def build_cascade_metadata(
+    arrays: CascadeArrays, uploaded: list[torch.Tensor], meta: AttentionMetadata
+) -> CascadeMetadata:
     """Device metadata of a cascade step from its arrays, uploaded (in ``arrays.parts()`` order) next to ``meta``.
 
     The prefix and suffix tables are gathered on the device from the decode step's tables, so
@@ -168,7 +173,7 @@ def prepare_cascade_metadata(
     capacity = tables.shape[1] * block_size
     if len(lens) and not 1 <= lens.min() <= lens.max() <= capacity:
         bad = lens.min() if lens.min() < 1 else lens.max()
-        raise OutOfRangeError(describe("seq_lens", int(bad), f"lengths in [1, {capacity}] (table columns * block_size)"))
+        raise OutOfRangeError(describe("seq_lens", int(bad), f"lengths in [1, {capacity}] (columns * block_size)"))
     meta = prepare_attention_metadata(
         tables.tolist(), (lens - 1).tolist(), [1] * len(lens), block_size=block_size, num_blocks=num_blocks,
         device=device,

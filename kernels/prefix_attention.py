@@ -145,7 +145,7 @@ class PrefixMetadata:
 
 
 def prefix_tile(group: int, max_queries: int) -> tuple[int, int]:
-    """(BLOCK_M, Q_TILE): tile rows (>= 16, a power of two, <= MAX_TILE_ROWS unless GROUP needs more), queries per tile."""
+    """(BLOCK_M, Q_TILE): tile rows (>= 16, power of 2, <= MAX_TILE_ROWS or one GROUP), queries per tile."""
     block_m = max(16, min(MAX_TILE_ROWS, triton.next_power_of_2(group * max(1, max_queries))))
     block_m = max(block_m, triton.next_power_of_2(group))
     return block_m, block_m // group
