@@ -12,9 +12,15 @@ loop's hot path, and what CUDA graphs capture.
 
 from kernels.attention_metadata import AttentionMetadata, prepare_attention_metadata
 from kernels.block_copy import copy_blocks, swap_blocks
+from kernels.cascade_attention import (
+    cascade_decode_attention,
+    cascade_decode_attention_prepared,
+    prepare_cascade_metadata,
+)
 from kernels.decode_attention import paged_decode_attention, paged_decode_attention_prepared
 from kernels.merge_states import merge_attention_states
 from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_prepared
+from kernels.prefix_attention import paged_prefix_attention, paged_prefix_attention_prepared
 from kernels.quant import dequantize, is_quantized, quantize_per_token_head
 from kernels.cache_write import write_kv, write_kv_prepared
 
@@ -22,5 +28,7 @@ __all__ = [
     "AttentionMetadata", "prepare_attention_metadata",
     "copy_blocks", "swap_blocks", "paged_decode_attention", "paged_decode_attention_prepared",
     "paged_prefill_attention", "paged_prefill_attention_prepared", "merge_attention_states",
+    "paged_prefix_attention", "paged_prefix_attention_prepared", "cascade_decode_attention",
+    "cascade_decode_attention_prepared", "prepare_cascade_metadata",
     "write_kv", "write_kv_prepared", "quantize_per_token_head", "dequantize", "is_quantized",
 ]

@@ -17,12 +17,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from paged_kv.tensor_checks import check_device
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError, check_int, describe
+
+if TYPE_CHECKING:
+    from kernels.cascade_attention import CascadeMetadata
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -39,6 +43,7 @@ class AttentionMetadata:
     num_blocks: int  # every block id in use lies in [0, num_blocks)
     max_seq_len: int  # bound on seq_lens the kernels size their work by (>= the real maximum)
     max_query_len: int
+    cascade: CascadeMetadata | None = None  # a decode step's shared-prefix groups (None: plain decode)
 
     @property
     def num_seqs(self) -> int:

@@ -334,12 +334,14 @@ def paged_decode_attention_prepared(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     num_splits: int | None = None,
+    return_lse: bool = False,
     backend: Backend = "auto",
-) -> torch.Tensor:
+):
     """:func:`paged_decode_attention` over a prepared step: host checks only, no device value read.
 
-    q ``[S, Hq, D]`` -> out ``[S, Hq, D]``; block ids and lengths were validated when ``meta``
-    was prepared, and the split count comes from its host-side ``max_seq_len``.
+    q ``[S, Hq, D]`` -> out ``[S, Hq, D]`` (and lse ``[S, Hq]`` with ``return_lse``); block ids and
+    lengths were validated when ``meta`` was prepared, and the split count comes from its host-side
+    ``max_seq_len``.
     """
     geo, opts = check_prepared(q, k_cache, v_cache, meta, k_scale, v_scale, scale, sliding_window, soft_cap)
     if not meta.is_decode:
@@ -348,12 +350,14 @@ def paged_decode_attention_prepared(
         raise InvalidArgumentError(describe("q.shape[0]", q.shape[0], f"meta.num_seqs={meta.num_seqs}"))
     if num_splits is not None:
         check_int("num_splits", num_splits, low=1, high=MAX_SPLITS)
-    if q.shape[0] == 0:
-        return torch.empty_like(q)
     tables, lens = meta.block_tables, meta.seq_lens
-    if use_triton(backend, q, k_cache, v_cache, tables, lens):
+    if q.shape[0] == 0:
+        out, lse = torch.empty_like(q), torch.empty(0, q.shape[1], device=q.device, dtype=torch.float32)
+    elif use_triton(backend, q, k_cache, v_cache, tables, lens):
         check_triton_device(q)
         splits = num_splits or choose_num_splits(q.shape[0], geo.num_kv_heads, meta.max_seq_len, q.device)
-        return _decode_triton(q, k_cache, v_cache, tables, lens, geo, opts, k_scale, v_scale, splits)[0]
-    host_lens = (meta.min_seq_len, meta.max_seq_len)
-    return _decode_torch(q, k_cache, v_cache, tables, lens, opts, k_scale, v_scale, host_lens, False)[0]
+        out, lse = _decode_triton(q, k_cache, v_cache, tables, lens, geo, opts, k_scale, v_scale, splits)
+    else:
+        host_lens = (meta.min_seq_len, meta.max_seq_len)
+        out, lse = _decode_torch(q, k_cache, v_cache, tables, lens, opts, k_scale, v_scale, host_lens, return_lse)
+    return (out, lse) if return_lse else out

@@ -1,6 +1,7 @@
 """How one step's KV writes and attention are dispatched to the prepared (sync-free) kernels.
 
-On the GPU a decode step goes to the decode kernel and any other step to the prefill
+A decode step with a cascade plan (shared-prefix groups, see :mod:`scheduler.cascade_plan`)
+goes to cascade decode. Otherwise, on the GPU a decode step goes to the decode kernel and any other step to the prefill
 kernel in one call (its Triton grid skips the short sequences' empty tiles). The kernels'
 CPU torch path pads every sequence's queries to the longest one, so on the CPU a mixed
 step is split: the decode rows (one query each) take the decode kernel and only the
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 
 from kernels.attention_metadata import AttentionMetadata, offsets
+from kernels.cascade_attention import cascade_decode_attention_prepared
 from kernels.decode_attention import paged_decode_attention_prepared
 from kernels.prefill_attention import paged_prefill_attention_prepared
 from kernels.cache_write import write_kv_prepared
@@ -67,13 +69,15 @@ def _subset(meta: AttentionMetadata, keep: np.ndarray) -> _Part:
         meta, block_tables=meta.block_tables.index_select(0, seqs), seq_lens=meta.seq_lens.index_select(0, seqs),
         cu_seqlens_q=torch.from_numpy(cu.astype(np.int32)).to(meta.device), slot_mapping=meta.slot_mapping.index_select(0, row_index),
         host_seq_lens=seq_lens, host_query_lens=q_lens, max_seq_len=int(seq_lens.max()),
-        max_query_len=int(q_lens.max()),
+        max_query_len=int(q_lens.max()), cascade=None,
     )  # fmt: skip
     return _Part(row_index, sub)
 
 
 def _run(q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     scales = {"k_scale": kv.k_scale, "v_scale": kv.v_scale, "scale": scale}
+    if meta.cascade is not None:
+        return cascade_decode_attention_prepared(q, kv.k, kv.v, meta.cascade, **scales)
     if meta.is_decode:
         return paged_decode_attention_prepared(q, kv.k, kv.v, meta, **scales)
     return paged_prefill_attention_prepared(q, kv.k, kv.v, meta, **scales)

@@ -43,6 +43,8 @@ class CacheConfig:
     num_cpu_blocks: int = 0  # swap space; must be > 0 for preemption_mode="swap"
     watermark: float = 0.01
     enable_prefix_caching: bool = True
+    # decode steps whose forked sequences share long prefixes attend them once per group (cascade decode)
+    enable_cascade_attention: bool = True
     dtype: torch.dtype | None = None  # None: the model's dtype
     # CUDA: the fraction of the device's memory the engine may use (weights, activations, graphs and
     # the KV pool, as vLLM means it); the pool gets what is left. None: num_gpu_blocks / kv_cache_bytes.
@@ -61,6 +63,7 @@ class CacheConfig:
         check_int("num_cpu_blocks", self.num_cpu_blocks, low=0, high=MAX_BLOCKS)
         check_real("watermark", self.watermark, low=0.0, high=1.0, open_high=True)
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        check_bool("enable_cascade_attention", self.enable_cascade_attention)
         if self.dtype is not None:
             check_dtype("dtype", self.dtype, KERNEL_DTYPES)  # storage the attention kernels read
 

@@ -74,7 +74,7 @@ class LLMEngine:
         cpu_cache = PagedKVCache(spec, cc.num_cpu_blocks, "cpu") if cc.num_cpu_blocks else None
         self.runner = ModelRunner(self.model, PagedKVCache(spec, num_blocks, self.device), cpu_cache)
         width = min(-(-model.config.max_position_embeddings // cc.block_size), num_blocks)
-        self.inputs = StepInputBuilder(self.block_manager, self.device, width)
+        self.inputs = StepInputBuilder(self.block_manager, self.device, width, cascade=cc.enable_cascade_attention)
         if graphs:
             captured = self.runner.capture_graphs(sc.max_num_seqs, width)
             logger.info("captured %d decode CUDA graphs (batch 1..%d) in %.1f s, %.2f GiB",

@@ -2,21 +2,25 @@
 
 :class:`StepInputBuilder` runs in the driver. It reads the block manager's tables into
 persistent rows (:mod:`scheduler.block_tables`), computes positions, slots and lengths
-with numpy, and uploads them in one pinned, non-blocking copy. The result, a
+with numpy, and uploads them in one pinned, non-blocking copy. A decode step whose request
+groups share long prefixes also gets a cascade plan (:mod:`scheduler.cascade_plan`), planned
+from the host mirror of the tables; its index arrays travel in the same copy. The result, a
 :class:`StepInput`, carries prepared attention metadata: nothing downstream reads a
 device value back (the model's forward can be captured in a CUDA graph).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from kernels.attention_metadata import AttentionMetadata, host_positions, host_slot_mapping, offsets
+from kernels.cascade_attention import CascadeArrays, build_cascade_metadata, cascade_host_arrays
 from paged_kv.block_manager import BlockManager, CopyOp
 from scheduler.block_tables import BlockTables
+from scheduler.cascade_plan import plan_cascade
 from scheduler.scheduler_output import SchedulerOutput
 
 
@@ -71,8 +75,8 @@ class Uploader:
 class StepInputBuilder:
     """Builds each step's :class:`StepInput` from the scheduler's decisions and the block manager."""
 
-    def __init__(self, bm: BlockManager, device: torch.device, max_blocks_per_seq: int) -> None:
-        self.bm, self.device = bm, device
+    def __init__(self, bm: BlockManager, device: torch.device, max_blocks_per_seq: int, cascade: bool = False) -> None:
+        self.bm, self.device, self.cascade = bm, device, cascade
         self.tables = BlockTables(bm, max_blocks_per_seq, device)
         self._uploader = Uploader(device)
 
@@ -93,9 +97,21 @@ class StepInputBuilder:
         samples = seq_lens == np.fromiter((s.seq.num_tokens for s in items), np.int64, n)
         rows = self.tables.sync_all([s.seq.seq_id for s in items], seq_lens, force=bool(out.copies))
         ids = [t for s in items for t in s.seq.token_ids[s.start : s.start + s.num_tokens]]
-        return self._pack(out, rows, computed, new, seq_lens, samples, ids)
+        cascade = self._plan_cascade(out, rows, new, seq_lens)
+        return self._pack(out, rows, computed, new, seq_lens, samples, ids, cascade)
 
-    def _pack(self, out, rows, computed, new, seq_lens, samples, ids) -> StepInput:
+    def _plan_cascade(self, out: SchedulerOutput, rows, new, seq_lens) -> CascadeArrays | None:
+        """The step's cascade arrays when it is a decode step whose request groups share enough blocks, else None."""
+        if not self.cascade or len(new) < 2 or (new != 1).any():
+            return None
+        bs = self.bm.block_size
+        tables = self.tables.host[rows, : -(-int(seq_lens.max()) // bs)]  # [S, W] host mirror, current for the step
+        plan = plan_cascade(tables, seq_lens, [s.group.request_id for s in out.scheduled], bs)
+        if not plan.pays:
+            return None
+        return cascade_host_arrays(tables, seq_lens, plan.seq_groups, plan.prefix_lens, bs)
+
+    def _pack(self, out, rows, computed, new, seq_lens, samples, ids, cascade: CascadeArrays | None) -> StepInput:
         bs = self.bm.block_size
         cu = offsets(new)
         seq_of_token, positions = host_positions(computed, new, cu)  # [T], [T]
@@ -103,9 +119,9 @@ class StepInputBuilder:
         max_len = int(seq_lens.max(initial=0))
         upd_rows, upd_cols, upd_ids = self.tables.take_updates()
         parts = [np.asarray(ids, dtype=np.int64), positions, slots, seq_lens, cu, rows, cu[1:][samples] - 1,
-                 upd_rows, upd_cols, upd_ids]  # fmt: skip
+                 upd_rows, upd_cols, upd_ids, *(cascade.parts() if cascade else [])]  # fmt: skip
         flat = self._uploader.upload(np.concatenate(parts))
-        ids_t, pos_t, slots_t, lens_t, cu_t, rows_t, logits_t, u_rows, u_cols, u_ids = flat.split(
+        ids_t, pos_t, slots_t, lens_t, cu_t, rows_t, logits_t, u_rows, u_cols, u_ids, *cascade_t = flat.split(
             [len(p) for p in parts]
         )
         self.tables.apply_updates(u_rows, u_cols, u_ids)
@@ -116,6 +132,8 @@ class StepInputBuilder:
             block_size=bs, num_blocks=self.bm.gpu.num_blocks, max_seq_len=max_len,
             max_query_len=int(new.max(initial=0)),
         )  # fmt: skip
+        if cascade is not None:
+            meta = replace(meta, cascade=build_cascade_metadata(cascade, cascade_t, meta))
         return StepInput(
             input_ids=ids_t, positions=pos_t, meta=meta, logits_indices=logits_t,
             swap_out=out.swap_out, swap_in=out.swap_in, copies=out.copies,

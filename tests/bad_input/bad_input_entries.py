@@ -200,6 +200,49 @@ def prepared_args() -> dict[str, Arg]:
     return args
 
 
+def prefix_args() -> dict[str, Arg]:
+    """Valid arguments of shared-prefix attention: 3 query rows in groups of 2 and 1 over prefixes of 8 and 4."""
+    args = {k: v for k, v in decode_args().items() if k not in ("seq_lens", "sliding_window")}
+    return {
+        **args, "q": Arg("float_tensor", lambda: torch.ones(3, 4, 4), skip=(NAN_INF,)),
+        "prefix_lens": Arg("tensor", lambda: torch.tensor([8, 4], dtype=torch.int32),
+                           bad={OUT_OF_RANGE: [torch.tensor([8, 30], dtype=torch.int32)]}),
+        "cu_seqlens_q": Arg("tensor", lambda: torch.tensor([0, 2, 3], dtype=torch.int32),
+                            bad={OUT_OF_RANGE: [torch.tensor([0, 2, 9], dtype=torch.int32)]}),
+        "num_splits": Arg("opt_int", 2, bad={OUT_OF_RANGE: [0, -1]}),
+    }  # fmt: skip
+
+
+def prefix_meta(num_blocks: int = 8):
+    """Host-validated prefix metadata matching prefix_args."""
+    from kernels.prefix_attention import prepare_prefix_metadata
+
+    return prepare_prefix_metadata([[0, 1], [2, 3]], [8, 4], [2, 1], block_size=4, num_blocks=num_blocks,
+                                   device="cpu")  # fmt: skip
+
+
+def cascade_args() -> dict[str, Arg]:
+    """Valid arguments of cascade decode: sequences of 9 and 7 tokens sharing their first block."""
+    args = {k: v for k, v in decode_args().items() if k != "sliding_window"}
+    return {
+        **args,
+        "block_tables": Arg("tensor", lambda: torch.tensor([[0, 1, 2], [0, 3, 4]], dtype=torch.int32),
+                            bad={OUT_OF_RANGE: [torch.tensor([[0, 1, 9], [0, 3, 4]], dtype=torch.int32),
+                                                torch.tensor([[0, 1, 2], [5, 3, 4]], dtype=torch.int32)]}),
+        "seq_lens": Arg("tensor", lambda: torch.tensor([9, 7], dtype=torch.int32),
+                        bad={OUT_OF_RANGE: [torch.tensor([9, 30], dtype=torch.int32)]}),
+        "seq_groups": Arg("tensor", lambda: torch.tensor([0, 0]), bad={OUT_OF_RANGE: [torch.tensor([0, 5])]}),
+        "prefix_lens": Arg("tensor", lambda: torch.tensor([4]),
+                           bad={OUT_OF_RANGE: [torch.tensor([8]), torch.tensor([3])]}),
+        "return_lse": Arg("bool", False, skip=(WRONG_TYPE,)),  # not bool-checked, like paged_decode_attention's
+    }  # fmt: skip
+
+
+def cascade_meta():
+    """Host-validated cascade metadata matching cascade_args."""
+    return kernels.prepare_cascade_metadata([[0, 1, 2], [0, 3, 4]], [9, 7], [0, 0], [4], block_size=4, num_blocks=8)
+
+
 # -- scheduler ----------------------------------------------------------------------------------------
 TINY = dict(vocab_size=64, hidden_size=16, intermediate_size=32, head_dim=8, max_position_embeddings=128)
 
@@ -682,7 +725,8 @@ def _entries() -> list[Entry]:
             named={"tables": "tables", "num_computed": ("num_computed", "tables"), "num_new": ("num_new", "tables"),
                    "num_blocks": ("num_blocks", "tables")}),
         Entry("kernels.paged_decode_attention_prepared", kernels.paged_decode_attention_prepared, {
-            **prepared_args(), "num_splits": Arg("opt_int", 2, bad={OUT_OF_RANGE: [0, -1]})}),
+            **prepared_args(), "num_splits": Arg("opt_int", 2, bad={OUT_OF_RANGE: [0, -1]}),
+            "return_lse": Arg("bool", False, skip=(WRONG_TYPE,))}),  # not bool-checked, like the checked call's
         Entry("kernels.paged_prefill_attention_prepared", kernels.paged_prefill_attention_prepared, {
             **prepared_args(), "q": Arg("float_tensor", lambda: torch.ones(3, 4, 4), skip=(NAN_INF,)),
             "meta": Arg("obj", lambda: prepared_meta([2, 1]), bad={WRONG_TYPE: [None, "x", prepared_meta()],
@@ -696,6 +740,30 @@ def _entries() -> list[Entry]:
             "v_scale": Arg("obj", None, bad={WRONG_TYPE: ["x", torch.zeros(8, 4, 2)]}),
             "backend": Arg("obj", "torch", bad={WRONG_TYPE: ["cuda", 3, None]})},
             named={"meta": ("meta", "slot_mapping")}),
+        Entry("kernels.paged_prefix_attention", kernels.paged_prefix_attention, prefix_args()),
+        Entry("kernels.paged_prefix_attention_prepared", kernels.paged_prefix_attention_prepared, {
+            **{k: v for k, v in prefix_args().items() if k not in ("block_tables", "prefix_lens", "cu_seqlens_q")},
+            "meta": Arg("obj", prefix_meta, bad={WRONG_TYPE: [None, "x", prepared_meta()],
+                                                 OUT_OF_RANGE: [lambda: prefix_meta(num_blocks=16)]})}),
+        Entry("kernels.cascade_decode_attention", kernels.cascade_decode_attention, cascade_args(),
+              named={"block_tables": "tables"}),  # block ids are checked on the host copy, prepare_cascade_metadata's tables
+        Entry("kernels.cascade_decode_attention_prepared", kernels.cascade_decode_attention_prepared, {
+            **{k: v for k, v in cascade_args().items() if k not in ("block_tables", "seq_lens", "seq_groups",
+                                                                     "prefix_lens")},
+            "cascade": Arg("obj", cascade_meta, bad={WRONG_TYPE: [None, "x", prepared_meta()]})}),
+        Entry("kernels.prepare_cascade_metadata", kernels.prepare_cascade_metadata, {
+            "tables": Arg("obj", [[0, 1, 2], [0, 3, 4]], bad={
+                WRONG_TYPE: ["ab", None, torch.zeros(2, 3, dtype=torch.int32), [[0, 1, 2], [0, 3]]],
+                OUT_OF_RANGE: [[[0, 9, 2], [0, 3, 4]]], BOOL_FOR_INT: [[[True, 1, 2], [0, 3, 4]]],
+                NONINTEGRAL: [[[0.5, 1, 2], [0, 3, 4]]], WRONG_SHAPE: [[[0, 1, 2]], [0, 1, 2]]}),
+            "seq_lens": Arg("obj", [9, 7], bad={WRONG_TYPE: ["ab", None], OUT_OF_RANGE: [[9, 0], [9, 70]],
+                                                WRONG_SHAPE: [[9]]}),
+            "seq_groups": Arg("obj", [0, 0], bad={WRONG_TYPE: ["ab", None], OUT_OF_RANGE: [[0, 3], [-2, 0]],
+                                                  WRONG_SHAPE: [[0]]}),
+            "prefix_lens": Arg("obj", [4], bad={WRONG_TYPE: ["ab", None], OUT_OF_RANGE: [[8], [3], [0]]}),
+            "block_size": Arg("int", 4, bad={OUT_OF_RANGE: [0, -1]}),
+            "num_blocks": Arg("int", 8, bad={OUT_OF_RANGE: [0, -1]}),
+            "device": Arg("device", "cpu")}),
         Entry("kernels.merge_attention_states", kernels.merge_attention_states, {
             "out_a": Arg("tensor", lambda: torch.ones(2, 2, 4)), "lse_a": Arg("tensor", lambda: torch.zeros(2, 2)),
             "out_b": Arg("tensor", lambda: torch.ones(2, 2, 4)), "lse_b": Arg("tensor", lambda: torch.zeros(2, 2)),
@@ -731,6 +799,7 @@ def _entries() -> list[Entry]:
             "num_gpu_blocks": Arg("opt_int", 8, bad={OUT_OF_RANGE: [0, 1 << 62]}),
             "kv_cache_bytes": Arg("int", 1 << 20, bad={OUT_OF_RANGE: [0]}), "num_cpu_blocks": Arg("int", 0),
             "watermark": Arg("real", 0.01, bad={OUT_OF_RANGE: [1.0, -0.1]}), "enable_prefix_caching": Arg("bool", True),
+            "enable_cascade_attention": Arg("bool", True),
             "dtype": Arg("dtype", torch.float16, bad={BAD_DTYPE: [torch.complex64, torch.int16, torch.float64]}),
             "gpu_memory_utilization": Arg("real", None, skip=(WRONG_TYPE,),
                                           bad={OUT_OF_RANGE: [0.0, 1.5, -0.5], WRONG_TYPE: ["0.5"]})}),

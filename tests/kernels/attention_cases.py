@@ -101,6 +101,60 @@ def build_paged(
     return Paged(caches[0], caches[1], scales[0], scales[1], block_tables, lens, nan_block=nan_block, **truth)
 
 
+@dataclass
+class Forked:
+    """A paged cache whose sequences come in groups sharing prefix blocks (forked beams / samples)."""
+
+    paged: Paged
+    seq_groups: torch.Tensor  # [S] int64 group of each sequence, -1 when it shares nothing
+    prefix_lens: torch.Tensor  # [G] int64 shared tokens of each group
+    order: list[int]  # batch row of the i-th sequence built (groups are interleaved in the batch)
+
+
+def build_forked(groups, *, block_size, num_kv_heads, head_dim, dtype=F32, seed=0, pad_blocks=2) -> Forked:
+    """Groups ``(prefix_len, [seq_len, ...])``: members share the blocks of their first prefix_len tokens.
+
+    prefix_len is a multiple of block_size below every member's length (0: the members share
+    nothing and are ungrouped). Block ids are shuffled, stale slots and padding hold NaN (like
+    :func:`build_paged`), and the batch interleaves the groups (a seeded permutation of rows).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    own = [[-(-n // block_size) - p // block_size for n in lens] for p, lens in groups]
+    num_blocks = sum(p // block_size + sum(o) for (p, _), o in zip(groups, own)) + 3
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    nan_block = perm.pop()
+    quantized = dtype in (I8, E4M3, E5M2)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    caches = [torch.full(shape, _fill_value(dtype), dtype=F32 if quantized else dtype).to(dtype) for _ in range(2)]
+    scales = [torch.full(shape[:3], math.nan) if quantized else None for _ in range(2)]
+    tables, truth, seq_groups, prefix_lens, seq_lens = [], {f"{a}_{n}": [] for a in ("dense", "exact") for n in "kv"}, [], [], []
+    for (prefix, lens), counts in zip(groups, own):
+        shared = [perm.pop() for _ in range(prefix // block_size)]
+        head = {n: torch.randn(prefix, num_kv_heads, head_dim, generator=gen) for n in "kv"}
+        if prefix:
+            prefix_lens.append(prefix)
+        for n, count in zip(lens, counts):
+            table = shared + [perm.pop() for _ in range(count)]
+            for name, cache, scale in (("k", caches[0], scales[0]), ("v", caches[1], scales[1])):
+                data = torch.cat([head[name], torch.randn(n - prefix, num_kv_heads, head_dim, generator=gen)])
+                truth[f"dense_{name}"].append(_store(cache, scale, table, data, dtype))  # same codes in shared blocks
+                truth[f"exact_{name}"].append(data.double())
+            tables.append(table)
+            seq_groups.append(len(prefix_lens) - 1 if prefix else -1)
+            seq_lens.append(n)
+    order = torch.randperm(len(tables), generator=gen).tolist()  # sequence i sits at batch row order[i]
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    max_blocks = max(map(len, tables)) + pad_blocks
+    rows = [tables[i] + [nan_block] * (max_blocks - len(tables[i])) for i in inverse]
+    truth = {name: [values[i] for i in inverse] for name, values in truth.items()}
+    paged = Paged(
+        caches[0], caches[1], scales[0], scales[1], torch.tensor(rows, dtype=torch.int32),
+        torch.tensor([seq_lens[i] for i in inverse], dtype=torch.int32), nan_block=nan_block, **truth,
+    )  # fmt: skip
+    groups_t = torch.tensor([seq_groups[i] for i in inverse], dtype=torch.int64)
+    return Forked(paged, groups_t, torch.tensor(prefix_lens, dtype=torch.int64), order)
+
+
 # Compiles, for the CUDA archs in argv[1], every kernel launch that the wrapper calls in argv[2] make:
 # catches what the interpreter cannot (types, layouts, constexpr branches) without a GPU.
 GPU_BUILD_SCRIPT = r"""
@@ -108,6 +162,7 @@ import sys, torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import kernels.decode_attention as dec, kernels.prefill_attention as pre, kernels.merge_states as ms
+import kernels.prefix_attention as pfx, kernels.cascade_attention as cas
 
 TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int8: "i8",
          torch.uint8: "u8", torch.int32: "i32", torch.int64: "i64", torch.float8_e5m2: "fp8e5",
@@ -144,9 +199,9 @@ class Build:
         return launch
 
 for module, name in ((dec, "_decode_split_kernel"), (dec, "_merge_splits_kernel"), (pre, "_prefill_kernel"),
-                     (ms, "_merge_kernel")):
+                     (ms, "_merge_kernel"), (pfx, "_prefix_kernel"), (pfx, "_merge_splits_kernel")):
     setattr(module, name, Build(getattr(module, name)))
-for module in (dec, pre, ms):
+for module in (dec, pre, ms, pfx):
     module.check_triton_device = lambda t: None
 exec(sys.argv[2])
 print(" ".join(built))

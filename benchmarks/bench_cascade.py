@@ -1,0 +1,125 @@
+"""Cascade decode vs plain paged decode on beams that share a long prompt: K/V bytes read and time.
+
+Run ``python benchmarks/bench_cascade.py [--quick]``. Each request is a prompt of ``prompt``
+tokens in shared blocks plus ``width`` beams, each with its own suffix of 64-512 tokens (a
+seeded draw; 16-64 on the CPU). Plain decode reads every beam's whole length; cascade decode
+reads the prompt once per request and each suffix once. Both run their prepared (sync-free)
+paths: on a GPU the Triton kernels in bf16 (triton.testing.do_bench), on the CPU the torch
+paths in float32 (torch.utils.benchmark). Shape: 32 query heads, 8 KV heads, head_dim 128,
+block size 16, shuffled blocks. ``run(device, quick)`` returns the rows for other scripts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install needed
+
+from benchmarks.bench_attention import timer  # noqa: E402
+from kernels.attention_metadata import prepare_attention_metadata  # noqa: E402
+from kernels.cascade_attention import cascade_decode_attention_prepared, prepare_cascade_metadata  # noqa: E402
+from kernels.decode_attention import paged_decode_attention_prepared  # noqa: E402
+
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+
+
+def make_batch(requests: int, width: int, prompt: int, suffix: tuple[int, int], dtype, device, seed: int = 0) -> dict:
+    """Caches, tables and lengths of ``requests`` x ``width`` beams forked from a ``prompt``-token prompt."""
+    rng = np.random.default_rng(seed)
+    shared = prompt // BLOCK_SIZE
+    lens = prompt + rng.integers(suffix[0], suffix[1] + 1, size=requests * width)  # [S]
+    own = -(-lens // BLOCK_SIZE) - shared  # blocks each beam holds alone
+    perm = rng.permutation(requests * shared + int(own.sum()))
+    tables, groups, used = [], [], 0
+    for r in range(requests):
+        prefix = perm[used : used + shared].tolist()
+        used += shared
+        for b in range(width):
+            s = r * width + b
+            tables.append(prefix + perm[used : used + own[s]].tolist())
+            used += int(own[s])
+            groups.append(r)
+    cols = max(map(len, tables))
+    table = np.array([t + [0] * (cols - len(t)) for t in tables], dtype=np.int64)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    shape = (len(perm), BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, generator=gen, device=device, dtype=dtype)
+    v_cache = torch.randn(shape, generator=gen, device=device, dtype=dtype)
+    q = torch.randn(len(lens), NUM_Q_HEADS, HEAD_DIM, generator=gen, device=device, dtype=dtype)
+    meta = prepare_attention_metadata(table.tolist(), (lens - 1).tolist(), [1] * len(lens), block_size=BLOCK_SIZE,
+                                      num_blocks=len(perm), device=device)  # fmt: skip
+    cascade = prepare_cascade_metadata(
+        table, lens, np.array(groups), np.full(requests, shared * BLOCK_SIZE), block_size=BLOCK_SIZE,
+        num_blocks=len(perm), device=device,
+    )  # fmt: skip
+    return dict(q=q, k_cache=k_cache, v_cache=v_cache, meta=meta, cascade=cascade, lens=lens, shared=shared)
+
+
+def read_bytes(x: dict, dtype: torch.dtype) -> tuple[int, int]:
+    """(plain, cascade) K+V bytes: sum of lengths vs one prompt per request plus every suffix."""
+    per_token = 2 * NUM_KV_HEADS * HEAD_DIM * torch.finfo(dtype).bits // 8  # a float cache has no scales
+    cascade_tokens = x["cascade"].host.prefix_lens.sum() + x["cascade"].host.suffix_lens.sum()
+    return int(x["lens"].sum()) * per_token, int(cascade_tokens) * per_token
+
+
+def run_case(requests, width, prompt, suffix, dtype, device, time_ms) -> dict:
+    """Time plain and cascade decode on one batch; return a table row."""
+    x = make_batch(requests, width, prompt, suffix, dtype, device)
+    caches = (x["q"], x["k_cache"], x["v_cache"])
+
+    def plain():
+        return paged_decode_attention_prepared(*caches, x["meta"])
+
+    def cascade():
+        return cascade_decode_attention_prepared(*caches, x["cascade"])
+
+    err = (plain().float() - cascade().float()).abs().max().item()
+    t_plain, t_cascade = time_ms(plain), time_ms(cascade)
+    plain_bytes, cascade_bytes = read_bytes(x, dtype)
+    return dict(requests=requests, width=width, prompt=prompt, suffix=f"{suffix[0]}-{suffix[1]}",
+                plain_mb=plain_bytes / 2**20, cascade_mb=cascade_bytes / 2**20, bytes_ratio=cascade_bytes / plain_bytes,
+                plain_ms=t_plain, cascade_ms=t_cascade, time_ratio=t_cascade / t_plain, max_err=err)  # fmt: skip
+
+
+def run(device: torch.device, quick: bool) -> list[dict]:
+    """Rows of the grid (beam width 4 and 8) on ``device``: GPU 8k/32k prompts, CPU 1k/4k (--quick: 1k)."""
+    on_gpu = device.type == "cuda"
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    if on_gpu:
+        prompts, suffix, requests = ((8192,) if quick else (8192, 32768)), (64, 512), ((1,) if quick else (1, 8))
+    else:
+        prompts, suffix, requests = ((1024,) if quick else (1024, 4096)), (16, 64), (1,)
+    time_ms = timer(device, quick)
+    return [run_case(r, w, p, suffix, dtype, device, time_ms) for r in requests for p in prompts for w in (4, 8)]
+
+
+COLUMNS = [
+    ("requests", "{:>8}"), ("width", "{:>5}"), ("prompt", "{:>6}"), ("suffix", "{:>7}"), ("plain_mb", "{:>9.1f}"),
+    ("cascade_mb", "{:>10.1f}"), ("bytes_ratio", "{:>11.2f}"), ("plain_ms", "{:>9.3f}"), ("cascade_ms", "{:>10.3f}"),
+    ("time_ratio", "{:>10.2f}"), ("max_err", "{:>8.1e}"),
+]  # fmt: skip
+
+
+def main() -> None:
+    """Parse arguments, run the grid and print a markdown table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small grid, short timing")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    print(f"# cascade vs plain decode, {name}; Hq={NUM_Q_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_DIM} block={BLOCK_SIZE}")
+    print("# *_mb: K+V bytes read; *_ratio = cascade / plain (< 1: cascade reads less / is faster)")
+    rows = run(device, args.quick)
+    print("| " + " | ".join(name for name, _ in COLUMNS) + " |")
+    print("|" + "|".join("---:" for _ in COLUMNS) + "|")
+    for row in rows:
+        print("| " + " | ".join(fmt.format(row[name]) for name, fmt in COLUMNS) + " |")
+
+
+if __name__ == "__main__":
+    main()

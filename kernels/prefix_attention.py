@@ -1,0 +1,367 @@
+"""Shared-prefix attention: packed query rows of G groups, each over its group's paged prefix, no causal mask.
+
+Group g owns query rows ``[cu_seqlens_q[g], cu_seqlens_q[g + 1])`` of q ``[T, Hq, D]`` and every
+one of them sees positions ``[0, prefix_lens[g])`` of table g. This is the shared half of cascade
+decode (:mod:`kernels.cascade_attention`): beams or parallel samples that fork from one prompt
+share its blocks, so the prefix is read once per group instead of once per sequence.
+
+The Triton kernel's tile rows are (query, head-of-the-GQA-group) pairs: one program holds
+Q_TILE queries x GROUP heads of one KV head, so each K/V tile it loads serves all of them.
+Grid (group x query tile, kv head, split): the prefix is split flash-decoding style when the
+groups are too few to fill the GPU, and decode's split-merge kernel combines the splits. The
+torch reference gathers each group's prefix densely and runs the shared dense core.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from kernels._checks import Backend, check_host_ints, check_triton_device, use_triton
+from kernels.attention_checks import (
+    CacheGeometry,
+    block_id_bounds,
+    check_block_ids,
+    check_cache,
+    check_options,
+)
+from kernels.attention_metadata import offsets
+from kernels.attention_torch import dense_attention, gather_kv
+from kernels.attention_triton import (
+    cache_arguments,
+    dot_precision,
+    finish_softmax,
+    kv_scale,
+    kv_tile,
+    logit_coefficients,
+    scaled_logits,
+    softmax_step,
+)
+from kernels.decode_attention import MAX_SPLITS, _merge_splits_kernel, choose_num_splits, decode_tile
+from paged_kv.errors import InvalidArgumentError, OutOfRangeError, check_int, describe
+from paged_kv.tensor_checks import INDEX_DTYPES, check_shape, check_tensor
+
+MAX_TILE_ROWS = 64  # (query, head) rows of one program: bounds registers like the decode tile
+
+
+@triton.jit
+def _prefix_kernel(
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, plen_ptr, cu_ptr, out_ptr, lse_ptr,
+    sq_t, sq_h, sq_d,
+    sk_b, sk_t, sk_h, sk_d, sv_b, sv_t, sv_h, sv_d,
+    sks_b, sks_t, sks_h, svs_b, svs_t, svs_h,
+    sbt_g, sbt_b, so_t, so_h, so_p, so_d, sl_t, sl_h, sl_p,
+    qk_a, qk_b,
+    GROUP: tl.constexpr, Q_TILE: tl.constexpr, NUM_QTILES: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, QUANTIZED: tl.constexpr, SOFT_CAP: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Grid (group * NUM_QTILES, kv_head, split): Q_TILE queries x GROUP heads over one split of the prefix."""
+    grp = tl.program_id(0) // NUM_QTILES
+    qtile = tl.program_id(0) % NUM_QTILES
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    q_lo = tl.load(cu_ptr + grp).to(tl.int32) + qtile * Q_TILE  # first query row of this tile
+    q_hi = tl.load(cu_ptr + grp + 1).to(tl.int32)
+    prefix_len = tl.load(plen_ptr + grp).to(tl.int32)
+    per_split = tl.cdiv(tl.cdiv(prefix_len, NUM_SPLITS), BLOCK_N) * BLOCK_N  # tile-aligned
+    start = split * per_split
+    stop = tl.minimum(start + per_split, prefix_len)
+    stop = tl.where(q_lo < q_hi, stop, start)  # a tile past the group's queries reads nothing
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    offs_n = tl.arange(0, BLOCK_N)
+    d_mask = offs_d < HEAD_DIM
+    rows = q_lo + offs_m // GROUP  # [BLOCK_M] query row of each tile row
+    heads = kvh * GROUP + offs_m % GROUP  # [BLOCK_M] its query head
+    m_mask = (offs_m < Q_TILE * GROUP) & (rows < q_hi)  # rows past the tile or the group are padding
+    q_offs = rows[:, None] * sq_t + heads[:, None] * sq_h + offs_d[None, :] * sq_d
+    q = tl.load(q_ptr + q_offs, mask=m_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)  # [BLOCK_M, D_PAD]
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    vs = tl.zeros([BLOCK_N], tl.float32)
+    for tile in range(start, stop, BLOCK_N):
+        pos = tile + offs_n  # [BLOCK_N] prefix positions
+        valid = pos < stop
+        blk = tl.load(bt_ptr + grp * sbt_g + (pos // BLOCK_SIZE) * sbt_b, mask=valid, other=0).to(tl.int64)
+        slot = pos % BLOCK_SIZE
+        k = kv_tile(k_ptr, blk, slot, kvh, offs_d, valid, d_mask, sk_b, sk_t, sk_h, sk_d)  # [BLOCK_N, D_PAD]
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
+        if QUANTIZED:
+            s = s * kv_scale(ks_ptr, blk, slot, kvh, valid, sks_b, sks_t, sks_h)[None, :]
+            vs = kv_scale(vs_ptr, blk, slot, kvh, valid, svs_b, svs_t, svs_h)
+        s = tl.where(valid[None, :], scaled_logits(s, qk_a, qk_b, SOFT_CAP), float("-inf"))
+        v = kv_tile(v_ptr, blk, slot, kvh, offs_d, valid, d_mask, sv_b, sv_t, sv_h, sv_d)
+        m_i, l_i, acc = softmax_step(s, v, vs, m_i, l_i, acc, QUANTIZED, PRECISION)
+
+    out, lse = finish_softmax(m_i, l_i, acc)
+    o_offs = rows[:, None] * so_t + heads[:, None] * so_h + split * so_p + offs_d[None, :] * so_d
+    tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+    tl.store(lse_ptr + rows * sl_t + heads * sl_h + split * sl_p, lse, mask=m_mask)
+
+
+# ----------------------------------------------------------------------------- host side
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class PrefixMetadata:
+    """Groups of packed query rows and their shared paged prefixes, on the device with host sizes.
+
+    Invariant: every block id covering ``[0, prefix_len)`` of a group lies in ``[0, num_blocks)``,
+    and ``cu_seqlens_q`` is non-decreasing from 0 to the number of query rows.
+    """
+
+    block_tables: torch.Tensor  # [G, Wp] int32 each group's prefix blocks
+    prefix_lens: torch.Tensor  # [G] int32 tokens of the shared prefix
+    cu_seqlens_q: torch.Tensor  # [G + 1] int32 offsets of each group's query rows
+    host_prefix_lens: np.ndarray  # [G] int64
+    host_query_counts: np.ndarray  # [G] int64 query rows per group
+    block_size: int
+    num_blocks: int
+
+    @property
+    def num_groups(self) -> int:
+        """Groups G."""
+        return len(self.host_prefix_lens)
+
+    @property
+    def num_rows(self) -> int:
+        """Packed query rows T."""
+        return int(self.host_query_counts.sum())
+
+
+def prefix_tile(group: int, max_queries: int) -> tuple[int, int]:
+    """(BLOCK_M, Q_TILE): tile rows (>= 16, power of 2, <= MAX_TILE_ROWS or one GROUP), queries per tile."""
+    block_m = max(16, min(MAX_TILE_ROWS, triton.next_power_of_2(group * max(1, max_queries))))
+    block_m = max(block_m, triton.next_power_of_2(group))
+    return block_m, block_m // group
+
+
+def _prefix_triton(q, k_cache, v_cache, meta: PrefixMetadata, geo: CacheGeometry, opts, k_scale, v_scale, splits):
+    """Launch the prefix kernel (and decode's split merge when splits > 1); returns (out, lse)."""
+    num_rows, num_q_heads, head_dim = q.shape
+    scale, _, soft_cap = opts
+    group = num_q_heads // geo.num_kv_heads
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    widest = int(meta.host_query_counts.max(initial=0))
+    block_m, q_tile = prefix_tile(group, widest)
+    num_qtiles = max(1, -(-widest // q_tile))
+    out = torch.empty_like(q)  # [T, Hq, D]
+    lse = torch.empty(num_rows, num_q_heads, device=q.device, dtype=torch.float32)
+    if splits == 1:
+        part, part_lse = out.unsqueeze(2), lse.unsqueeze(2)  # [T, Hq, 1, D], [T, Hq, 1]
+    else:
+        part = torch.empty(num_rows, num_q_heads, splits, head_dim, device=q.device, dtype=torch.float32)
+        part_lse = torch.empty(num_rows, num_q_heads, splits, device=q.device, dtype=torch.float32)
+    qk_a, qk_b = logit_coefficients(scale, soft_cap)
+    block_n, num_warps = decode_tile(d_pad)
+    cache_pointers, cache_strides = cache_arguments(k_cache, v_cache, k_scale, v_scale)
+    tables = meta.block_tables
+    _prefix_kernel[(meta.num_groups * num_qtiles, geo.num_kv_heads, splits)](
+        q, *cache_pointers, tables, meta.prefix_lens, meta.cu_seqlens_q, part, part_lse,
+        *q.stride(), *cache_strides, *tables.stride(), *part.stride(), *part_lse.stride(), qk_a, qk_b,
+        GROUP=group, Q_TILE=q_tile, NUM_QTILES=num_qtiles, BLOCK_M=block_m, HEAD_DIM=head_dim, D_PAD=d_pad,
+        BLOCK_SIZE=geo.block_size, BLOCK_N=block_n, NUM_SPLITS=splits, QUANTIZED=geo.quantized,
+        SOFT_CAP=soft_cap is not None, PRECISION=dot_precision(q, k_cache), num_warps=num_warps,
+    )  # fmt: skip
+    if splits > 1:
+        _merge_splits_kernel[(num_rows, num_q_heads)](
+            part, part_lse, out, lse, *part.stride(), *part_lse.stride(), *out.stride(), *lse.stride(),
+            NUM_SPLITS=splits, S_PAD=triton.next_power_of_2(splits), HEAD_DIM=head_dim, D_PAD=d_pad,
+        )  # fmt: skip
+    return out, lse
+
+
+def _prefix_torch(q, k_cache, v_cache, meta: PrefixMetadata, opts, k_scale, v_scale):
+    """Dense torch path: queries padded per group ``[G, M, Hq, D]`` over gathered prefixes; returns (out, lse)."""
+    scale, _, soft_cap = opts
+    counts, plens = meta.host_query_counts, meta.host_prefix_lens
+    num_groups, width = len(counts), int(counts.max(initial=0))
+    length = int(plens.max(initial=0))
+    if length == 0:  # no group has a prefix: every row attends to nothing
+        return torch.zeros_like(q), torch.full(q.shape[:2], float("-inf"), device=q.device)
+    starts = offsets(counts)[:-1]
+    j = np.arange(width)[None, :]
+    padded = starts[:, None] + np.minimum(j, np.maximum(counts[:, None] - 1, 0))  # [G, M] rows, repeated past the end
+    packed = (np.repeat(np.arange(num_groups), counts) * width + np.arange(len(q)) - np.repeat(starts, counts))
+    idx = torch.from_numpy(np.concatenate([padded.ravel(), packed])).to(q.device)
+    pad_idx, pack_idx = idx.split([padded.size, len(packed)])
+    lens = meta.prefix_lens
+    zeros = torch.zeros(num_groups, dtype=torch.int64, device=q.device)
+    k = gather_kv(k_cache, k_scale, meta.block_tables, lens, zeros, length, "k")  # [Hkv, G, L, D]
+    v = gather_kv(v_cache, v_scale, meta.block_tables, lens, zeros, length, "v")
+    qg = q.index_select(0, pad_idx).view(num_groups, width, *q.shape[1:]).float()  # [G, M, Hq, D]
+    q_pos = (lens.long() - 1)[:, None].expand(num_groups, width)  # non-causal: each row sees the whole prefix
+    out, lse = dense_attention(qg, k, v, q_pos, lens, scale=scale, sliding_window=None, soft_cap=soft_cap)
+    out = out.flatten(0, 1).index_select(0, pack_idx)  # [T, Hq, D]
+    lse = lse.flatten(0, 1).index_select(0, pack_idx)  # [T, Hq]
+    if (plens == 0).any():  # an empty prefix gathered a stale slot: its rows are 0 with lse -inf
+        empty = torch.from_numpy(np.repeat(plens == 0, counts)).to(q.device)[:, None]
+        out = torch.where(empty[..., None], 0.0, out)
+        lse = torch.where(empty, float("-inf"), lse)
+    return out.to(q.dtype), lse
+
+
+def _run(q, k_cache, v_cache, meta: PrefixMetadata, geo, opts, k_scale, v_scale, num_splits, backend):
+    """Dispatch a validated call to Triton or torch; returns (out ``[T, Hq, D]``, lse ``[T, Hq]``)."""
+    run_triton = use_triton(backend, q, k_cache, v_cache, meta.block_tables, meta.prefix_lens)
+    if q.shape[0] == 0:
+        return torch.empty_like(q), torch.empty(0, q.shape[1], device=q.device, dtype=torch.float32)
+    if run_triton:
+        check_triton_device(q)
+        widest = int(meta.host_query_counts.max())
+        tiles = meta.num_groups * -(-widest // prefix_tile(q.shape[1] // geo.num_kv_heads, widest)[1])
+        splits = num_splits or choose_num_splits(tiles, geo.num_kv_heads, int(meta.host_prefix_lens.max()), q.device)
+        return _prefix_triton(q, k_cache, v_cache, meta, geo, opts, k_scale, v_scale, splits)
+    return _prefix_torch(q, k_cache, v_cache, meta, opts, k_scale, v_scale)
+
+
+def _validate(q, k_cache, v_cache, block_tables, prefix_lens, cu_seqlens_q, k_scale, v_scale, scale, cap, splits):
+    """Every check of the prefix contract with one host sync; returns (geometry, options, metadata)."""
+    geo = check_cache(q, k_cache, v_cache, k_scale, v_scale)
+    opts = check_options(geo.head_dim, scale, None, cap)
+    check_tensor("block_tables", block_tables, ndim=2, dtypes=INDEX_DTYPES, device=q.device)
+    num_groups = check_tensor("prefix_lens", prefix_lens, ndim=1, dtypes=INDEX_DTYPES, device=q.device).shape[0]
+    if block_tables.shape[0] != num_groups:
+        raise InvalidArgumentError(describe("block_tables.shape[0]", block_tables.shape[0], f"{num_groups} groups"))
+    check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=INDEX_DTYPES, device=q.device)
+    check_shape("cu_seqlens_q", cu_seqlens_q, (num_groups + 1,))
+    if splits is not None:
+        check_int("num_splits", splits, low=1, high=MAX_SPLITS)
+    zeros = torch.zeros_like(prefix_lens, dtype=torch.int64)
+    bounds = block_id_bounds(block_tables, prefix_lens.long(), zeros, geo.block_size)
+    host = torch.cat([cu_seqlens_q.long(), prefix_lens.long(), torch.stack(bounds)]).tolist()
+    cu, plens, (lo_blk, hi_blk) = host[: num_groups + 1], host[num_groups + 1 : -2], host[-2:]
+    if cu[0] != 0 or cu[-1] != q.shape[0] or any(b < a for a, b in zip(cu, cu[1:])):
+        raise OutOfRangeError(describe("cu_seqlens_q", cu, f"non-decreasing offsets from 0 to {q.shape[0]}"))
+    capacity = block_tables.shape[1] * geo.block_size
+    bad = [n for n in plens if not 0 <= n <= capacity]
+    if bad:
+        raise OutOfRangeError(describe("prefix_lens", bad[0], f"lengths in [0, {capacity}] (max_blocks * block_size)"))
+    check_block_ids(lo_blk, hi_blk, geo.num_blocks)
+    meta = PrefixMetadata(
+        block_tables=block_tables, prefix_lens=prefix_lens, cu_seqlens_q=cu_seqlens_q,
+        host_prefix_lens=np.array(plens, dtype=np.int64), host_query_counts=np.diff(np.array(cu, dtype=np.int64)),
+        block_size=geo.block_size, num_blocks=geo.num_blocks,
+    )  # fmt: skip
+    return geo, opts, meta
+
+
+def paged_prefix_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    *,
+    scale: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    soft_cap: float | None = None,
+    num_splits: int | None = None,
+    backend: Backend = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Non-causal attention of packed query groups over paged prefixes: q ``[T, Hq, D]`` -> (out, lse ``[T, Hq]``).
+
+    Rows ``[cu_seqlens_q[g], cu_seqlens_q[g + 1])`` see positions ``[0, prefix_lens[g])`` of
+    ``block_tables[g]``. out has q's dtype; lse is the float32 natural-log logsumexp of the
+    (soft-capped) logits, -inf (and out 0) for a group with an empty prefix. Query head h uses KV
+    head ``h // (Hq // Hkv)``; logits are ``scale * q.k`` (default 1/sqrt(D)). One host sync.
+    """
+    geo, opts, meta = _validate(
+        q, k_cache, v_cache, block_tables, prefix_lens, cu_seqlens_q, k_scale, v_scale, scale, soft_cap, num_splits
+    )
+    return _run(q, k_cache, v_cache, meta, geo, opts, k_scale, v_scale, num_splits, backend)
+
+
+def paged_prefix_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    *,
+    scale: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    soft_cap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of :func:`paged_prefix_attention`: same contract, always the dense torch path."""
+    return paged_prefix_attention(
+        q, k_cache, v_cache, block_tables, prefix_lens, cu_seqlens_q, scale=scale, k_scale=k_scale,
+        v_scale=v_scale, soft_cap=soft_cap, backend="torch",
+    )  # fmt: skip
+
+
+def paged_prefix_attention_prepared(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: PrefixMetadata,
+    *,
+    scale: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    soft_cap: float | None = None,
+    num_splits: int | None = None,
+    backend: Backend = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`paged_prefix_attention` over host-validated :class:`PrefixMetadata`: host checks only, no device read."""
+    geo = check_cache(q, k_cache, v_cache, k_scale, v_scale)
+    opts = check_options(geo.head_dim, scale, None, soft_cap)
+    check_prefix_metadata(meta, geo, q)
+    if num_splits is not None:
+        check_int("num_splits", num_splits, low=1, high=MAX_SPLITS)
+    return _run(q, k_cache, v_cache, meta, geo, opts, k_scale, v_scale, num_splits, backend)
+
+
+def check_prefix_metadata(meta: object, geo: CacheGeometry, q: torch.Tensor) -> PrefixMetadata:
+    """Check prepared prefix metadata against the cache and the queries, from host values only."""
+    if not isinstance(meta, PrefixMetadata):
+        raise InvalidArgumentError(describe("meta", type(meta).__name__, "a PrefixMetadata"))
+    if meta.block_size != geo.block_size:
+        raise InvalidArgumentError(describe("meta.block_size", meta.block_size, f"the cache's {geo.block_size}"))
+    if meta.num_blocks > geo.num_blocks:
+        raise OutOfRangeError(describe("meta.num_blocks", meta.num_blocks, f"<= the cache's {geo.num_blocks} blocks"))
+    if meta.block_tables.device != q.device:
+        raise InvalidArgumentError(describe("meta.device", meta.block_tables.device, f"{q.device}"))
+    if meta.num_rows != q.shape[0]:
+        raise InvalidArgumentError(describe("q.shape[0]", q.shape[0], f"the metadata's {meta.num_rows} query rows"))
+    return meta
+
+
+def prepare_prefix_metadata(
+    tables: np.ndarray,
+    prefix_lens: np.ndarray,
+    query_counts: np.ndarray,
+    *,
+    block_size: int,
+    num_blocks: int,
+    device: torch.device,
+) -> PrefixMetadata:
+    """Validate host prefix groups (tables ``[G, W]``, lengths, query rows per group) and upload them."""
+    tables = check_host_ints("tables", tables, 2)
+    plens, counts = check_host_ints("prefix_lens", prefix_lens, 1), check_host_ints("query_counts", query_counts, 1)
+    if plens.shape != (len(tables),) or counts.shape != plens.shape:
+        got = (tables.shape, plens.shape, counts.shape)
+        raise InvalidArgumentError(describe("tables, prefix_lens, query_counts shapes", got, "[G, W], [G], [G]"))
+    if (plens < 0).any() or (plens > tables.shape[1] * block_size).any() or (counts < 0).any():
+        raise OutOfRangeError(describe("prefix_lens", plens.tolist(), f"in [0, {tables.shape[1] * block_size}]"))
+    used = np.arange(tables.shape[1])[None, :] < -(-plens[:, None] // block_size)  # [G, W]
+    if ((tables < 0) | (tables >= num_blocks))[used].any():
+        raise OutOfRangeError(describe("tables", tables[used].tolist(), f"block ids in [0, {num_blocks}) where used"))
+    flat = torch.from_numpy(np.concatenate([tables.ravel(), plens, offsets(counts)]).astype(np.int32)).to(device)
+    bt, pl, cu = flat.split([tables.size, len(plens), len(plens) + 1])
+    return PrefixMetadata(
+        block_tables=bt.view(tables.shape), prefix_lens=pl, cu_seqlens_q=cu, host_prefix_lens=plens,
+        host_query_counts=counts, block_size=block_size, num_blocks=num_blocks,
+    )  # fmt: skip

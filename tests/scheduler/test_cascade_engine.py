@@ -1,0 +1,100 @@
+"""Cascade decode in the engine: beam search and n > 1 sampling give the same outputs with it on and off.
+
+The steps whose request groups share long prompts are planned on the host and attend the
+shared blocks once per group; the tests count those calls so that they cannot pass with the
+cascade path unused, and check a cascade step against transformers under the host-read guard.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from no_host_reads import forbid_host_reads
+from sched_helpers import VOCAB, make_engine
+from test_beam_search import assert_same_beams, hf_beams
+
+import scheduler.attention as attention
+from scheduler import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
+from scheduler.beam_search import BeamSearch, BeamSearchParams
+
+
+@pytest.fixture
+def cascade_calls(monkeypatch):
+    """Counts the layers' calls of cascade decode."""
+    calls = []
+    original = attention.cascade_decode_attention_prepared
+    monkeypatch.setattr(attention, "cascade_decode_attention_prepared",
+                        lambda *a, **k: calls.append(1) or original(*a, **k))  # fmt: skip
+    return calls
+
+
+@pytest.fixture(scope="module")
+def long_prompt() -> list[int]:
+    """A 45-token prompt: 11 full blocks of 4 and one token."""
+    return torch.randint(0, VOCAB, (45,), generator=torch.Generator().manual_seed(11)).tolist()
+
+
+def engine(tiny_hf, cascade: bool) -> LLMEngine:
+    """A CPU engine over the tiny model with cascade decode on or off."""
+    cache = CacheConfig(block_size=4, num_gpu_blocks=256, watermark=0.0, enable_cascade_attention=cascade)
+    config = EngineConfig(cache=cache, scheduler=SchedulerConfig(max_num_batched_tokens=256), device="cpu")
+    return LLMEngine.from_hf(tiny_hf, config)
+
+
+@pytest.mark.parametrize("width", [4, 8])
+def test_beam_search_is_the_same_with_cascade_on_and_off(tiny_hf, long_prompt, cascade_calls, width):
+    params = BeamSearchParams(width=width, max_tokens=8)
+    prompts = [long_prompt, long_prompt[:13]]
+    off = BeamSearch(engine(tiny_hf, False)).generate(prompts, params)
+    assert not cascade_calls
+    on = BeamSearch(engine(tiny_hf, True)).generate(prompts, params)
+    assert cascade_calls  # the beams of the long prompt shared their blocks
+    for a, b in zip(on, off):
+        assert [h.token_ids for h in a.hypotheses] == [h.token_ids for h in b.hypotheses]
+        assert [h.score for h in a.hypotheses] == pytest.approx([h.score for h in b.hypotheses], rel=1e-5, abs=1e-5)
+
+
+def test_beam_search_with_cascade_matches_transformers(tiny_hf, long_prompt, cascade_calls):
+    out = BeamSearch(engine(tiny_hf, True)).generate([long_prompt], BeamSearchParams(width=4, max_tokens=10))[0]
+    assert cascade_calls
+    assert_same_beams(out, *hf_beams(tiny_hf, long_prompt, width=4, new=10))
+
+
+def test_parallel_sampling_is_the_same_with_cascade_on_and_off(tiny_hf, long_prompt, cascade_calls):
+    params = [SamplingParams(n=4, temperature=1.0, seed=5, max_tokens=10, logprobs=2),
+              SamplingParams(n=3, temperature=0.7, top_p=0.9, seed=6, max_tokens=7)]  # fmt: skip
+    prompts = [long_prompt, long_prompt[5:40]]
+    off = engine(tiny_hf, False).generate(prompts, params, use_tqdm=False)
+    assert not cascade_calls
+    on = engine(tiny_hf, True).generate(prompts, params, use_tqdm=False)
+    assert cascade_calls
+    for a, b in zip(on, off):
+        assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+        for ca, cb in zip(a.outputs, b.outputs):
+            assert ca.cumulative_logprob == pytest.approx(cb.cumulative_logprob, rel=1e-5, abs=1e-5)
+
+
+def test_a_cascade_step_reads_no_device_value_and_gives_the_models_logits(tiny_hf, long_prompt):
+    eng = make_engine(tiny_hf)
+    eng.add_request("beams", long_prompt, SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=8))
+    eng.add_request("alone", long_prompt[:9], SamplingParams(max_tokens=8))
+    eng.step()  # prefill; the n samples fork at their first token
+    eng.step()
+    out = eng.schedule()
+    with forbid_host_reads():
+        step = eng.inputs.build(out)
+        logits = eng.runner.execute(step)
+    assert step.meta.cascade is not None and step.meta.cascade.prefix.num_groups == 1
+    assert step.meta.cascade.host.prefix_lens.tolist() == [44]  # 11 shared blocks, the 12th is being written
+    seqs = [s.seq for s in out.scheduled]
+    with torch.no_grad():
+        expected = torch.stack([tiny_hf(torch.tensor([s.token_ids])).logits[0, -1] for s in seqs])
+    torch.testing.assert_close(logits, expected, atol=2e-4, rtol=2e-4)
+
+
+def test_no_plan_when_off_or_when_nothing_is_shared(tiny_hf, long_prompt):
+    for cascade, prompt_len, n in ((False, 45, 4), (True, 45, 1), (True, 9, 4)):
+        eng = engine(tiny_hf, cascade)
+        eng.add_request("r", long_prompt[:prompt_len], SamplingParams(n=n, temperature=1.0, seed=2, max_tokens=4))
+        eng.step()
+        assert eng.inputs.build(eng.schedule()).meta.cascade is None  # 9 tokens: 2 shared blocks < 4
