@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from paged_kv.errors import InvalidArgumentError, WorkerError, describe
-from scheduler.distributed.parallel_state import Groups, TPShard, destroy_groups, init_groups
+from scheduler.distributed.parallel_state import COMM, Groups, TPShard, destroy_groups, init_groups
 from scheduler.distributed.sharding import shard_model, shard_state_dict
 from scheduler.distributed.worker import KVQuery, Stop, WorkerSetup, spawned_worker
 from scheduler.model import LlamaModel
@@ -118,7 +118,9 @@ class TPExecutor:
     # -- the per-step protocol ---------------------------------------------
     def broadcast(self, message: object) -> None:
         """Send every worker ``message`` (a step payload, setup, query or stop)."""
+        start = time.perf_counter()
         self.guard(lambda: dist.broadcast_object_list([message], src=0, group=self.groups.control))
+        COMM.add("broadcast", time.perf_counter() - start, 0)
 
     def setup(self, setup: WorkerSetup) -> None:
         """Tell the workers the pool sizes and table width the driver chose."""

@@ -127,3 +127,15 @@ def run_torchrun_worker(model: LlamaModel, device_type: str, timeout_s: float) -
         run_worker(shard_model(model.cpu(), TPShard(rank, size)).to(device), groups, device)
     finally:
         destroy_groups()
+
+
+def is_torchrun_worker() -> bool:
+    """Whether this process is a rank > 0 started by torchrun (it serves rank 0 instead of running an engine)."""
+    return int(os.environ.get("RANK", "0")) > 0 and "WORLD_SIZE" in os.environ
+
+
+def serve_rank(hf_model, config) -> None:
+    """Under torchrun, rank > 0: build the whole model from a transformers model, then run its shard for rank 0."""
+    from scheduler.weights import from_hf_model
+
+    run_torchrun_worker(from_hf_model(hf_model), config.resolved_device().type, config.distributed_timeout_s)
