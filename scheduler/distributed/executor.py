@@ -34,7 +34,7 @@ import torch.multiprocessing as mp
 from paged_kv.errors import InvalidArgumentError, WorkerError, describe
 from scheduler.distributed.parallel_state import COMM, Groups, TPShard, destroy_groups, init_groups
 from scheduler.distributed.sharding import shard_model, shard_state_dict
-from scheduler.distributed.worker import KVQuery, Stop, WorkerSetup, spawned_worker
+from scheduler.distributed.worker import KVQuery, Stop, WorkerSetup, send, spawned_worker
 from scheduler.model import LlamaModel
 
 T = TypeVar("T")
@@ -119,7 +119,7 @@ class TPExecutor:
     def broadcast(self, message: object) -> None:
         """Send every worker ``message`` (a step payload, setup, query or stop)."""
         start = time.perf_counter()
-        self.guard(lambda: dist.broadcast_object_list([message], src=0, group=self.groups.control))
+        self.guard(lambda: send(message, self.groups, self.timeout_s))
         COMM.add("broadcast", time.perf_counter() - start, 0)
 
     def setup(self, setup: WorkerSetup) -> None:
@@ -180,7 +180,7 @@ class TPExecutor:
             return
         if self.failed is None and self._dead_worker(0.0) is None:
             try:
-                dist.broadcast_object_list([Stop()], src=0, group=self.groups.control)
+                send(Stop(), self.groups, self.timeout_s)
             except (RuntimeError, dist.DistError):
                 pass  # a worker went away meanwhile: it is killed below
         self.closed = True

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from paged_kv.errors import WorkerError
 from paged_kv.kv_cache import PagedKVCache
 from scheduler.block_tables import DeviceRows
 from scheduler.distributed.parallel_state import Groups, TPShard, destroy_groups, init_groups
@@ -53,10 +56,21 @@ class Stop:
 
 
 def receive(groups: Groups) -> object:
-    """The next message broadcast by rank 0 over the control group."""
-    box: list[object] = [None]
-    dist.broadcast_object_list(box, src=0, group=groups.control)
-    return box[0]
+    """The next message broadcast by rank 0 over the control group (its pickled size, then its bytes)."""
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.broadcast(size, src=0, group=groups.control)
+    data = torch.empty(int(size[0]), dtype=torch.uint8)  # host tensors: no device read
+    dist.broadcast(data, src=0, group=groups.control)
+    return pickle.loads(data.numpy().tobytes())
+
+
+def send(message: object, groups: Groups, timeout_s: float) -> None:
+    """Rank 0: broadcast ``message`` to :func:`receive`; a WorkerError if a rank does not take it in ``timeout_s``."""
+    data = pickle.dumps(message)
+    for t in (torch.tensor([len(data)], dtype=torch.int64), torch.frombuffer(bytearray(data), dtype=torch.uint8)):
+        work = dist.broadcast(t, src=0, group=groups.control, async_op=True)
+        if not work.wait(timeout=timedelta(seconds=timeout_s)):
+            raise WorkerError(f"a tensor-parallel worker hung: it took no step payload within {timeout_s} s")
 
 
 def answer_kv_query(q: KVQuery, gpu: PagedKVCache, cpu: PagedKVCache | None, groups: Groups) -> list | None:

@@ -1,7 +1,7 @@
 """Tensor parallelism with fewer KV heads than ranks (replicated), and workers that die or hang.
 
-A worker killed mid-run (SIGKILL) must end the driver's call with a WorkerError within a
-bounded time, not a hang; shutdown then leaves no child process.
+A worker killed mid-run (SIGKILL) or stopped (SIGSTOP: it hangs) must end the driver's call
+with a WorkerError within a bounded time, not a hang; shutdown then leaves no child process.
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ import torch.distributed as dist
 from sched_helpers import VOCAB, make_engine
 
 from paged_kv.errors import InvalidArgumentError, WorkerError
-from scheduler import LLMEngine, SamplingParams
+from scheduler import CacheConfig, EngineConfig, LLMEngine, SamplingParams
+
+TIMEOUT_S = 4.0  # the hang test's step timeout
 
 @pytest.fixture(scope="module")
 def one_kv_head_hf():
@@ -65,6 +67,27 @@ def test_one_kv_head_is_replicated_and_a_killed_worker_raises_a_typed_error(one_
         assert err.value.rank == 1 and time.monotonic() - start < 10.0
         with pytest.raises(WorkerError):  # the engine stays failed
             engine.step()
+    finally:
+        engine.shutdown()
+    _no_children_left(engine)
+
+
+def test_a_hung_worker_raises_within_the_timeout_and_is_killed_at_shutdown(tiny_hf, prompts):
+    torch.set_num_threads(1)
+    config = EngineConfig(
+        cache=CacheConfig(block_size=4, num_gpu_blocks=64, watermark=0.0), device="cpu", tensor_parallel_size=2,
+        distributed_timeout_s=TIMEOUT_S,
+    )  # fmt: skip
+    engine = LLMEngine.from_hf(tiny_hf, config)
+    try:
+        engine.add_request("a", prompts[0], SamplingParams(max_tokens=50, ignore_eos=True))
+        engine.step()
+        os.kill(engine.executor.processes[0].pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match="hung"):
+            for _ in range(50):
+                engine.step()
+        assert TIMEOUT_S * 0.5 < time.monotonic() - start < TIMEOUT_S + 10.0
     finally:
         engine.shutdown()
     _no_children_left(engine)
