@@ -10,11 +10,12 @@ from paged_kv.errors import (
     PagedKVError,
     SequenceStateError,
     UnknownSequenceError,
+    WorkerError,
 )
 from paged_kv.stats import BlockManagerStats
 
 __all__ = [
     "BlockManager", "BlockManagerConfig", "BlockManagerStats", "CopyOp", "SeqId",
     "PagedKVError", "InvalidArgumentError", "OutOfRangeError", "OutOfBlocksError",
-    "UnknownSequenceError", "DuplicateSequenceError", "SequenceStateError",
+    "UnknownSequenceError", "DuplicateSequenceError", "SequenceStateError", "WorkerError",
 ]

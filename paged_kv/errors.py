@@ -44,6 +44,14 @@ class OutOfBlocksError(PagedKVError, MemoryError):
     """Not enough free blocks for the request; nothing was allocated."""
 
 
+class WorkerError(PagedKVError, RuntimeError):
+    """A tensor-parallel worker died, hung past the timeout or failed; the engine cannot go on."""
+
+    def __init__(self, message: str, rank: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank  # the failed worker's rank, None when the collective could not tell
+
+
 def describe(name: str, value: object, expected: str) -> str:
     """Format the standard message: argument name, the value given, what was expected."""
     return f"{name}={value!r}: expected {expected}"

@@ -15,6 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from scheduler.config import CacheConfig, EngineConfig, SchedulerConfig
+from scheduler.distributed.worker import is_torchrun_worker, serve_rank
 from scheduler.engine import LLMEngine
 from scheduler.hf import load_smollm2
 from scheduler.outputs import RequestOutput
@@ -49,6 +50,8 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode steps eagerly, no CUDA graphs")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="CUDA: share of the GPU's memory the engine may use; sizes the KV pool (overrides --kv-blocks)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks the model is split over: local worker processes, or torchrun's WORLD_SIZE")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1: small decode matmuls gain little from more, "
                         "and lose badly when the cores are shared; 0: torch's default)")  # fmt: skip
@@ -67,7 +70,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_batched_tokens, max_num_seqs=args.max_num_seqs,
         preemption_mode=args.preemption_mode,
     )  # fmt: skip
-    return EngineConfig(cache=cache, scheduler=sched, device=args.device, enforce_eager=args.enforce_eager)
+    return EngineConfig(
+        cache=cache, scheduler=sched, device=args.device, enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tensor_parallel_size,
+    )  # fmt: skip
 
 
 def build_engine(hf_model, args: argparse.Namespace) -> LLMEngine:
@@ -129,6 +135,9 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     start = time.perf_counter()
     hf_model, tokenizer = load_smollm2()
+    if is_torchrun_worker():  # torchrun rank > 0: serve rank 0's steps until it stops
+        serve_rank(hf_model, engine_config(args))
+        return
     engine = build_engine(hf_model, args)
     del hf_model
     pool = engine.runner.gpu_cache
@@ -140,6 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     print("\n" + engine.metrics_summary().format())
     if args.beam_width:
         beam_example(engine, tokenizer, args.beam_width, max_tokens=24)
+    engine.shutdown()
 
 
 if __name__ == "__main__":

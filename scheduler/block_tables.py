@@ -24,6 +24,35 @@ from paged_kv.block_manager import BlockManager
 from paged_kv.errors import OutOfRangeError, describe
 
 
+class DeviceRows:
+    """The device side of the tables: rows ``[R, width]`` int32 written with update triples.
+
+    The driver's :class:`BlockTables` owns one; each tensor-parallel worker keeps its own copy,
+    fed the same updates and row count, so every rank gathers the same tables.
+    """
+
+    def __init__(self, width: int, device: torch.device, rows: int = 64) -> None:
+        self.table = torch.zeros(rows, width, dtype=torch.int32, device=device)  # [R, width]
+
+    @property
+    def num_rows(self) -> int:
+        """Rows allocated on the device."""
+        return self.table.shape[0]
+
+    def grow_to(self, rows: int) -> None:
+        """Allocate up to ``rows`` rows, keeping the existing ones (copied on the device)."""
+        old = self.table.shape[0]
+        if rows > old:
+            table = self.table.new_zeros(rows, self.table.shape[1])
+            table[:old] = self.table
+            self.table = table
+
+    def apply_updates(self, rows: torch.Tensor, cols: torch.Tensor, ids: torch.Tensor) -> None:
+        """Write update entries ``(rows, cols, ids)`` [U], already on the device, into the rows."""
+        if rows.numel():
+            self.table[rows, cols] = ids.to(torch.int32)
+
+
 class BlockTables:
     """Rows ``[R, width]`` int32 of block ids on the device, with a host mirror and a row per sequence."""
 
@@ -31,7 +60,7 @@ class BlockTables:
         self.bm, self.width, self.device = bm, width, device
         self.block_size = bm.block_size
         self.host = np.zeros((rows, width), dtype=np.int32)  # mirror of self.table
-        self.table = torch.zeros(rows, width, dtype=torch.int32, device=device)
+        self.device_rows = DeviceRows(width, device, rows)
         self.synced = np.zeros(rows, dtype=np.int64)  # entries of each row known current
         self._rows: dict[Hashable, int] = {}
         self._free = list(range(rows - 1, -1, -1))
@@ -90,10 +119,14 @@ class BlockTables:
         flat = np.fromiter((b for block_ids in ids for b in block_ids), np.int64, len(cols))
         return np.array(rows, np.int64)[which], cols, flat
 
+    @property
+    def table(self) -> torch.Tensor:
+        """The device rows ``[R, width]`` int32."""
+        return self.device_rows.table
+
     def apply_updates(self, rows: torch.Tensor, cols: torch.Tensor, ids: torch.Tensor) -> None:
         """Write :meth:`take_updates`' entries, already on the device, into the device rows."""
-        if rows.numel():
-            self.table[rows, cols] = ids.to(torch.int32)
+        self.device_rows.apply_updates(rows, cols, ids)
 
     def _new_row(self, seq_id: Hashable) -> int:
         if not self._free:
@@ -107,7 +140,5 @@ class BlockTables:
         old = self.host.shape[0]
         self.host = np.concatenate([self.host, np.zeros_like(self.host)])
         self.synced = np.concatenate([self.synced, np.zeros_like(self.synced)])
-        table = torch.zeros(2 * old, self.width, dtype=torch.int32, device=self.device)
-        table[:old] = self.table
-        self.table = table
+        self.device_rows.grow_to(2 * old)
         self._free.extend(range(2 * old - 1, old - 1, -1))

@@ -27,16 +27,24 @@ def serve(argv: list[str]) -> None:
     import torch
     import uvicorn
 
+    from scheduler.distributed.worker import is_torchrun_worker, serve_rank
     from scheduler.llm import LLM
+    from scheduler.loader import load_model
     from scheduler.server.app import build_app
 
     args = serve_parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if is_torchrun_worker():  # torchrun rank > 0: no server, run this rank's shard for rank 0's engine
+        serve_rank(load_model(args.model).hf_model, engine_config(args))
+        return
     llm = LLM(args.model, engine_config=engine_config(args))
     names = tuple(n for n in (args.served_model_name, args.model) if n)
     app = build_app(llm, max_in_flight=args.max_in_flight, model_names=names)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    finally:
+        llm.engine.shutdown()  # stops tensor-parallel workers (a no-op on one rank)
 
 
 def main(argv: list[str] | None = None) -> None:

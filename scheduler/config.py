@@ -76,10 +76,15 @@ class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     device: str | None = None  # None: "cuda" when available, else "cpu"
     enforce_eager: bool = False  # True: no CUDA graphs (every step runs eagerly)
+    # ranks the model is split over (scheduler.distributed); > 1 runs eagerly, no CUDA graphs
+    tensor_parallel_size: int = 1
+    distributed_timeout_s: float = 60.0  # a worker that dies or hangs fails a step within this
 
     def __post_init__(self) -> None:
         if not isinstance(self.enforce_eager, bool):
             raise InvalidArgumentError(describe("enforce_eager", self.enforce_eager, "a bool"))
+        check_int("tensor_parallel_size", self.tensor_parallel_size, low=1, high=1 << 12)
+        check_real("distributed_timeout_s", self.distributed_timeout_s, low=0.0, open_low=True)
         if not isinstance(self.cache, CacheConfig):
             raise InvalidArgumentError(describe("cache", self.cache, "a CacheConfig"))
         if not isinstance(self.scheduler, SchedulerConfig):

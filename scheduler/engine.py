@@ -7,6 +7,12 @@ the only device->host transfer of a step is the sampled tokens. On CUDA, decode
 steps replay captured graphs (:mod:`scheduler.cuda_graphs`) unless
 ``EngineConfig.enforce_eager``.
 
+With ``EngineConfig.tensor_parallel_size = N > 1`` the engine is rank 0 of a tensor-parallel
+group (:mod:`scheduler.distributed`): it keeps the scheduler, the block manager and the
+sampler, holds its shard of the model and a pool of its KV heads, and broadcasts each step's
+payload to the workers before running its forward with them. Call :meth:`shutdown` (or use
+the engine as a context manager) to stop the workers.
+
 Beyond ``add_request`` / ``step`` / ``generate``, the engine exposes the
 pieces a custom decoder (beam search) drives by itself: :meth:`schedule`,
 :meth:`run_model` (logits of the sequences that reached their last token),
@@ -37,6 +43,9 @@ from paged_kv.errors import (
 from paged_kv.kv_cache import PagedKVCache
 from paged_kv.tokens import as_id_list
 from scheduler.config import EngineConfig
+from scheduler.distributed.executor import TPExecutor
+from scheduler.distributed.parallel_state import TPShard
+from scheduler.distributed.worker import WorkerSetup
 from scheduler.metrics import EngineMetrics, MetricsSummary
 from scheduler.model import LlamaModel
 from scheduler.memory import plan_kv_memory
@@ -62,10 +71,16 @@ class LLMEngine:
         eos_ids = _as_id_set(eos_token_id)
         self.config = config = config or EngineConfig()
         self.device = config.resolved_device()
+        self.executor: TPExecutor | None = None
+        tp = config.tensor_parallel_size
+        if tp > 1:
+            LlamaModel(model.config, TPShard(0, tp))  # a typed error before any process starts
+            self.executor, model = TPExecutor.launch(model, tp, self.device, config.distributed_timeout_s)
+            self.device = model.embed.weight.device
         self.model = model.to(self.device).eval()
         cc, sc = config.cache, config.scheduler
         spec = model.kv_cache_spec(cc.block_size, cc.dtype)
-        graphs = self.device.type == "cuda" and not config.enforce_eager
+        graphs = self.device.type == "cuda" and not config.enforce_eager and tp == 1
         num_blocks = self._num_gpu_blocks(spec, graphs)
         self.block_manager = BlockManager(BlockManagerConfig(
             num_blocks=num_blocks, block_size=cc.block_size, num_cpu_blocks=cc.num_cpu_blocks,
@@ -75,6 +90,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, PagedKVCache(spec, num_blocks, self.device), cpu_cache)
         width = min(-(-model.config.max_position_embeddings // cc.block_size), num_blocks)
         self.inputs = StepInputBuilder(self.block_manager, self.device, width, cascade=cc.enable_cascade_attention)
+        if self.executor is not None:
+            self.executor.attach_caches(self.runner.gpu_cache, cpu_cache)
+            self.executor.setup(WorkerSetup(num_blocks, cc.num_cpu_blocks, cc.block_size, cc.dtype, width))
         if graphs:
             captured = self.runner.capture_graphs(sc.max_num_seqs, width)
             logger.info("captured %d decode CUDA graphs (batch 1..%d) in %.1f s, %.2f GiB",
@@ -179,7 +197,12 @@ class LLMEngine:
 
     def run_model(self, out: SchedulerOutput) -> torch.Tensor:
         """Run a scheduled step; return logits ``[R, vocab]``, one row per sequence with ``samples`` in order."""
-        logits = self.runner.execute(self.inputs.build(out))
+        if self.executor is None:
+            logits = self.runner.execute(self.inputs.build(out))
+        else:
+            payload = self.inputs.build_payload(out)
+            self.executor.broadcast(payload)
+            logits = self.executor.guard(lambda: self.runner.execute(self.inputs.materializer.materialize(payload)))
         now = time.perf_counter()
         for s in out.scheduled:
             s.seq.num_computed = s.start + s.num_tokens
@@ -274,6 +297,17 @@ class LLMEngine:
                     done[out.request_id] = out
                     bar.update(1)
         return [done[i] for i in ids]
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers and destroy the process groups (a no-op with one rank); idempotent."""
+        if self.executor is not None:
+            self.executor.shutdown()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     def metrics_summary(self) -> MetricsSummary:
         """Throughput, latencies, KV usage and cache figures of the run so far."""

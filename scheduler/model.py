@@ -21,6 +21,8 @@ from kernels.attention_metadata import AttentionMetadata
 from paged_kv.errors import InvalidArgumentError, check_bool, check_int, check_real, check_type, describe
 from paged_kv.kv_cache import KVCacheSpec, PagedKVCache
 from scheduler.attention import AttentionPlan
+from scheduler.distributed.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from scheduler.distributed.parallel_state import TPShard
 from scheduler.rope import RotaryEmbedding
 
 
@@ -76,6 +78,12 @@ class ModelConfig:
         )  # fmt: skip
 
 
+def local_kv_heads(cfg: ModelConfig, shard: TPShard) -> int:
+    """KV heads one rank holds: ``num_kv_heads / size``, or one replicated head when there are fewer than ranks."""
+    start, end = shard.kv_heads(cfg.num_kv_heads, cfg.num_heads)
+    return end - start
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm, computed in float32."""
 
@@ -92,16 +100,17 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """GQA self-attention reading and writing the paged KV cache of its layer."""
+    """GQA self-attention reading and writing the paged KV cache of its layer (this rank's heads)."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding, shard: TPShard) -> None:
         super().__init__()
         self.layer, self.rope = layer, rope
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.num_heads = cfg.num_heads // shard.size
+        self.num_kv_heads, self.head_dim = local_kv_heads(cfg, shard), cfg.head_dim
+        q_size, kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         self.split = (q_size, kv_size, kv_size)
-        self.qkv = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
-        self.o = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        self.qkv = ColumnParallelLinear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
+        self.o = RowParallelLinear(q_size, cfg.hidden_size, shard=shard)
         self.scale = cfg.head_dim**-0.5
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache, plan: AttentionPlan):
@@ -118,12 +127,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), over this rank's intermediate rows."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: TPShard) -> None:
         super().__init__()
-        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        inter = cfg.intermediate_size // shard.size
+        self.gate_up = ColumnParallelLinear(cfg.hidden_size, 2 * inter, bias=False)
+        self.down = RowParallelLinear(inter, cfg.hidden_size, shard=shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
@@ -134,12 +144,12 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks with residuals."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding, shard: TPShard) -> None:
         super().__init__()
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = Attention(cfg, layer, rope)
+        self.attn = Attention(cfg, layer, rope, shard)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, shard)
 
     def forward(self, x, positions, cache, plan) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
@@ -148,25 +158,34 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers, final norm and LM head over packed tokens."""
+    """Embedding, decoder layers, final norm and LM head over packed tokens.
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    With ``shard=TPShard(rank, size)`` the model holds one tensor-parallel shard (its heads,
+    intermediate rows and vocabulary rows; see :mod:`scheduler.distributed.layers`) and every
+    rank of the group must run each forward together. ``config`` stays the whole model's.
+    """
+
+    def __init__(self, cfg: ModelConfig, shard: TPShard | None = None) -> None:
         check_type("cfg", cfg, ModelConfig, "a ModelConfig")
+        check_type("shard", shard, (TPShard, type(None)), "a TPShard or None")
         super().__init__()
-        self.config = cfg
+        shard = shard or TPShard()
+        self.config, self.shard = cfg, shard
+        shard.split(cfg.intermediate_size, "intermediate_size")
+        shard.kv_heads(cfg.num_kv_heads, cfg.num_heads)  # checks the heads split evenly
         rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope) for i in range(cfg.num_layers))
+        self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, shard=shard)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope, shard) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, shard=shard)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
 
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype | None = None) -> KVCacheSpec:
-        """The paged cache geometry this model writes."""
+        """The paged cache geometry this model (this shard: its KV heads only) writes."""
         cfg = self.config
         return KVCacheSpec(
-            num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+            num_layers=cfg.num_layers, num_kv_heads=local_kv_heads(cfg, self.shard), head_dim=cfg.head_dim,
             block_size=block_size, dtype=dtype or self.embed.weight.dtype,
         )  # fmt: skip
 

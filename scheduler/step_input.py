@@ -19,7 +19,7 @@ import torch
 from kernels.attention_metadata import AttentionMetadata, host_positions, host_slot_mapping, offsets
 from kernels.cascade_attention import CascadeArrays, build_cascade_metadata, cascade_host_arrays
 from paged_kv.block_manager import BlockManager, CopyOp
-from scheduler.block_tables import BlockTables
+from scheduler.block_tables import BlockTables, DeviceRows
 from scheduler.cascade_plan import plan_cascade
 from scheduler.scheduler_output import SchedulerOutput
 
@@ -72,13 +72,65 @@ class Uploader:
         return out
 
 
+@dataclass(frozen=True, kw_only=True, eq=False)
+class StepPayload:
+    """A step on the host: what any rank needs to rebuild the same :class:`StepInput` on its own device.
+
+    ``flat`` holds, one after the other (lengths in ``sizes``): token ids, positions, slots,
+    sequence lengths, cu_seqlens_q, table rows, logits rows, and the block-table updates
+    (rows, columns, ids), then a cascade step's index arrays (``cascade.parts()``).
+    Tensor-parallel workers receive it by broadcast.
+    """
+
+    flat: np.ndarray  # [sum(sizes)] int64
+    sizes: tuple[int, ...]
+    host_seq_lens: np.ndarray  # [S] int64
+    host_query_lens: np.ndarray  # [S] int64
+    max_seq_len: int
+    num_blocks: int  # blocks of the GPU pool (the kernels' bound on block ids)
+    table_rows: int  # rows of the persistent block tables (a worker grows its copy to match)
+    swap_out: list[CopyOp]
+    swap_in: list[CopyOp]
+    copies: list[CopyOp]
+    cascade: CascadeArrays | None = None  # a decode step attended as cascade (shared prefixes once per group)
+
+
+class StepMaterializer:
+    """Uploads a :class:`StepPayload` and gathers its block tables from persistent device rows."""
+
+    def __init__(self, rows: DeviceRows, device: torch.device, block_size: int) -> None:
+        self.rows, self.device, self.block_size = rows, device, block_size
+        self._uploader = Uploader(device)
+
+    def materialize(self, p: StepPayload) -> StepInput:
+        """The step's device tensors and prepared metadata (one host->device copy)."""
+        bs = self.block_size
+        self.rows.grow_to(p.table_rows)
+        flat = self._uploader.upload(p.flat)
+        ids_t, pos_t, slots_t, lens_t, cu_t, rows_t, logits_t, u_rows, u_cols, u_ids, *cascade_t = flat.split(p.sizes)
+        self.rows.apply_updates(u_rows, u_cols, u_ids)
+        width = max(1, -(-p.max_seq_len // bs))
+        meta = AttentionMetadata(
+            block_tables=self.rows.table[:, :width].index_select(0, rows_t), seq_lens=lens_t.to(torch.int32),
+            cu_seqlens_q=cu_t.to(torch.int32), slot_mapping=slots_t, host_seq_lens=p.host_seq_lens,
+            host_query_lens=p.host_query_lens, block_size=bs, num_blocks=p.num_blocks,
+            max_seq_len=p.max_seq_len, max_query_len=int(p.host_query_lens.max(initial=0)),
+        )  # fmt: skip
+        if p.cascade is not None:
+            meta = replace(meta, cascade=build_cascade_metadata(p.cascade, cascade_t, meta))
+        return StepInput(
+            input_ids=ids_t, positions=pos_t, meta=meta, logits_indices=logits_t,
+            swap_out=p.swap_out, swap_in=p.swap_in, copies=p.copies,
+        )  # fmt: skip
+
+
 class StepInputBuilder:
     """Builds each step's :class:`StepInput` from the scheduler's decisions and the block manager."""
 
     def __init__(self, bm: BlockManager, device: torch.device, max_blocks_per_seq: int, cascade: bool = False) -> None:
         self.bm, self.device, self.cascade = bm, device, cascade
         self.tables = BlockTables(bm, max_blocks_per_seq, device)
-        self._uploader = Uploader(device)
+        self.materializer = StepMaterializer(self.tables.device_rows, device, bm.block_size)
 
     def release(self, seq_id: int) -> None:
         """Forget a sequence's table row (call when its blocks are freed or moved)."""
@@ -86,6 +138,10 @@ class StepInputBuilder:
 
     def build(self, out: SchedulerOutput) -> StepInput:
         """Sync the step's table rows, compute its tensors on the host, upload them in one copy."""
+        return self.materializer.materialize(self.build_payload(out))
+
+    def build_payload(self, out: SchedulerOutput) -> StepPayload:
+        """Sync the step's table rows and compute everything the step needs on the host."""
         for group in out.preempted:
             for seq in group.seqs:
                 self.tables.release(seq.seq_id)
@@ -111,30 +167,16 @@ class StepInputBuilder:
             return None
         return cascade_host_arrays(tables, seq_lens, plan.seq_groups, plan.prefix_lens, bs)
 
-    def _pack(self, out, rows, computed, new, seq_lens, samples, ids, cascade: CascadeArrays | None) -> StepInput:
-        bs = self.bm.block_size
+    def _pack(self, out, rows, computed, new, seq_lens, samples, ids, cascade: CascadeArrays | None) -> StepPayload:
         cu = offsets(new)
         seq_of_token, positions = host_positions(computed, new, cu)  # [T], [T]
-        slots = host_slot_mapping(self.tables.host, rows, seq_of_token, positions, bs)
-        max_len = int(seq_lens.max(initial=0))
+        slots = host_slot_mapping(self.tables.host, rows, seq_of_token, positions, self.bm.block_size)
         upd_rows, upd_cols, upd_ids = self.tables.take_updates()
         parts = [np.asarray(ids, dtype=np.int64), positions, slots, seq_lens, cu, rows, cu[1:][samples] - 1,
                  upd_rows, upd_cols, upd_ids, *(cascade.parts() if cascade else [])]  # fmt: skip
-        flat = self._uploader.upload(np.concatenate(parts))
-        ids_t, pos_t, slots_t, lens_t, cu_t, rows_t, logits_t, u_rows, u_cols, u_ids, *cascade_t = flat.split(
-            [len(p) for p in parts]
-        )
-        self.tables.apply_updates(u_rows, u_cols, u_ids)
-        width = max(1, -(-max_len // bs))
-        meta = AttentionMetadata(
-            block_tables=self.tables.table[:, :width].index_select(0, rows_t), seq_lens=lens_t.to(torch.int32),
-            cu_seqlens_q=cu_t.to(torch.int32), slot_mapping=slots_t, host_seq_lens=seq_lens, host_query_lens=new,
-            block_size=bs, num_blocks=self.bm.gpu.num_blocks, max_seq_len=max_len,
-            max_query_len=int(new.max(initial=0)),
-        )  # fmt: skip
-        if cascade is not None:
-            meta = replace(meta, cascade=build_cascade_metadata(cascade, cascade_t, meta))
-        return StepInput(
-            input_ids=ids_t, positions=pos_t, meta=meta, logits_indices=logits_t,
-            swap_out=out.swap_out, swap_in=out.swap_in, copies=out.copies,
+        return StepPayload(
+            flat=np.concatenate(parts), sizes=tuple(len(p) for p in parts), host_seq_lens=seq_lens,
+            host_query_lens=new, max_seq_len=int(seq_lens.max(initial=0)), num_blocks=self.bm.gpu.num_blocks,
+            table_rows=self.tables.host.shape[0],
+            swap_out=out.swap_out, swap_in=out.swap_in, copies=out.copies, cascade=cascade,
         )  # fmt: skip

@@ -806,7 +806,9 @@ def _entries() -> list[Entry]:
         Entry("scheduler.EngineConfig", scheduler.EngineConfig, {
             "cache": Arg("obj", lambda: scheduler.CacheConfig(num_cpu_blocks=1), bad={WRONG_TYPE: [None, {}]}),
             "scheduler": Arg("obj", lambda: scheduler.SchedulerConfig(), bad={WRONG_TYPE: [None, {}]}),
-            "device": Arg("device", "cpu"), "enforce_eager": Arg("bool", False)}),
+            "device": Arg("device", "cpu"), "enforce_eager": Arg("bool", False),
+            "tensor_parallel_size": Arg("int", 1, bad={OUT_OF_RANGE: [0, -1, 1 << 62]}),
+            "distributed_timeout_s": Arg("real", 60.0, bad={OUT_OF_RANGE: [0.0, -1.0]})}),
         Entry("scheduler.ModelConfig", scheduler.ModelConfig, {
             "vocab_size": Arg("int", 64, bad={OUT_OF_RANGE: [0]}),
             "hidden_size": Arg("int", 16, bad={OUT_OF_RANGE: [0]}),
@@ -829,7 +831,8 @@ def _entries() -> list[Entry]:
             "early_stopping": Arg("bool", False, bad={WRONG_TYPE: [1, "always", None]}),
             "stop_token_ids": Arg("ids", (5,), bad={WRONG_TYPE: ["12", 5, None]}), "ignore_eos": Arg("bool", False)}),
         Entry("scheduler.LlamaModel", scheduler.LlamaModel, {"cfg": Arg("obj", lambda: tiny_model().config,
-            bad={WRONG_TYPE: [None, {}, "x"], OUT_OF_RANGE: BAD_ROPE})},  # scalings the model cannot build
+            bad={WRONG_TYPE: [None, {}, "x"], OUT_OF_RANGE: BAD_ROPE}),
+            "shard": Arg("obj", None, bad={WRONG_TYPE: ["x", 3, (0, 2)]})},  # scalings the model cannot build
               named={"cfg": ("cfg", "rope_scaling")}),
         Entry("scheduler.LlamaModel.kv_cache_spec", "kv_cache_spec", {
             "block_size": Arg("int", 4, bad={OUT_OF_RANGE: [0, -1]}), "dtype": Arg("dtype", torch.float16)},

@@ -10,13 +10,17 @@ SHARED = list(range(100, 140))  # a 40-token "system prompt" several prompts sta
 
 
 def make_engine(
-    hf_model, *, num_blocks=256, block_size=4, num_cpu_blocks=0, prefix=True, device="cpu", **sched
+    hf_model, *, num_blocks=256, block_size=4, num_cpu_blocks=0, prefix=True, device="cpu", tp=1, **sched
 ) -> LLMEngine:
-    """An engine over ``hf_model``'s weights, on the CPU unless told (no watermark unless given)."""
+    """An engine over ``hf_model``'s weights, on the CPU unless told (no watermark unless given; ``tp`` ranks)."""
     sched.setdefault("max_num_batched_tokens", 256)
     watermark = sched.pop("watermark", 0.0)
     cache = CacheConfig(
         block_size=block_size, num_gpu_blocks=num_blocks, num_cpu_blocks=num_cpu_blocks, watermark=watermark,
         enable_prefix_caching=prefix,
     )  # fmt: skip
-    return LLMEngine.from_hf(hf_model, EngineConfig(cache=cache, scheduler=SchedulerConfig(**sched), device=device))
+    config = EngineConfig(
+        cache=cache, scheduler=SchedulerConfig(**sched), device=device, tensor_parallel_size=tp,
+        distributed_timeout_s=30.0,
+    )  # fmt: skip
+    return LLMEngine.from_hf(hf_model, config)

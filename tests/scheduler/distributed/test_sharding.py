@@ -1,0 +1,36 @@
+"""The shard layout: head, intermediate and vocabulary splits, KV-head replication, sliced weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paged_kv.errors import InvalidArgumentError
+from scheduler import LlamaModel, ModelConfig
+from scheduler.distributed.parallel_state import TPShard
+from scheduler.distributed.sharding import shard_state_dict
+
+CFG = ModelConfig(vocab_size=255, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
+                  head_dim=4)  # fmt: skip
+
+
+def test_kv_heads_split_or_replicate():
+    assert [TPShard(r, 2).kv_heads(2, 4) for r in range(2)] == [(0, 1), (1, 2)]
+    assert [TPShard(r, 4).kv_heads(2, 4) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]  # replicated
+    with pytest.raises(InvalidArgumentError, match="tensor_parallel_size=3"):
+        TPShard(0, 3).kv_heads(2, 6)
+
+
+def test_shards_hold_their_rows_and_the_last_vocab_part_is_padded():
+    torch.manual_seed(0)
+    full = LlamaModel(CFG).state_dict()
+    parts = [shard_state_dict(CFG, full, TPShard(r, 2)) for r in range(2)]
+    assert parts[1]["embed.weight"].shape == (128, 16) and not parts[1]["embed.weight"][-1].any()
+    assert torch.equal(torch.cat([p["embed.weight"] for p in parts])[:255], full["embed.weight"])
+    qkv = full["layers.0.attn.qkv.weight"]  # [q 16 | k 8 | v 8, hidden]
+    assert torch.equal(parts[1]["layers.0.attn.qkv.weight"], torch.cat([qkv[8:16], qkv[20:24], qkv[28:32]]))
+    gate_up = full["layers.0.mlp.gate_up.weight"]  # [gate 32 | up 32, hidden]
+    assert torch.equal(parts[0]["layers.0.mlp.gate_up.weight"], torch.cat([gate_up[:16], gate_up[32:48]]))
+    assert torch.equal(torch.cat([p["layers.0.attn.o.weight"] for p in parts], 1), full["layers.0.attn.o.weight"])
+    for r, part in enumerate(parts):
+        LlamaModel(CFG, TPShard(r, 2)).load_state_dict(part, strict=True)  # shapes fit the shard's layers
