@@ -24,6 +24,8 @@ import torch
 from kernels._checks import check_device
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError, check_int, describe
 
+MAX_DECODE_SPLITS = 128  # kernels.decode_attention.MAX_SPLITS
+
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class AttentionMetadata:
@@ -39,6 +41,11 @@ class AttentionMetadata:
     num_blocks: int  # every block id in use lies in [0, num_blocks)
     max_seq_len: int  # bound on seq_lens the kernels size their work by (>= the real maximum)
     max_query_len: int
+    decode_num_splits: int | None = None  # fixed decode split count (CUDA-graph capture); None: from host lengths
+
+    def __post_init__(self) -> None:
+        if self.decode_num_splits is not None:
+            check_int("decode_num_splits", self.decode_num_splits, low=1, high=MAX_DECODE_SPLITS)
 
     @property
     def num_seqs(self) -> int:
