@@ -1,6 +1,9 @@
-"""Decode attention benchmark: paged attention vs contiguous SDPA and gather-then-SDPA.
+"""Attention benchmark (issue 13): paged decode, ragged, quantized and prefill vs SDPA and vLLM.
 
-Run ``python benchmarks/bench_attention.py [--quick]``. On a GPU it times the Triton
+Run ``python benchmarks/bench_attention.py [--quick] [--only decode,ragged,quantized,prefill]``;
+sections live in SECTIONS (name -> function), so another section (e.g. cascade) is one entry more.
+vLLM's Triton unified attention runs side by side when ``third_party/vllm_attention`` holds it
+(``bash benchmarks/setup_vllm_attention.sh``; CUDA only). On a GPU it times the Triton
 kernel (bf16, triton.testing.do_bench); on CPU the torch path the CPU engine uses
 (float32, torch.utils.benchmark). Shape: 32 query heads, 8 KV heads, head_dim 128,
 block size 16, over a batch x context grid, with shuffled block tables. Bandwidth counts
@@ -21,6 +24,10 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install needed
 
 from kernels.decode_attention import paged_decode_attention  # noqa: E402
+from kernels.prefill_attention import paged_prefill_attention  # noqa: E402
+from kernels.quant import quantize_per_token_head  # noqa: E402
+
+VLLM_DIR = Path(__file__).resolve().parents[1] / "third_party" / "vllm_attention"
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 
@@ -143,11 +150,145 @@ def grid(quick: bool, on_gpu: bool) -> list[Case]:
     return [Case(batch=b, context=c) for b in batches for c in contexts if b * c * kv_bytes <= limit]
 
 
+def load_vllm(device: torch.device):
+    """``make(hq, hkv, d, max_seqs) -> VllmDecode`` when the baseline folder exists and we are on CUDA, else None."""
+    if device.type != "cuda" or not (VLLM_DIR / "vllm_unified.py").exists():
+        return None
+    sys.path.insert(0, str(VLLM_DIR))
+    from vllm_unified import VllmDecode, load_unified  # git-ignored shim, copied by setup_vllm_attention.sh
+
+    ua, modes = load_unified(str(VLLM_DIR))
+    return lambda hq, hkv, d, max_seqs: VllmDecode(ua, modes, hq, hkv, d, max_seqs, device)
+
+
+def print_rows(rows: list[dict]) -> None:
+    """Print dict rows as a markdown table (floats with 3 significant digits)."""
+    if not rows:
+        return
+    names = list(rows[0])
+    print("| " + " | ".join(names) + " |")
+    print("|" + "|".join("---:" for _ in names) + "|")
+    for row in rows:
+        print("| " + " | ".join(f"{v:.3g}" if isinstance(v, float) else str(v) for v in row.values()) + " |")
+
+
+def paged_from_lens(lens: list[int], dtype, device, seed: int = 0) -> dict:
+    """Paged caches (shuffled blocks) holding sequences of the given lengths, with a query per sequence."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    counts = [-(-n // BLOCK_SIZE) for n in lens]
+    width, total = max(counts), sum(counts)
+    shape = (total, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    perm = torch.randperm(total, generator=gen, device=device).to(torch.int32)
+    tables = torch.zeros(len(lens), width, dtype=torch.int32, device=device)
+    start = 0
+    for s, c in enumerate(counts):
+        tables[s, :c] = perm[start : start + c]
+        start += c
+    k = torch.randn(shape, generator=gen, device=device, dtype=dtype)
+    v = torch.randn(shape, generator=gen, device=device, dtype=dtype)
+    q = torch.randn(len(lens), NUM_Q_HEADS, HEAD_DIM, generator=gen, device=device, dtype=dtype)
+    return dict(q=q, k=k, v=v, tables=tables, lens=torch.tensor(lens, dtype=torch.int32, device=device))
+
+
+def _decode_row(name, x, time_ms, copy_bw, vllm, k_scale=None, v_scale=None, mode="none") -> dict:
+    """Time our decode (and vLLM's when loaded) on a paged batch ``x``; one table row."""
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
+    ours = time_ms(lambda: paged_decode_attention(x["q"], x["k"], x["v"], x["tables"], x["lens"], **scales))
+    tokens = int(x["lens"].sum())
+    kv_bytes = 2 * tokens * NUM_KV_HEADS * HEAD_DIM * x["k"].element_size()
+    kv_bytes += 0 if k_scale is None else 2 * tokens * NUM_KV_HEADS * 4
+    row = dict(case=name, ours_ms=ours, copy_frac=kv_bytes / (ours * 1e-3) / copy_bw)
+    if vllm is not None:
+        run = vllm(NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, x["q"].shape[0])
+        out = torch.empty_like(x["q"])
+        max_len = int(x["lens"].max())
+        t = time_ms(lambda: run(x["q"], x["k"], x["v"], x["tables"], x["lens"], max_len, out, k_scale, v_scale, mode))
+        row.update(vllm_ms=t, ours_vs_vllm=ours / t)
+    return row
+
+
+def section_decode(ctx: dict) -> None:
+    """Uniform decode grid vs contiguous SDPA, gather-then-SDPA (and vLLM)."""
+    device, dtype, time_ms, copy_bw = ctx["device"], ctx["dtype"], ctx["time_ms"], ctx["copy_bw"]
+    print_table([run_case(case, dtype, device, time_ms, copy_bw) for case in grid(ctx["quick"], ctx["on_gpu"])])
+    if ctx["vllm"] is not None:
+        rows = []
+        for case in grid(ctx["quick"], True):
+            x = paged_from_lens([case.context] * case.batch, dtype, device)
+            rows.append(_decode_row(f"{case.batch}x{case.context}", x, time_ms, copy_bw, ctx["vllm"]))
+        print_rows(rows)
+
+
+def section_ragged(ctx: dict) -> None:
+    """Ragged decode batches: lengths spread over two decades (split count from total tokens)."""
+    gen = torch.Generator().manual_seed(1)
+    top = 32768 if ctx["on_gpu"] else 2048
+    shapes = [(16, 16, top), (64, 16, top // 4), (4, 16, top)] if not ctx["quick"] else [(16, 16, top)]
+    rows = []
+    for n, lo, hi in shapes:
+        lens = torch.randint(lo, hi + 1, (n,), generator=gen).tolist()
+        lens[0] = hi  # one sequence at the longest length
+        x = paged_from_lens(lens, ctx["dtype"], ctx["device"])
+        rows.append(_decode_row(f"{n} seqs {lo}-{hi}", x, ctx["time_ms"], ctx["copy_bw"], ctx["vllm"]))
+    print_rows(rows)
+
+
+def section_quantized(ctx: dict) -> None:
+    """Quantized KV (int8, e4m3, e5m2) decode vs our decode of the same tokens in q's dtype."""
+    batch, context = ((64, 8192) if ctx["on_gpu"] else (4, 1024)) if not ctx["quick"] else (4, 512)
+    x = paged_from_lens([context] * batch, ctx["dtype"], ctx["device"])
+    base = _decode_row(f"{batch}x{context} {ctx['dtype']}", x, ctx["time_ms"], ctx["copy_bw"], ctx["vllm"])
+    rows = [dict(base, speedup_vs_16bit=1.0)]
+    for cache_dtype, mode in ((torch.int8, "int8"), (torch.float8_e4m3fn, "fp8"), (torch.float8_e5m2, None)):
+        (k, ks), (v, vs) = (quantize_per_token_head(x[n], cache_dtype) for n in ("k", "v"))
+        xq = dict(x, k=k, v=v)
+        vllm = ctx["vllm"] if mode is not None else None
+        row = _decode_row(f"{batch}x{context} {cache_dtype}", xq, ctx["time_ms"], ctx["copy_bw"], vllm, ks, vs,
+                          mode or "none")  # fmt: skip
+        rows.append(dict(row, speedup_vs_16bit=base["ours_ms"] / row["ours_ms"]))
+    print_rows(rows)
+
+
+def section_prefill(ctx: dict) -> None:
+    """Causal prefill (no cached prefix) and extend over a cached prefix, TFLOPS vs SDPA on contiguous K/V."""
+    device, dtype, time_ms = ctx["device"], ctx["dtype"], ctx["time_ms"]
+    cases = [(4, 2048, 0), (4, 512, 4096)] if ctx["on_gpu"] else [(2, 128, 0), (2, 64, 256)]
+    rows = []
+    for batch, new, cached in cases[:1] if ctx["quick"] else cases:
+        x = paged_from_lens([new + cached] * batch, dtype, device)
+        q = torch.randn(batch * new, NUM_Q_HEADS, HEAD_DIM, device=device, dtype=dtype)
+        cu = torch.arange(0, batch * new + 1, new, dtype=torch.int32, device=device)
+        ours = time_ms(lambda: paged_prefill_attention(q, x["k"], x["v"], x["tables"], x["lens"], cu))
+        flops = 4 * batch * NUM_Q_HEADS * HEAD_DIM * (new * cached + new * (new + 1) / 2)  # causal pairs
+        row = dict(case=f"{batch}x{new} over {cached}", ours_ms=ours, tflops=flops / (ours * 1e-3) / 1e12)
+        q4 = q.view(batch, new, NUM_Q_HEADS, HEAD_DIM).transpose(1, 2)
+        if cached == 0:
+            kd = torch.randn(batch, NUM_KV_HEADS, new, HEAD_DIM, device=device, dtype=dtype)
+            sdpa = time_ms(lambda: F.scaled_dot_product_attention(q4, kd, kd, is_causal=True, enable_gqa=True))
+            row.update(sdpa_ms=sdpa, ours_vs_sdpa=ours / sdpa)
+        if ctx["vllm"] is not None:
+            run = ctx["vllm"](NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, batch)
+            out = torch.empty_like(q)
+            t = time_ms(lambda: run(q, x["k"], x["v"], x["tables"], x["lens"], new + cached, out, cu_q=cu, max_q=new))
+            row.update(vllm_ms=t, ours_vs_vllm=ours / t)
+        rows.append(row)
+    print_rows(rows)
+
+
+SECTIONS = {"decode": section_decode, "ragged": section_ragged, "quantized": section_quantized,
+            "prefill": section_prefill}  # fmt: skip
+
+
 def main() -> None:
-    """Parse arguments, measure copy bandwidth, run the grid and print the table."""
+    """Parse arguments, measure copy bandwidth, run the chosen sections and print their tables."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small grid, short timing")
+    parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {list(SECTIONS)}")
     args = parser.parse_args()
+    chosen = args.only.split(",")
+    unknown = [name for name in chosen if name not in SECTIONS]
+    if unknown:
+        parser.error(f"unknown sections {unknown}; choose from {list(SECTIONS)}")
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda" if on_gpu else "cpu")
     dtype = torch.bfloat16 if on_gpu else torch.float32
@@ -161,7 +302,13 @@ def main() -> None:
     timing = "do_bench median" if on_gpu else "best torch.utils.benchmark block"
     print(f"# times: {timing}; gbps = moved bytes / ours time; copy_frac = gbps / copy bandwidth;")
     print("# vs_x = ours time / x time (< 1: ours faster); max_err = |ours - contiguous SDPA|")
-    print_table([run_case(case, dtype, device, time_ms, copy_bw) for case in grid(args.quick, on_gpu)])
+    vllm = load_vllm(device)
+    print(f"# vLLM unified attention: {'side by side' if vllm else 'absent (CUDA + third_party/vllm_attention)'}")
+    ctx = dict(device=device, dtype=dtype, time_ms=time_ms, copy_bw=copy_bw, quick=args.quick, on_gpu=on_gpu,
+               vllm=vllm)  # fmt: skip
+    for name in chosen:
+        print(f"\n## {name}: {SECTIONS[name].__doc__}")
+        SECTIONS[name](ctx)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ from paged_kv.errors import InvalidArgumentError, OutOfRangeError, check_int, de
 if TYPE_CHECKING:
     from kernels.cascade_attention import CascadeMetadata
 
+MAX_DECODE_SPLITS = 128  # kernels.decode_attention.MAX_SPLITS
+
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class AttentionMetadata:
@@ -44,6 +46,11 @@ class AttentionMetadata:
     max_seq_len: int  # bound on seq_lens the kernels size their work by (>= the real maximum)
     max_query_len: int
     cascade: CascadeMetadata | None = None  # a decode step's shared-prefix groups (None: plain decode)
+    decode_num_splits: int | None = None  # fixed decode split count (CUDA-graph capture); None: from host lengths
+
+    def __post_init__(self) -> None:
+        if self.decode_num_splits is not None:
+            check_int("decode_num_splits", self.decode_num_splits, low=1, high=MAX_DECODE_SPLITS)
 
     @property
     def num_seqs(self) -> int:

@@ -5,6 +5,12 @@ block table, take q.k, scale it to log2-unit logits, mask, load the V tile and t
 online-softmax step; ``finish_softmax`` normalizes at the end. Quantized caches apply the K
 scales to the logits and the V scales to the probabilities, so the codes enter ``tl.dot``
 unchanged. The host helpers compute the constants the wrappers pass to the launches.
+
+Dot operands: q, K and V enter ``tl.dot`` in the kernel's DOT dtype (:func:`dot_dtype`): q's
+16-bit dtype when the cache holds the same dtype or 1-byte codes (int8, e4m3 and e5m2 values are
+exact in fp16 and bf16), so the dots run at the 16-bit tensor-core rate with float32
+accumulation; P is rounded to that dtype before P.V, as flash-attention does. float32 data
+(or a 16-bit q over a cache of the other 16-bit dtype) keeps float32 operands.
 """
 
 from __future__ import annotations
@@ -33,27 +39,29 @@ def scaled_logits(s, qk_a, qk_b, SOFT_CAP: tl.constexpr):
 
 
 @triton.jit
-def _e4m3_bits_to_f32(codes):
-    """float8_e4m3fn codes read as uint8 -> float32 by moving bits into a float16 (exact, any GPU arch).
+def _e4m3_bits_to_f16(codes):
+    """float8_e4m3fn codes read as uint8 -> float16 by moving bits (exact, any GPU arch).
 
-    The fp16 with sign | exponent-mantissa << 7 equals the e4m3 value / 256, subnormals included;
-    the NaN codes (0x7F, 0xFF) decode as +-480.
+    The fp16 with sign | exponent-mantissa << 7 equals the e4m3 value / 256, subnormals included,
+    so times 256 it is the value (at most 448: exact in fp16); the NaN codes (0x7F, 0xFF) decode as +-480.
     """
     bits = codes.to(tl.int32)
     half = (((bits & 0x80) << 8) | ((bits & 0x7F) << 7)).to(tl.int16).to(tl.float16, bitcast=True)
-    return half.to(tl.float32) * 256.0
+    return half * 256.0
 
 
 @triton.jit
-def kv_tile(ptr, blk, slot, head, offs_d, valid, d_mask, stride_b, stride_t, stride_h, stride_d):
-    """Load ``[BLOCK_N, D_PAD]`` K or V rows of one head as float32; masked rows read as 0."""
+def kv_tile(ptr, blk, slot, head, offs_d, valid, d_mask, stride_b, stride_t, stride_h, stride_d, DTYPE: tl.constexpr):
+    """Load ``[BLOCK_N, D_PAD]`` K or V rows of one head, converted whole to DTYPE; masked rows read as 0.
+
+    DTYPE (:func:`dot_dtype`) holds every cache value exactly: 16-bit values in their own dtype or
+    float32, 1-byte codes in fp16/bf16/float32.
+    """
     offs = blk[:, None] * stride_b + slot[:, None] * stride_t + head * stride_h + offs_d[None, :] * stride_d
     x = tl.load(ptr + offs, mask=valid[:, None] & d_mask[None, :], other=0.0)
     if ptr.dtype.element_ty == tl.uint8:  # a float8_e4m3fn cache, passed as bytes (see cache_arguments)
-        x = _e4m3_bits_to_f32(x)
-    else:
-        x = x.to(tl.float32)
-    return x
+        x = _e4m3_bits_to_f16(x)
+    return x.to(DTYPE)
 
 
 @triton.jit
@@ -72,7 +80,7 @@ def softmax_step(s, v, v_scale, m_i, l_i, acc, QUANTIZED: tl.constexpr, PRECISIO
     l_i = l_i * alpha + tl.sum(p, 1)
     if QUANTIZED:
         p = p * v_scale[None, :]  # sum_n p_n * (v_n * scale_n): scale applied on P, codes stay exact
-    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)  # P rounded to V's dtype
     return m_new, l_i, acc
 
 
@@ -94,6 +102,23 @@ def logit_coefficients(scale: float, soft_cap: float | None) -> tuple[float, flo
 def dot_precision(q: torch.Tensor, cache: torch.Tensor) -> str:
     """'ieee' when float32 data enters tl.dot; otherwise tf32 holds fp16/bf16/int8/fp8 values exactly."""
     return "ieee" if torch.float32 in (q.dtype, cache.dtype) else "tf32"
+
+
+def dot_dtype(q: torch.Tensor, cache: torch.Tensor) -> tl.dtype:
+    """The dtype q, K, V and P enter ``tl.dot`` in: q's 16-bit dtype where every cache value is exact in it.
+
+    That is a cache of q's own dtype or of 1-byte codes; float32 data, or 16-bit q over a cache of
+    the other 16-bit dtype, keeps float32 ('ieee' / exact 'tf32'). Off CUDA the Triton path is the
+    interpreter, whose bf16 ``tl.dot`` is wrong: bf16 runs in float32 there (fp16 stays fp16).
+    """
+    if q.dtype not in _DOT_16BIT or (cache.dtype != q.dtype and cache.element_size() != 1):
+        return tl.float32
+    if q.dtype == torch.bfloat16 and q.device.type != "cuda":
+        return tl.float32
+    return _DOT_16BIT[q.dtype]
+
+
+_DOT_16BIT = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
 def cache_arguments(k_cache, v_cache, k_scale, v_scale) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:

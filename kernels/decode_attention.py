@@ -9,7 +9,12 @@ entries past what ``seq_lens`` needs are padding and are never read.
 The Triton path is flash-decoding: grid (sequence, kv head, split); each program
 handles all query heads of one KV head (so each K/V byte is read once), walks its
 share of the KV range with an online softmax and writes a partial output + lse;
-a second small kernel merges the splits. The torch reference has the same contract
+a second small kernel merges the splits. Splits hold a fixed, tile-aligned number of
+tokens chosen from the batch's total tokens (:func:`choose_split_tokens`), so a long
+sequence of a ragged batch gets many splits and a short one few: the split programs
+past a sequence's end exit at once with lse -inf, which the merge weighs 0. A split
+count fixed in advance (``num_splits``, CUDA-graph capture) instead divides each
+sequence's range into that many equal parts at run time. The torch reference has the same contract
 and is the CPU engine's path. The checks, the Triton tile steps and the dense torch
 core are shared with :mod:`kernels.prefill_attention` (``kernels.attention_*``).
 """
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -32,10 +38,11 @@ from kernels.attention_checks import (
     check_tables,
     window_start,
 )
-from kernels.attention_metadata import AttentionMetadata
+from kernels.attention_metadata import MAX_DECODE_SPLITS, AttentionMetadata
 from kernels.attention_torch import DecodeLayout, decode_attention, decode_layout, token_slots
 from kernels.attention_triton import (
     cache_arguments,
+    dot_dtype,
     dot_precision,
     finish_softmax,
     kv_scale,
@@ -46,8 +53,9 @@ from kernels.attention_triton import (
 )
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError, check_int, describe
 
-MAX_SPLITS = 128
+MAX_SPLITS = MAX_DECODE_SPLITS
 MIN_TOKENS_PER_SPLIT = 256
+WAVES = 2  # split programs per SM the automatic split size aims for
 TORCH_CHUNK_BYTES = 16 * 2**20  # dense K per sequence group of the torch path
 
 
@@ -58,12 +66,17 @@ def _decode_split_kernel(
     sk_b, sk_t, sk_h, sk_d, sv_b, sv_t, sv_h, sv_d,
     sks_b, sks_t, sks_h, svs_b, svs_t, svs_h,
     sbt_s, sbt_b, so_s, so_h, so_p, so_d, sl_s, sl_h, sl_p,
-    qk_a, qk_b, window,
+    qk_a, qk_b, window, split_tokens, num_splits,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr,
     QUANTIZED: tl.constexpr, SOFT_CAP: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Grid (seq, kv_head, split): partial attention of the GROUP query heads of one KV head."""
+    """Grid (seq, kv_head, split): partial attention of the GROUP query heads of one KV head.
+
+    Split j covers ``[first + j * per_split, first + (j + 1) * per_split)`` of ``[first, seq_len)``:
+    per_split = split_tokens (a multiple of BLOCK_N), or with split_tokens 0 the tile-aligned
+    share of ``seq_len - first`` over num_splits. A split past the end does no work (lse -inf).
+    """
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -72,7 +85,9 @@ def _decode_split_kernel(
     if WINDOW:
         kv_lo = tl.maximum(seq_len - window, 0)
     first = (kv_lo // BLOCK_N) * BLOCK_N
-    per_split = tl.cdiv(tl.cdiv(seq_len - first, NUM_SPLITS), BLOCK_N) * BLOCK_N  # tile-aligned
+    per_split = split_tokens
+    if split_tokens == 0:
+        per_split = tl.cdiv(tl.cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N  # tile-aligned
     start = first + split * per_split
     stop = tl.minimum(start + per_split, seq_len)
 
@@ -83,7 +98,7 @@ def _decode_split_kernel(
     d_mask = offs_d < HEAD_DIM
     heads = kvh * GROUP + offs_g  # query heads of this KV head; rows >= GROUP are padding
     q_offs = seq * sq_s + heads[:, None] * sq_h + offs_d[None, :] * sq_d
-    q = tl.load(q_ptr + q_offs, mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)  # [G_PAD, D_PAD]
+    q = tl.load(q_ptr + q_offs, mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(DTYPE)  # [G_PAD, D_PAD]
 
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
@@ -94,13 +109,13 @@ def _decode_split_kernel(
         valid = (pos >= kv_lo) & (pos < stop)
         blk = tl.load(bt_ptr + seq * sbt_s + (pos // BLOCK_SIZE) * sbt_b, mask=valid, other=0).to(tl.int64)
         slot = pos % BLOCK_SIZE
-        k = kv_tile(k_ptr, blk, slot, kvh, offs_d, valid, d_mask, sk_b, sk_t, sk_h, sk_d)  # [BLOCK_N, D_PAD]
+        k = kv_tile(k_ptr, blk, slot, kvh, offs_d, valid, d_mask, sk_b, sk_t, sk_h, sk_d, DTYPE)  # [BLOCK_N, D_PAD]
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [G_PAD, BLOCK_N]
         if QUANTIZED:
             s = s * kv_scale(ks_ptr, blk, slot, kvh, valid, sks_b, sks_t, sks_h)[None, :]
             vs = kv_scale(vs_ptr, blk, slot, kvh, valid, svs_b, svs_t, svs_h)
         s = tl.where(valid[None, :], scaled_logits(s, qk_a, qk_b, SOFT_CAP), float("-inf"))
-        v = kv_tile(v_ptr, blk, slot, kvh, offs_d, valid, d_mask, sv_b, sv_t, sv_h, sv_d)
+        v = kv_tile(v_ptr, blk, slot, kvh, offs_d, valid, d_mask, sv_b, sv_t, sv_h, sv_d, DTYPE)
         m_i, l_i, acc = softmax_step(s, v, vs, m_i, l_i, acc, QUANTIZED, PRECISION)
 
     out, lse = finish_softmax(m_i, l_i, acc)
@@ -112,15 +127,15 @@ def _decode_split_kernel(
 @triton.jit
 def _merge_splits_kernel(
     part_ptr, plse_ptr, out_ptr, lse_ptr,
-    sp_s, sp_h, sp_p, sp_d, spl_s, spl_h, spl_p, so_s, so_h, so_d, sl_s, sl_h,
-    NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    sp_s, sp_h, sp_p, sp_d, spl_s, spl_h, spl_p, so_s, so_h, so_d, sl_s, sl_h, num_splits,
+    S_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
 ):  # fmt: skip
-    """Grid (seq, q_head): combine NUM_SPLITS partial outputs by their lse weights."""
+    """Grid (seq, q_head): combine num_splits (<= S_PAD) partial outputs by their lse weights."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_p = tl.arange(0, S_PAD)
     offs_d = tl.arange(0, D_PAD)
-    p_mask = offs_p < NUM_SPLITS
+    p_mask = offs_p < num_splits
     lse = tl.load(plse_ptr + seq * spl_s + head * spl_h + offs_p * spl_p, mask=p_mask, other=float("-inf"))
     m = tl.max(lse, 0)
     m_use = tl.where(m == float("-inf"), 0.0, m)
@@ -139,7 +154,7 @@ def _merge_splits_kernel(
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_len: int, device: torch.device) -> int:
-    """Flash-decoding split count: fill about two waves of SMs, keeping >= MIN_TOKENS_PER_SPLIT per split."""
+    """A fixed split count (CUDA-graph capture): fill about two waves of SMs, >= MIN_TOKENS_PER_SPLIT per split."""
     by_len = max(1, max_len // MIN_TOKENS_PER_SPLIT)
     if device.type != "cuda":
         return min(2, by_len)  # interpreter: few programs are cheapest
@@ -154,17 +169,57 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def decode_tile(d_pad: int) -> tuple[int, int]:
-    """(BLOCK_N, num_warps) of the decode kernel: no register spills on sm80/sm90 for any cache dtype."""
-    return (64, 8) if d_pad <= 128 else (32, 8)
+def choose_split_tokens(total_tokens: int, max_cols: int, num_kv_heads: int, block_n: int, device) -> int:
+    """Tokens per decode split, a multiple of ``block_n``: about WAVES split programs per SM over the batch.
+
+    ``total_tokens`` is the KV positions the batch attends (all sequences), ``max_cols`` the longest
+    range one sequence walks. At least MIN_TOKENS_PER_SPLIT, and that range needs <= MAX_SPLITS splits.
+    """
+    if device.type != "cuda":
+        tokens = -(-max_cols // 2)  # interpreter: few programs are cheapest (at most two splits)
+    else:
+        sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+        tokens = -(-total_tokens * num_kv_heads // (WAVES * sms))
+    tokens = max(tokens, MIN_TOKENS_PER_SPLIT, -(-max_cols // MAX_SPLITS))
+    return -(-tokens // block_n) * block_n
 
 
-def _decode_triton(q, k_cache, v_cache, block_tables, seq_lens, geo, opts, k_scale, v_scale, num_splits):
-    """Launch the split kernel (and the merge kernel when num_splits > 1); returns (out, lse)."""
+def decode_tile(d_pad: int, cache_bytes: int, dtype: tl.dtype) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of the decode kernel per head size, cache element size and dot dtype.
+
+    1-byte caches converted to 16-bit tiles move half the bytes per token, so they take twice the
+    tokens per tile; every choice builds for sm80/sm90 without register spills (tests/kernels: build_for_gpu).
+    """
+    block_n = 64 if d_pad <= 128 else 32
+    if dtype != tl.float32 and cache_bytes == 1:
+        return 2 * block_n, 8, 3 if d_pad <= 128 else 2  # head 256: a third 128 x 256 stage would spill
+    if dtype != tl.float32:
+        return block_n, 8, 3
+    return block_n, 8, 1 if cache_bytes == 1 else 3  # float32 operands: pipelined code tiles would spill
+
+
+def _split_geometry(num_splits, total_tokens, max_len, window, num_kv_heads, block_n, device) -> tuple[int, int]:
+    """(split_tokens, num_splits) of a launch: a fixed count gives (0, count), else fixed tokens per split."""
+    if num_splits is not None:
+        return 0, num_splits
+    cols = max_len if window is None else min(max_len, window + block_n - 1)  # longest range a sequence walks
+    tokens = choose_split_tokens(total_tokens, cols, num_kv_heads, block_n, device)
+    return tokens, -(-cols // tokens)
+
+
+def _decode_triton(q, k_cache, v_cache, block_tables, seq_lens, geo, opts, k_scale, v_scale, splits, sizes):
+    """Launch the split kernel (and the merge kernel for several splits); returns (out, lse).
+
+    ``splits`` is a fixed split count or None (tokens per split from ``sizes`` = (total attended
+    tokens, max_len), host ints).
+    """
     num_seqs, num_q_heads, head_dim = q.shape
     scale, window, soft_cap = opts
     group = num_q_heads // geo.num_kv_heads
     d_pad = max(16, triton.next_power_of_2(head_dim))
+    dtype = dot_dtype(q, k_cache)
+    block_n, num_warps, num_stages = decode_tile(d_pad, k_cache.element_size(), dtype)
+    split_tokens, num_splits = _split_geometry(splits, *sizes, window, geo.num_kv_heads, block_n, q.device)
     out = torch.empty_like(q)  # [S, Hq, D]
     lse = torch.empty(num_seqs, num_q_heads, device=q.device, dtype=torch.float32)
     if num_splits == 1:
@@ -173,21 +228,20 @@ def _decode_triton(q, k_cache, v_cache, block_tables, seq_lens, geo, opts, k_sca
         part = torch.empty(num_seqs, num_q_heads, num_splits, head_dim, device=q.device, dtype=torch.float32)
         part_lse = torch.empty(num_seqs, num_q_heads, num_splits, device=q.device, dtype=torch.float32)
     qk_a, qk_b = logit_coefficients(scale, soft_cap)
-    block_n, num_warps = decode_tile(d_pad)
     cache_pointers, cache_strides = cache_arguments(k_cache, v_cache, k_scale, v_scale)
     _decode_split_kernel[(num_seqs, geo.num_kv_heads, num_splits)](
         q, *cache_pointers, block_tables, seq_lens, part, part_lse,
         *q.stride(), *cache_strides, *block_tables.stride(), *part.stride(), *part_lse.stride(),
-        qk_a, qk_b, window or 0,
+        qk_a, qk_b, window or 0, split_tokens, num_splits,
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_PAD=d_pad,
-        BLOCK_SIZE=geo.block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        BLOCK_SIZE=geo.block_size, BLOCK_N=block_n, DTYPE=dtype,
         QUANTIZED=geo.quantized, SOFT_CAP=soft_cap is not None, WINDOW=window is not None,
-        PRECISION=dot_precision(q, k_cache), num_warps=num_warps,
+        PRECISION=dot_precision(q, k_cache), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_q_heads)](
-            part, part_lse, out, lse, *part.stride(), *part_lse.stride(), *out.stride(), *lse.stride(),
-            NUM_SPLITS=num_splits, S_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, D_PAD=d_pad,
+            part, part_lse, out, lse, *part.stride(), *part_lse.stride(), *out.stride(), *lse.stride(), num_splits,
+            S_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, D_PAD=d_pad,
         )  # fmt: skip
     return out, lse
 
@@ -239,23 +293,28 @@ def _decode_layout(block_tables, seq_lens, window, lens, block_size, num_kv_head
 
 
 def _validate_decode(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, scale, window, cap, splits):
-    """Every check of the decode contract, with one host sync; returns (geometry, options, (min_len, max_len))."""
+    """Every check of the decode contract, with one host sync; returns (geometry, options, (min_len, max_len, total)).
+
+    total: the KV positions the batch attends (sum of window-limited lengths), which sizes the splits.
+    """
     geo = check_cache(q, k_cache, v_cache, k_scale, v_scale)
     opts = check_options(geo.head_dim, scale, window, cap)
     check_tables(block_tables, seq_lens, q.shape[0], q.device)
     if splits is not None:
         check_int("num_splits", splits, low=1, high=MAX_SPLITS)
     if q.shape[0] == 0:
-        return geo, opts, (0, 0)
+        return geo, opts, (0, 0, 0)
     kv_start = window_start(seq_lens, opts[1])
     bounds = block_id_bounds(block_tables, seq_lens, kv_start, geo.block_size)
-    lo_len, hi_len, lo_blk, hi_blk = torch.stack([seq_lens.min().long(), seq_lens.max().long(), *bounds]).tolist()
+    total = (seq_lens.long() - kv_start).sum()
+    stats = torch.stack([seq_lens.min().long(), seq_lens.max().long(), total, *bounds]).tolist()
+    lo_len, hi_len, total, lo_blk, hi_blk = stats
     capacity = block_tables.shape[1] * geo.block_size
     if lo_len < 1 or hi_len > capacity:
         bad = lo_len if lo_len < 1 else hi_len
         raise OutOfRangeError(describe("seq_lens", bad, f"lengths in [1, {capacity}] (max_blocks * block_size)"))
     check_block_ids(lo_blk, hi_blk, geo.num_blocks)
-    return geo, opts, (lo_len, hi_len)
+    return geo, opts, (lo_len, hi_len, total)
 
 
 def paged_decode_attention(
@@ -280,7 +339,8 @@ def paged_decode_attention(
     positions ``[seq_len - sliding_window, seq_len)`` (all when None). Logits are ``scale * q.k``
     (default 1/sqrt(D)), soft-capped to ``soft_cap * tanh(logit / soft_cap)`` when given. With
     ``return_lse`` also returns the float32 natural-log logsumexp ``[S, Hq]`` of the (capped) logits.
-    ``num_splits`` sets flash-decoding's KV split count (None: chosen from batch, heads and SMs).
+    ``num_splits`` fixes flash-decoding's KV split count, each sequence's range divided in that many
+    equal parts (None: splits of a fixed token count chosen from the batch's total tokens and the SMs).
     """
     geo, opts, lens = _validate_decode(
         q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, scale, sliding_window, soft_cap, num_splits
@@ -290,11 +350,12 @@ def paged_decode_attention(
         out, lse = torch.empty_like(q), torch.empty(0, q.shape[1], device=q.device, dtype=torch.float32)
     elif run_triton:
         check_triton_device(q)
-        splits = num_splits or choose_num_splits(q.shape[0], geo.num_kv_heads, lens[1], q.device)
-        out, lse = _decode_triton(q, k_cache, v_cache, block_tables, seq_lens, geo, opts, k_scale, v_scale, splits)
+        out, lse = _decode_triton(
+            q, k_cache, v_cache, block_tables, seq_lens, geo, opts, k_scale, v_scale, num_splits, (lens[2], lens[1])
+        )
     else:
         out, lse = _decode_torch(
-            q, k_cache, v_cache, block_tables, seq_lens, opts, k_scale, v_scale, lens, return_lse
+            q, k_cache, v_cache, block_tables, seq_lens, opts, k_scale, v_scale, lens[:2], return_lse
         )
     return (out, lse) if return_lse else out
 
@@ -340,8 +401,9 @@ def paged_decode_attention_prepared(
     """:func:`paged_decode_attention` over a prepared step: host checks only, no device value read.
 
     q ``[S, Hq, D]`` -> out ``[S, Hq, D]`` (and lse ``[S, Hq]`` with ``return_lse``); block ids and
-    lengths were validated when ``meta`` was prepared, and the split count comes from its host-side
-    ``max_seq_len``.
+    lengths were validated when ``meta`` was prepared. The split geometry comes from host values:
+    ``num_splits``, else the count fixed in ``meta.decode_num_splits`` (CUDA-graph capture), else
+    its host lengths.
     """
     geo, opts = check_prepared(q, k_cache, v_cache, meta, k_scale, v_scale, scale, sliding_window, soft_cap)
     if not meta.is_decode:
@@ -355,9 +417,15 @@ def paged_decode_attention_prepared(
         out, lse = torch.empty_like(q), torch.empty(0, q.shape[1], device=q.device, dtype=torch.float32)
     elif use_triton(backend, q, k_cache, v_cache, tables, lens):
         check_triton_device(q)
-        splits = num_splits or choose_num_splits(q.shape[0], geo.num_kv_heads, meta.max_seq_len, q.device)
-        out, lse = _decode_triton(q, k_cache, v_cache, tables, lens, geo, opts, k_scale, v_scale, splits)
+        splits = num_splits if num_splits is not None else meta.decode_num_splits
+        sizes = (_host_total(meta.host_seq_lens, opts[1]), meta.max_seq_len)
+        out, lse = _decode_triton(q, k_cache, v_cache, tables, lens, geo, opts, k_scale, v_scale, splits, sizes)
     else:
         host_lens = (meta.min_seq_len, meta.max_seq_len)
         out, lse = _decode_torch(q, k_cache, v_cache, tables, lens, opts, k_scale, v_scale, host_lens, return_lse)
     return (out, lse) if return_lse else out
+
+
+def _host_total(host_seq_lens: np.ndarray, window: int | None) -> int:
+    """KV positions a decode batch attends, from host lengths: the sum of its window-limited lengths."""
+    return int(host_seq_lens.sum() if window is None else np.minimum(host_seq_lens, window).sum())

@@ -32,6 +32,7 @@ from kernels.attention_metadata import AttentionMetadata
 from kernels.attention_torch import dense_attention, gather_kv
 from kernels.attention_triton import (
     cache_arguments,
+    dot_dtype,
     dot_precision,
     finish_softmax,
     kv_scale,
@@ -54,7 +55,7 @@ def _prefill_kernel(
     sbt_s, sbt_b, so_t, so_h, so_d, sl_t, sl_h,
     qk_a, qk_b, window,
     GROUP: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr,
     QUANTIZED: tl.constexpr, SOFT_CAP: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Grid (query tile, kv head, seq): rows are (token, head-in-group) pairs, TOKENS tokens per tile."""
@@ -76,7 +77,7 @@ def _prefill_kernel(
     row_ok = (rows < TOKENS * GROUP) & (tok < q_len)
     q_pos = ctx + tok  # absolute positions of the rows' queries
     q_offs = (q_start + tok.to(tl.int64))[:, None] * sq_t + heads[:, None] * sq_h + offs_d[None, :] * sq_d
-    q = tl.load(q_ptr + q_offs, mask=row_ok[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+    q = tl.load(q_ptr + q_offs, mask=row_ok[:, None] & d_mask[None, :], other=0.0).to(DTYPE)
 
     kv_lo = 0
     if WINDOW:
@@ -92,7 +93,7 @@ def _prefill_kernel(
         valid = (pos >= kv_lo) & (pos < kv_hi)
         blk = tl.load(bt_ptr + seq * sbt_s + (pos // BLOCK_SIZE) * sbt_b, mask=valid, other=0).to(tl.int64)
         slot = pos % BLOCK_SIZE
-        k = kv_tile(k_ptr, blk, slot, kvh, offs_d, valid, d_mask, sk_b, sk_t, sk_h, sk_d)  # [BLOCK_N, D_PAD]
+        k = kv_tile(k_ptr, blk, slot, kvh, offs_d, valid, d_mask, sk_b, sk_t, sk_h, sk_d, DTYPE)  # [BLOCK_N, D_PAD]
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
         if QUANTIZED:
             s = s * kv_scale(ks_ptr, blk, slot, kvh, valid, sks_b, sks_t, sks_h)[None, :]
@@ -101,7 +102,7 @@ def _prefill_kernel(
         if WINDOW:
             allowed = allowed & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(allowed, scaled_logits(s, qk_a, qk_b, SOFT_CAP), float("-inf"))
-        v = kv_tile(v_ptr, blk, slot, kvh, offs_d, valid, d_mask, sv_b, sv_t, sv_h, sv_d)
+        v = kv_tile(v_ptr, blk, slot, kvh, offs_d, valid, d_mask, sv_b, sv_t, sv_h, sv_d, DTYPE)
         m_i, l_i, acc = softmax_step(s, v, vs, m_i, l_i, acc, QUANTIZED, PRECISION)
 
     out, lse = finish_softmax(m_i, l_i, acc)
@@ -111,17 +112,20 @@ def _prefill_kernel(
     tl.store(lse_ptr + row_t * sl_t + heads * sl_h, lse, mask=row_ok)
 
 
-def prefill_tile(d_pad: int, group: int, precision: str) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) of the prefill kernel; BLOCK_M holds at least one token's GROUP heads.
+def prefill_tile(d_pad: int, group: int, dtype: tl.dtype, precision: str) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the prefill kernel; BLOCK_M holds one token's GROUP heads.
 
-    Chosen so sm80/sm90 builds do not spill registers; float32 data ('ieee' dots run on FMA
-    units and hold more registers) gets smaller query tiles.
+    Chosen so sm80/sm90 builds do not spill registers: 16-bit dots (``dtype``, :func:`dot_dtype`)
+    take the flash-attention tile 128 x 64 over 8 warps; float32 operands hold twice the registers
+    (and 'ieee' dots run on FMA units), so they get smaller query tiles.
     """
-    if precision == "ieee":
-        block_m, block_n, num_warps = (16, 64, 4) if d_pad <= 128 else (16, 16, 4)
+    if dtype != tl.float32:
+        block_m, block_n, num_warps, num_stages = (128, 64, 8, 3) if d_pad <= 128 else (64, 32, 8, 2)
+    elif precision == "ieee":  # float32 operands: a pipelined stage of code tiles would spill
+        block_m, block_n, num_warps, num_stages = (16, 32, 8, 1) if d_pad <= 128 else (16, 16, 4, 1)
     else:
-        block_m, block_n, num_warps = (64, 64, 8) if d_pad <= 128 else (32, 32, 8)
-    return max(block_m, triton.next_power_of_2(group)), block_n, num_warps
+        block_m, block_n, num_warps, num_stages = (64, 64, 8, 1) if d_pad <= 128 else (32, 32, 8, 1)
+    return max(block_m, triton.next_power_of_2(group)), block_n, num_warps, num_stages
 
 
 def _prefill_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens, geo, opts, k_scale, v_scale, max_q):
@@ -130,8 +134,8 @@ def _prefill_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens, geo
     scale, window, soft_cap = opts
     group = num_q_heads // geo.num_kv_heads
     d_pad = max(16, triton.next_power_of_2(head_dim))
-    precision = dot_precision(q, k_cache)
-    block_m, block_n, num_warps = prefill_tile(d_pad, group, precision)
+    precision, dtype = dot_precision(q, k_cache), dot_dtype(q, k_cache)
+    block_m, block_n, num_warps, num_stages = prefill_tile(d_pad, group, dtype, precision)
     tokens = block_m // group
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[0], num_q_heads, device=q.device, dtype=torch.float32)
@@ -143,9 +147,9 @@ def _prefill_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens, geo
         *q.stride(), *cache_strides, *block_tables.stride(), *out.stride(), *lse.stride(),
         qk_a, qk_b, window or 0,
         GROUP=group, TOKENS=tokens, BLOCK_M=block_m, HEAD_DIM=head_dim, D_PAD=d_pad,
-        BLOCK_SIZE=geo.block_size, BLOCK_N=block_n,
+        BLOCK_SIZE=geo.block_size, BLOCK_N=block_n, DTYPE=dtype,
         QUANTIZED=geo.quantized, SOFT_CAP=soft_cap is not None, WINDOW=window is not None,
-        PRECISION=precision, num_warps=num_warps,
+        PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out, lse
 

@@ -33,6 +33,7 @@ from kernels.attention_metadata import offsets
 from kernels.attention_torch import dense_attention, gather_kv
 from kernels.attention_triton import (
     cache_arguments,
+    dot_dtype,
     dot_precision,
     finish_softmax,
     kv_scale,
@@ -58,7 +59,8 @@ def _prefix_kernel(
     qk_a, qk_b,
     GROUP: tl.constexpr, Q_TILE: tl.constexpr, NUM_QTILES: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, QUANTIZED: tl.constexpr, SOFT_CAP: tl.constexpr, PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DTYPE: tl.constexpr, QUANTIZED: tl.constexpr, SOFT_CAP: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Grid (group * NUM_QTILES, kv_head, split): Q_TILE queries x GROUP heads over one split of the prefix."""
     grp = tl.program_id(0) // NUM_QTILES
@@ -81,7 +83,7 @@ def _prefix_kernel(
     heads = kvh * GROUP + offs_m % GROUP  # [BLOCK_M] its query head
     m_mask = (offs_m < Q_TILE * GROUP) & (rows < q_hi)  # rows past the tile or the group are padding
     q_offs = rows[:, None] * sq_t + heads[:, None] * sq_h + offs_d[None, :] * sq_d
-    q = tl.load(q_ptr + q_offs, mask=m_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)  # [BLOCK_M, D_PAD]
+    q = tl.load(q_ptr + q_offs, mask=m_mask[:, None] & d_mask[None, :], other=0.0).to(DTYPE)  # [BLOCK_M, D_PAD]
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -92,13 +94,13 @@ def _prefix_kernel(
         valid = pos < stop
         blk = tl.load(bt_ptr + grp * sbt_g + (pos // BLOCK_SIZE) * sbt_b, mask=valid, other=0).to(tl.int64)
         slot = pos % BLOCK_SIZE
-        k = kv_tile(k_ptr, blk, slot, kvh, offs_d, valid, d_mask, sk_b, sk_t, sk_h, sk_d)  # [BLOCK_N, D_PAD]
+        k = kv_tile(k_ptr, blk, slot, kvh, offs_d, valid, d_mask, sk_b, sk_t, sk_h, sk_d, DTYPE)  # [BLOCK_N, D_PAD]
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
         if QUANTIZED:
             s = s * kv_scale(ks_ptr, blk, slot, kvh, valid, sks_b, sks_t, sks_h)[None, :]
             vs = kv_scale(vs_ptr, blk, slot, kvh, valid, svs_b, svs_t, svs_h)
         s = tl.where(valid[None, :], scaled_logits(s, qk_a, qk_b, SOFT_CAP), float("-inf"))
-        v = kv_tile(v_ptr, blk, slot, kvh, offs_d, valid, d_mask, sv_b, sv_t, sv_h, sv_d)
+        v = kv_tile(v_ptr, blk, slot, kvh, offs_d, valid, d_mask, sv_b, sv_t, sv_h, sv_d, DTYPE)
         m_i, l_i, acc = softmax_step(s, v, vs, m_i, l_i, acc, QUANTIZED, PRECISION)
 
     out, lse = finish_softmax(m_i, l_i, acc)
@@ -161,20 +163,22 @@ def _prefix_triton(q, k_cache, v_cache, meta: PrefixMetadata, geo: CacheGeometry
         part = torch.empty(num_rows, num_q_heads, splits, head_dim, device=q.device, dtype=torch.float32)
         part_lse = torch.empty(num_rows, num_q_heads, splits, device=q.device, dtype=torch.float32)
     qk_a, qk_b = logit_coefficients(scale, soft_cap)
-    block_n, num_warps = decode_tile(d_pad)
+    dtype = dot_dtype(q, k_cache)
+    block_n, num_warps, num_stages = decode_tile(d_pad, k_cache.element_size(), dtype)
     cache_pointers, cache_strides = cache_arguments(k_cache, v_cache, k_scale, v_scale)
     tables = meta.block_tables
     _prefix_kernel[(meta.num_groups * num_qtiles, geo.num_kv_heads, splits)](
         q, *cache_pointers, tables, meta.prefix_lens, meta.cu_seqlens_q, part, part_lse,
         *q.stride(), *cache_strides, *tables.stride(), *part.stride(), *part_lse.stride(), qk_a, qk_b,
         GROUP=group, Q_TILE=q_tile, NUM_QTILES=num_qtiles, BLOCK_M=block_m, HEAD_DIM=head_dim, D_PAD=d_pad,
-        BLOCK_SIZE=geo.block_size, BLOCK_N=block_n, NUM_SPLITS=splits, QUANTIZED=geo.quantized,
+        BLOCK_SIZE=geo.block_size, BLOCK_N=block_n, NUM_SPLITS=splits, DTYPE=dtype, QUANTIZED=geo.quantized,
         SOFT_CAP=soft_cap is not None, PRECISION=dot_precision(q, k_cache), num_warps=num_warps,
+        num_stages=num_stages,
     )  # fmt: skip
     if splits > 1:
         _merge_splits_kernel[(num_rows, num_q_heads)](
-            part, part_lse, out, lse, *part.stride(), *part_lse.stride(), *out.stride(), *lse.stride(),
-            NUM_SPLITS=splits, S_PAD=triton.next_power_of_2(splits), HEAD_DIM=head_dim, D_PAD=d_pad,
+            part, part_lse, out, lse, *part.stride(), *part_lse.stride(), *out.stride(), *lse.stride(), splits,
+            S_PAD=triton.next_power_of_2(splits), HEAD_DIM=head_dim, D_PAD=d_pad,
         )  # fmt: skip
     return out, lse
 

@@ -10,8 +10,8 @@ last decoder layer's hidden states: the LM head runs eagerly on the real rows on
 no graph holds a ``[batch, vocab]`` logits buffer.
 
 The captured forward reads no device value: its attention metadata holds host sizes
-fixed at capture (the split count is chosen for the widest table the graphs accept,
-and each split covers its share of the real length at run time).
+fixed at capture: ``decode_num_splits`` is chosen for the widest table the graphs accept,
+and each split covers its share of the real length at run time.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from kernels.attention_metadata import AttentionMetadata
+from kernels.decode_attention import choose_num_splits
 from paged_kv.kv_cache import PagedKVCache
 from scheduler.model import LlamaModel
 from scheduler.step_input import StepInput
@@ -101,6 +102,7 @@ class DecodeGraphs:
             slot_mapping=self.slots[:size], host_seq_lens=np.full(size, self.width * bs, dtype=np.int64),
             host_query_lens=np.ones(size, dtype=np.int64), block_size=bs, num_blocks=self.cache.num_blocks,
             max_seq_len=self.width * bs, max_query_len=1,
+            decode_num_splits=choose_num_splits(size, self.cache.spec.num_kv_heads, self.width * bs, self.cache.device),
         )  # fmt: skip
 
     def _forward(self, size: int, meta: AttentionMetadata) -> torch.Tensor:

@@ -156,9 +156,10 @@ def build_forked(groups, *, block_size, num_kv_heads, head_dim, dtype=F32, seed=
 
 
 # Compiles, for the CUDA archs in argv[1], every kernel launch that the wrapper calls in argv[2] make:
-# catches what the interpreter cannot (types, layouts, constexpr branches) without a GPU.
+# catches what the interpreter cannot (types, layouts, constexpr branches) without a GPU, and fails
+# when ptxas reports register spills (its -v log, which Triton prints with dump_ptxas_log).
 GPU_BUILD_SCRIPT = r"""
-import sys, torch, triton
+import contextlib, io, re, sys, torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import kernels.decode_attention as dec, kernels.prefill_attention as pre, kernels.merge_states as ms
@@ -190,11 +191,19 @@ class Build:
     def __init__(self, fn):
         self.fn = fn
     def __getitem__(self, grid):
-        def launch(*args, num_warps=4, **constexprs):
+        def launch(*args, num_warps=4, num_stages=3, **constexprs):
             sig, consts, attrs = signature(self.fn, args, constexprs)
+            options = {"num_warps": num_warps, "num_stages": num_stages}
             for arch in sys.argv[1].split(","):
                 target = GPUTarget("cuda", int(arch), 32)
-                triton.compile(ASTSource(self.fn, sig, consts, attrs), target=target, options={"num_warps": num_warps})
+                log = io.StringIO()
+                with contextlib.redirect_stdout(log):
+                    triton.compile(ASTSource(self.fn, sig, consts, attrs), target=target, options=options)
+                spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", log.getvalue())]
+                if not spills:
+                    sys.exit(f"no ptxas report for {self.fn.__name__}: {log.getvalue()[-500:]}")
+                if max(spills) > 0:
+                    sys.exit(f"{self.fn.__name__} spills {max(spills)} bytes on sm{arch}: {constexprs} {options}")
             built.append(self.fn.__name__)
         return launch
 
@@ -214,6 +223,8 @@ def build_for_gpu(calls: str, archs: str = "80,90") -> list[str]:
         pytest.skip("this triton build ships no ptxas")
     root = str(Path(__file__).resolve().parents[2])
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DUMP_PTXAS_LOG"] = "1"  # ptxas -v log (registers, spills) to stdout
+    env["TRITON_ALWAYS_COMPILE"] = "1"  # a cached kernel would skip ptxas and its log
     env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
     args = [sys.executable, "-c", GPU_BUILD_SCRIPT, archs, calls]
     done = subprocess.run(args, env=env, cwd=root, capture_output=True, text=True, timeout=600)

@@ -31,7 +31,13 @@ from attention_cases import (
 from backend_device import call_on_backend
 
 import kernels.decode_attention as dec
-from kernels.decode_attention import choose_num_splits, paged_decode_attention, paged_decode_attention_reference
+from kernels.attention_triton import dot_dtype
+from kernels.decode_attention import (
+    choose_num_splits,
+    choose_split_tokens,
+    paged_decode_attention,
+    paged_decode_attention_reference,
+)
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError
 
 def naive_decode(q, paged: Paged, *, exact=False, scale=None, **opts):
@@ -162,17 +168,42 @@ def test_empty_batch():
 
 
 def test_kernels_build_for_gpu():
-    # sm80 has no e4m3 type: the e4m3 cache must reach the kernel as bytes.
+    # Every (q, cache) dtype pair the tile table distinguishes, head sizes 128 and 256, builds for sm80
+    # and sm90 without register spills; sm80 has no e4m3 type, so e4m3 caches reach the kernel as bytes.
     calls = """
-kc = torch.randn(6, 16, 2, 128)
 bt, lens = torch.arange(6, dtype=torch.int32).view(2, 3), torch.tensor([40, 20], dtype=torch.int32)
-q = torch.randn(2, 8, 128, dtype=torch.bfloat16)
-dec.paged_decode_attention(q, kc.bfloat16(), kc.bfloat16(), bt, lens, backend="triton",
-                           sliding_window=8, soft_cap=30.0, num_splits=3)
-e4m3, scale = kc.to(torch.float8_e4m3fn), torch.ones(6, 16, 2)
-dec.paged_decode_attention(q.float(), e4m3, e4m3, bt, lens, k_scale=scale, v_scale=scale, backend="triton")
+scale = torch.ones(6, 16, 2)
+for d in (128, 256):
+    kc = torch.randn(6, 16, 2, d)
+    q = torch.randn(2, 8, d, dtype=torch.bfloat16)
+    dec.paged_decode_attention(q, kc.bfloat16(), kc.bfloat16(), bt, lens, backend="triton",
+                               sliding_window=8, soft_cap=30.0, num_splits=3)
+    dec.paged_decode_attention(q.float(), kc, kc, bt, lens, backend="triton", num_splits=1)
+    for qd, cd in ((torch.float32, torch.float8_e4m3fn), (torch.bfloat16, torch.float8_e4m3fn),
+                   (torch.bfloat16, torch.int8), (torch.float16, torch.float8_e5m2)):
+        codes = kc.to(cd)
+        dec.paged_decode_attention(q.to(qd), codes, codes, bt, lens, k_scale=scale, v_scale=scale,
+                                   backend="triton", num_splits=1)
 """
-    assert build_for_gpu(calls) == ["_decode_split_kernel", "_merge_splits_kernel", "_decode_split_kernel"]
+    assert build_for_gpu(calls) == ["_decode_split_kernel", "_merge_splits_kernel"] + ["_decode_split_kernel"] * 5 \
+        + ["_decode_split_kernel", "_merge_splits_kernel"] + ["_decode_split_kernel"] * 5
+
+
+@pytest.mark.parametrize(
+    "q_dtype,cache_dtype,expected",
+    [(BF16, BF16, "bf16"), (F16, F16, "fp16"), (BF16, I8, "bf16"), (F16, E4M3, "fp16"), (BF16, E5M2, "bf16"),
+     (F32, BF16, "fp32"), (BF16, F32, "fp32"), (F16, BF16, "fp32"), (F32, I8, "fp32")],
+)  # fmt: skip
+def test_dot_dtype_keeps_16_bit_operands_where_exact(q_dtype, cache_dtype, expected):
+    q, cache = torch.zeros(1, dtype=q_dtype), torch.zeros(1).to(cache_dtype)
+    assert str(dot_dtype(_on_fake_cuda(q), cache)) == expected
+    on_cpu = "fp32" if q_dtype == BF16 else expected  # the interpreter's bf16 tl.dot is wrong: float32 there
+    assert str(dot_dtype(q, cache)) == on_cpu
+
+
+def _on_fake_cuda(t):
+    """A stand-in with ``t``'s dtype whose device reads as CUDA (dot_dtype only looks at dtype and device)."""
+    return SimpleNamespace(dtype=t.dtype, device=torch.device("cuda", 0))
 
 
 def test_choose_num_splits(monkeypatch):
@@ -185,6 +216,28 @@ def test_choose_num_splits(monkeypatch):
     assert choose_num_splits(1, 8, 8192, cuda) == 32  # few programs, long context: split widely
     assert choose_num_splits(1, 8, 1024, cuda) == 4  # capped by >= 256 tokens per split
     assert choose_num_splits(64, 8, 8192, cuda) == 1  # 512 programs already fill 132 SMs
+
+
+def test_choose_split_tokens(monkeypatch):
+    cpu = torch.device("cpu")
+    assert choose_split_tokens(1000, 700, 8, 64, cpu) == 384  # at most two splits, tile-aligned
+    props = SimpleNamespace(multi_processor_count=132)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    cuda = torch.device("cuda", 0)
+    assert choose_split_tokens(32768, 32768, 8, 64, cuda) == 1024  # 1 x 32k: 32 splits x 8 heads ~ 2 waves
+    assert choose_split_tokens(64 * 32768, 32768, 8, 64, cuda) == 63552  # big batch: one split per sequence
+    assert choose_split_tokens(600, 600, 8, 128, cuda) == 256  # at least MIN_TOKENS_PER_SPLIT
+    assert choose_split_tokens(2**20, 2**20, 1, 64, cuda) == 8192  # at most MAX_SPLITS splits
+
+
+def test_ragged_batch_splits_by_tokens_not_by_longest():
+    # Automatic splits of 256 tokens: the 700-token sequence takes 3 splits, the short ones 1 (the rest exit).
+    paged = build_paged([700, 1, 40, 300], block_size=16, num_kv_heads=2, head_dim=64, dtype=F16, seed=21)
+    q = torch.randn(4, 4, 64, generator=torch.Generator().manual_seed(22)).to(F16)
+    out, lse = run_decode(q, paged, backend="triton", return_lse=True, sliding_window=600)
+    expected, expected_lse = naive_decode(q, paged, sliding_window=600)
+    assert_close(out, expected, TOL[F16])
+    assert_close(lse, expected_lse, TOL[F16])
 
 
 def _valid_inputs():

@@ -176,8 +176,13 @@ pre.paged_prefill_attention(torch.randn(35, 8, 256).half(), kc.half(), kc.half()
 codes, scale = kc[..., :96].to(torch.int8), torch.ones(6, 16, 2)
 pre.paged_prefill_attention(torch.randn(35, 12, 96), codes, codes, bt, lens, cu, k_scale=scale, v_scale=scale,
                             backend="triton")
+kb = torch.randn(6, 16, 2, 128)
+for cd in (torch.bfloat16, torch.int8, torch.float8_e4m3fn):  # 16-bit dots: the 128 x 64 tile
+    c, sc = kb.to(cd), (None if cd == torch.bfloat16 else scale)
+    pre.paged_prefill_attention(torch.randn(35, 8, 128).bfloat16(), c, c, bt, lens, cu, k_scale=sc, v_scale=sc,
+                                backend="triton")
 """
-    assert build_for_gpu(calls) == ["_prefill_kernel", "_prefill_kernel"]
+    assert build_for_gpu(calls) == ["_prefill_kernel"] * 5
 
 
 def _valid_inputs():
