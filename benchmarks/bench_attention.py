@@ -275,8 +275,15 @@ def section_prefill(ctx: dict) -> None:
     print_rows(rows)
 
 
+def section_cascade(ctx: dict) -> None:
+    """Cascade vs plain decode on beams of width 4 and 8 sharing a long prompt (rows of bench_cascade.py)."""
+    from bench_cascade import run  # benchmarks/ is this script's directory, first on sys.path
+
+    print_rows(run(ctx["device"], ctx["quick"]))
+
+
 SECTIONS = {"decode": section_decode, "ragged": section_ragged, "quantized": section_quantized,
-            "prefill": section_prefill}  # fmt: skip
+            "prefill": section_prefill, "cascade": section_cascade}  # fmt: skip
 
 
 def main() -> None:

@@ -13,5 +13,6 @@ python -m pytest -q -x tests 2>&1 | tail -25 | tee "$out/pytest.txt"
 python benchmarks/bench_hot_path.py --device cuda 2>&1 | tee "$out/hot_path.md"
 [ -d third_party/vllm_attention ] || [ -z "${VLLM_SRC:-}" ] || bash benchmarks/setup_vllm_attention.sh
 python benchmarks/bench_attention.py 2>&1 | tee "$out/attention.md"
+python benchmarks/bench_tp.py 2>&1 | tee "$out/tp.md"
 python benchmarks/bench_engine.py --device cuda 2>&1 | tee "$out/engine.md"
 python -m scheduler --device cuda --num-requests 16 --max-num-seqs 16 2>&1 | tail -30 | tee "$out/main_job.txt"
