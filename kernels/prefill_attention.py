@@ -8,6 +8,8 @@ cached prefix, optionally limited to a sliding window. Decode is the case q_len 
 The Triton kernel is tiled over (query tile, kv head, sequence): one program packs
 ``BLOCK_M // GROUP`` query tokens times the GROUP query heads of one KV head into the
 rows of its tile, so the K/V it reads through the block table serve every head of the group.
+It walks its KV range in two phases: the tiles wholly at or below the tile's first query
+position, which every row sees (no mask is built), then the diagonal tiles, masked causally.
 Checks, Triton tile steps and the dense torch core are shared with decode (``kernels.attention_*``).
 """
 
@@ -88,22 +90,37 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     vs = tl.zeros([BLOCK_N], tl.float32)
-    for start in range((kv_lo // BLOCK_N) * BLOCK_N, kv_hi, BLOCK_N):
-        pos = start + offs_n  # [BLOCK_N]
-        valid = (pos >= kv_lo) & (pos < kv_hi)
-        blk = tl.load(bt_ptr + seq * sbt_s + (pos // BLOCK_SIZE) * sbt_b, mask=valid, other=0).to(tl.int64)
-        slot = pos % BLOCK_SIZE
-        k = kv_tile(k_ptr, blk, slot, kvh, offs_d, valid, d_mask, sk_b, sk_t, sk_h, sk_d, DTYPE)  # [BLOCK_N, D_PAD]
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
-        if QUANTIZED:
-            s = s * kv_scale(ks_ptr, blk, slot, kvh, valid, sks_b, sks_t, sks_h)[None, :]
-            vs = kv_scale(vs_ptr, blk, slot, kvh, valid, svs_b, svs_t, svs_h)
-        allowed = valid[None, :] & (pos[None, :] <= q_pos[:, None])
-        if WINDOW:
-            allowed = allowed & (pos[None, :] > q_pos[:, None] - window)
-        s = tl.where(allowed, scaled_logits(s, qk_a, qk_b, SOFT_CAP), float("-inf"))
-        v = kv_tile(v_ptr, blk, slot, kvh, offs_d, valid, d_mask, sv_b, sv_t, sv_h, sv_d, DTYPE)
-        m_i, l_i, acc = softmax_step(s, v, vs, m_i, l_i, acc, QUANTIZED, PRECISION)
+    first = (kv_lo // BLOCK_N) * BLOCK_N
+    full_end = first
+    if not WINDOW:  # tiles wholly at or below the tile's first query position need no mask
+        full_end = tl.minimum(((ctx + tok0 + 1) // BLOCK_N) * BLOCK_N, kv_hi)
+    for phase in tl.static_range(2):  # 0: unmasked full tiles [first, full_end); 1: the masked rest
+        lo = full_end
+        hi = kv_hi
+        if phase == 0:
+            lo = first
+            hi = full_end
+        for start in range(lo, hi, BLOCK_N):
+            pos = start + offs_n  # [BLOCK_N]
+            if phase == 0:
+                valid = offs_n < BLOCK_N  # every position is visible to every row
+            else:
+                valid = (pos >= kv_lo) & (pos < kv_hi)
+            blk = tl.load(bt_ptr + seq * sbt_s + (pos // BLOCK_SIZE) * sbt_b, mask=valid, other=0).to(tl.int64)
+            slot = pos % BLOCK_SIZE
+            k = kv_tile(k_ptr, blk, slot, kvh, offs_d, valid, d_mask, sk_b, sk_t, sk_h, sk_d, DTYPE)  # [BLOCK_N, D_PAD]
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
+            if QUANTIZED:
+                s = s * kv_scale(ks_ptr, blk, slot, kvh, valid, sks_b, sks_t, sks_h)[None, :]
+                vs = kv_scale(vs_ptr, blk, slot, kvh, valid, svs_b, svs_t, svs_h)
+            s = scaled_logits(s, qk_a, qk_b, SOFT_CAP)
+            if phase == 1:
+                allowed = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+                if WINDOW:
+                    allowed = allowed & (pos[None, :] > q_pos[:, None] - window)
+                s = tl.where(allowed, s, float("-inf"))
+            v = kv_tile(v_ptr, blk, slot, kvh, offs_d, valid, d_mask, sv_b, sv_t, sv_h, sv_d, DTYPE)
+            m_i, l_i, acc = softmax_step(s, v, vs, m_i, l_i, acc, QUANTIZED, PRECISION)
 
     out, lse = finish_softmax(m_i, l_i, acc)
     row_t = q_start + tok.to(tl.int64)

@@ -92,6 +92,20 @@ def test_prefill_matches_naive(backend, q_dtype, cache_dtype, hq, hkv, head_dim,
     assert_close(run_prefill(q, paged, q_lens, backend=backend), expected, TOL[q_dtype])  # torch: the SDPA path
 
 
+@pytest.mark.parametrize(
+    "q_dtype,cache_dtype", [(F32, F32), (F16, F16), (BF16, I8)], ids=["f32", "f16", "bf16-over-int8"]
+)
+def test_unmasked_tiles_below_the_diagonal(q_dtype, cache_dtype):
+    """Long cached prefixes and a chunk over several query tiles: the kernel's unmasked full-tile phase."""
+    lens, q_lens = [150, 97, 70], [40, 97, 3]  # extend over 110 cached; a 97-token prompt; a short extend
+    paged = build_paged(lens, block_size=16, num_kv_heads=2, head_dim=64, dtype=cache_dtype, seed=31, shared_blocks=2)
+    q = random_q(q_lens, 4, 64, q_dtype, seed=32)
+    out, lse = run_prefill(q, paged, q_lens, backend="triton", return_lse=True)
+    expected, expected_lse = naive_prefill(q, paged, q_lens)
+    assert_close(out, expected, TOL[q_dtype])
+    assert_close(lse, expected_lse, TOL[q_dtype])
+
+
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_sliding_window_and_soft_cap(backend):
     lens, q_lens = [60, 23, 5], [44, 23, 1]
