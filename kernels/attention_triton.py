@@ -71,6 +71,28 @@ def kv_scale(ptr, blk, slot, head, valid, stride_b, stride_t, stride_h):
 
 
 @triton.jit
+def paged_qk(
+    q, bt_row, pos, valid, head, offs_d, d_mask, k_ptr, ks_ptr, vs_ptr,
+    sbt_b, sk_b, sk_t, sk_h, sk_d, sks_b, sks_t, sks_h, svs_b, svs_t, svs_h,
+    BLOCK_SIZE: tl.constexpr, DTYPE: tl.constexpr, QUANTIZED: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Raw logits q.k ``[M, BLOCK_N]`` of the KV positions ``pos`` read through one block-table row.
+
+    Returns (logits, block ids, slots, V scales): a quantized cache's K scales are applied to the
+    logits and its V scales loaded for :func:`softmax_step` (zeros for a float cache).
+    """
+    blk = tl.load(bt_row + (pos // BLOCK_SIZE) * sbt_b, mask=valid, other=0).to(tl.int64)
+    slot = pos % BLOCK_SIZE
+    k = kv_tile(k_ptr, blk, slot, head, offs_d, valid, d_mask, sk_b, sk_t, sk_h, sk_d, DTYPE)  # [BLOCK_N, D_PAD]
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    vs = tl.zeros_like(slot).to(tl.float32)
+    if QUANTIZED:
+        s = s * kv_scale(ks_ptr, blk, slot, head, valid, sks_b, sks_t, sks_h)[None, :]
+        vs = kv_scale(vs_ptr, blk, slot, head, valid, svs_b, svs_t, svs_h)
+    return s, blk, slot, vs
+
+
+@triton.jit
 def softmax_step(s, v, v_scale, m_i, l_i, acc, QUANTIZED: tl.constexpr, PRECISION: tl.constexpr):
     """One online-softmax update with logits s ``[M, N]`` (log2 units, -inf masked) and V ``[N, D]``."""
     m_new = tl.maximum(m_i, tl.max(s, 1))

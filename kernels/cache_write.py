@@ -20,7 +20,14 @@ import triton
 import triton.language as tl
 
 from kernels._checks import Backend, check_cache_pair, check_scales, check_triton_device, use_triton
-from paged_kv.tensor_checks import FLOAT_DTYPES, INDEX_DTYPES, check_contiguous, check_same_device, check_shape, check_tensor
+from paged_kv.tensor_checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_contiguous,
+    check_same_device,
+    check_shape,
+    check_tensor,
+)
 from kernels.attention_metadata import AttentionMetadata, check_metadata
 from kernels.quant import as_storage, is_quantized, quant_max, quantize_per_token_head
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError, describe

@@ -36,9 +36,9 @@ from kernels.attention_triton import (
     dot_dtype,
     dot_precision,
     finish_softmax,
-    kv_scale,
-    kv_tile,
     logit_coefficients,
+    kv_tile,
+    paged_qk,
     scaled_logits,
     softmax_step,
 )
@@ -88,17 +88,14 @@ def _prefix_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    vs = tl.zeros([BLOCK_N], tl.float32)
     for tile in range(start, stop, BLOCK_N):
         pos = tile + offs_n  # [BLOCK_N] prefix positions
         valid = pos < stop
-        blk = tl.load(bt_ptr + grp * sbt_g + (pos // BLOCK_SIZE) * sbt_b, mask=valid, other=0).to(tl.int64)
-        slot = pos % BLOCK_SIZE
-        k = kv_tile(k_ptr, blk, slot, kvh, offs_d, valid, d_mask, sk_b, sk_t, sk_h, sk_d, DTYPE)  # [BLOCK_N, D_PAD]
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
-        if QUANTIZED:
-            s = s * kv_scale(ks_ptr, blk, slot, kvh, valid, sks_b, sks_t, sks_h)[None, :]
-            vs = kv_scale(vs_ptr, blk, slot, kvh, valid, svs_b, svs_t, svs_h)
+        s, blk, slot, vs = paged_qk(
+            q, bt_ptr + grp * sbt_g, pos, valid, kvh, offs_d, d_mask, k_ptr, ks_ptr, vs_ptr,
+            sbt_b, sk_b, sk_t, sk_h, sk_d,
+            sks_b, sks_t, sks_h, svs_b, svs_t, svs_h, BLOCK_SIZE, DTYPE, QUANTIZED, PRECISION,
+        )  # [BLOCK_M, BLOCK_N]
         s = tl.where(valid[None, :], scaled_logits(s, qk_a, qk_b, SOFT_CAP), float("-inf"))
         v = kv_tile(v_ptr, blk, slot, kvh, offs_d, valid, d_mask, sv_b, sv_t, sv_h, sv_d, DTYPE)
         m_i, l_i, acc = softmax_step(s, v, vs, m_i, l_i, acc, QUANTIZED, PRECISION)
