@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sched_helpers import NUM_NEW, SHARED, VOCAB
+from sched_helpers import NUM_NEW, SHARED, VOCAB, tiny_llama
 
 
 @pytest.fixture(autouse=True)
@@ -20,15 +20,7 @@ def _one_thread():
 @pytest.fixture(scope="session")
 def tiny_hf():
     """A seeded random LlamaForCausalLM: 2 layers, hidden 64, 4 heads, 2 KV heads, vocab 256, float32."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, eos_token_id=None,
-        bos_token_id=None, pad_token_id=None,
-    )  # fmt: skip
-    return LlamaForCausalLM(cfg).eval()
+    return tiny_llama(seed=0)
 
 
 @pytest.fixture(scope="session")

@@ -1,12 +1,27 @@
-"""Helpers of the scheduler tests: constants and an engine factory over a transformers model."""
+"""Helpers of the scheduler tests: constants, a tiny random Llama and an engine factory over a transformers model."""
 
 from __future__ import annotations
+
+import torch
 
 from scheduler import CacheConfig, EngineConfig, LLMEngine, SchedulerConfig
 
 VOCAB = 256
 NUM_NEW = 12  # tokens generated per prompt in the reference runs
 SHARED = list(range(100, 140))  # a 40-token "system prompt" several prompts start with
+TINY_LLAMA = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, eos_token_id=None,
+    bos_token_id=None, pad_token_id=None,
+)  # fmt: skip
+
+
+def tiny_llama(seed: int = 0, **overrides):
+    """A seeded random float32 LlamaForCausalLM of ``TINY_LLAMA``'s shape, with ``overrides`` of its config fields."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**(TINY_LLAMA | overrides))).eval()
 
 
 def make_engine(

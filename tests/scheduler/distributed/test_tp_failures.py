@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from sched_helpers import VOCAB, make_engine
+from sched_helpers import VOCAB, make_engine, tiny_llama
 
 from paged_kv.errors import InvalidArgumentError, WorkerError
 from scheduler import CacheConfig, EngineConfig, LLMEngine, SamplingParams
@@ -24,15 +24,7 @@ TIMEOUT_S = 4.0  # the hang test's step timeout
 @pytest.fixture(scope="module")
 def one_kv_head_hf():
     """A seeded random Llama with 4 query heads and one KV head (replicated on both ranks)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(3)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=1, max_position_embeddings=256, initializer_range=0.2, eos_token_id=None,
-        bos_token_id=None, pad_token_id=None, tie_word_embeddings=True,
-    )  # fmt: skip
-    return LlamaForCausalLM(cfg).eval()
+    return tiny_llama(seed=3, num_key_value_heads=1, max_position_embeddings=256, tie_word_embeddings=True)
 
 
 def _prompts() -> list[list[int]]:
