@@ -160,9 +160,12 @@ class StepInputBuilder:
         """The step's cascade arrays when it is a decode step whose request groups share enough blocks, else None."""
         if not self.cascade or len(new) < 2 or (new != 1).any():
             return None
+        keys = [s.group.request_id for s in out.scheduled]
+        if len(set(keys)) == len(keys):  # every request decodes one sequence: no group to form
+            return None
         bs = self.bm.block_size
         tables = self.tables.host[rows, : -(-int(seq_lens.max()) // bs)]  # [S, W] host mirror, current for the step
-        plan = plan_cascade(tables, seq_lens, [s.group.request_id for s in out.scheduled], bs)
+        plan = plan_cascade(tables, seq_lens, keys, bs)
         if not plan.pays:
             return None
         return cascade_host_arrays(tables, seq_lens, plan.seq_groups, plan.prefix_lens, bs)
