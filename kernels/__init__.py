@@ -17,6 +17,7 @@ from kernels.cascade_attention import (
     cascade_decode_attention_prepared,
     prepare_cascade_metadata,
 )
+from kernels.chunk_attention import dense_chunk_attention, dense_chunk_attention_prepared, prepare_chunk_metadata
 from kernels.decode_attention import paged_decode_attention, paged_decode_attention_prepared
 from kernels.merge_states import merge_attention_states
 from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_prepared
@@ -30,5 +31,6 @@ __all__ = [
     "paged_prefill_attention", "paged_prefill_attention_prepared", "merge_attention_states",
     "paged_prefix_attention", "paged_prefix_attention_prepared", "cascade_decode_attention",
     "cascade_decode_attention_prepared", "prepare_cascade_metadata",
+    "dense_chunk_attention", "dense_chunk_attention_prepared", "prepare_chunk_metadata",
     "write_kv", "write_kv_prepared", "quantize_per_token_head", "dequantize", "is_quantized",
 ]

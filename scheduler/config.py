@@ -45,6 +45,8 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # decode steps whose forked sequences share long prefixes attend them once per group (cascade decode)
     enable_cascade_attention: bool = True
+    # prompts with no cached prefix attend their own K/V with the device's dense kernel (FlashAttention varlen)
+    enable_chunk_attention: bool = True
     dtype: torch.dtype | None = None  # None: the model's dtype
     # CUDA: the fraction of the device's memory the engine may use (weights, activations, graphs and
     # the KV pool, as vLLM means it); the pool gets what is left. None: num_gpu_blocks / kv_cache_bytes.
@@ -64,6 +66,7 @@ class CacheConfig:
         check_real("watermark", self.watermark, low=0.0, high=1.0, open_high=True)
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
         check_bool("enable_cascade_attention", self.enable_cascade_attention)
+        check_bool("enable_chunk_attention", self.enable_chunk_attention)
         if self.dtype is not None:
             check_dtype("dtype", self.dtype, KERNEL_DTYPES)  # storage the attention kernels read
 

@@ -87,12 +87,14 @@ class LLMEngine:
             watermark=cc.watermark, enable_prefix_caching=cc.enable_prefix_caching,
         ))  # fmt: skip
         cpu_cache = PagedKVCache(spec, cc.num_cpu_blocks, "cpu") if cc.num_cpu_blocks else None
-        self.runner = ModelRunner(self.model, PagedKVCache(spec, num_blocks, self.device), cpu_cache)
+        gpu_cache = PagedKVCache(spec, num_blocks, self.device)
+        self.runner = ModelRunner(self.model, gpu_cache, cpu_cache, chunk_attention=cc.enable_chunk_attention)
         width = min(-(-model.config.max_position_embeddings // cc.block_size), num_blocks)
         self.inputs = StepInputBuilder(self.block_manager, self.device, width, cascade=cc.enable_cascade_attention)
         if self.executor is not None:
             self.executor.attach_caches(self.runner.gpu_cache, cpu_cache)
-            self.executor.setup(WorkerSetup(num_blocks, cc.num_cpu_blocks, cc.block_size, cc.dtype, width))
+            setup = WorkerSetup(num_blocks, cc.num_cpu_blocks, cc.block_size, cc.dtype, width, cc.enable_chunk_attention)
+            self.executor.setup(setup)
         if graphs:
             captured = self.runner.capture_graphs(sc.max_num_seqs, width)
             logger.info("captured %d decode CUDA graphs (batch 1..%d) in %.1f s, %.2f GiB",

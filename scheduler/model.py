@@ -20,6 +20,7 @@ from torch import nn
 from kernels.attention_metadata import AttentionMetadata
 from paged_kv.errors import InvalidArgumentError, check_bool, check_int, check_real, check_type, describe
 from paged_kv.kv_cache import KVCacheSpec, PagedKVCache
+from kernels.chunk_attention import best_chunk_backend
 from scheduler.attention import AttentionPlan
 from scheduler.distributed.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from scheduler.distributed.parallel_state import TPShard
@@ -121,8 +122,9 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.rope(positions, q, k)
         kv = cache.layers[self.layer]
-        plan.write(kv, k, v.contiguous())
-        out = plan.attend(q.contiguous(), kv, self.scale)  # [T, Hq, D]
+        v = v.contiguous()
+        plan.write(kv, k, v)
+        out = plan.attend(q.contiguous(), k, v, kv, self.scale)  # [T, Hq, D]
         return self.o(out.reshape(out.shape[0], -1))
 
 
@@ -180,6 +182,15 @@ class LlamaModel(nn.Module):
         self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, shard=shard)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
+        self.chunk_backend: str | None = None  # dense kernel of fresh prefill chunks; None: paged kernels only
+
+    def enable_chunk_attention(self, enabled: bool = True) -> str | None:
+        """Probe (once per geometry; reads device values) the dense kernel fresh prefill chunks use, or turn it off."""
+        check_bool("enabled", enabled)
+        attn, weight = self.layers[0].attn, self.embed.weight
+        geometry = (weight.device, weight.dtype, attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        self.chunk_backend = best_chunk_backend(*geometry) if enabled else None
+        return self.chunk_backend
 
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype | None = None) -> KVCacheSpec:
         """The paged cache geometry this model (this shard: its KV heads only) writes."""
@@ -204,7 +215,7 @@ class LlamaModel(nn.Module):
         Reads no device value on the host, so a decode step's call can be captured in a CUDA graph.
         """
         x = self.embed(input_ids)  # [T, hidden]
-        plan = AttentionPlan(meta)
+        plan = AttentionPlan(meta, self.chunk_backend)
         for layer in self.layers:
             x = layer(x, positions, cache, plan)
         return x

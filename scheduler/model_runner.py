@@ -36,7 +36,10 @@ def order_free_batches(pairs: list[CopyOp]) -> list[list[CopyOp]]:
 class ModelRunner:
     """Owns the model and its GPU (and CPU swap) KV pools; runs prepared steps."""
 
-    def __init__(self, model: LlamaModel, gpu_cache: PagedKVCache, cpu_cache: PagedKVCache | None = None) -> None:
+    def __init__(
+        self, model: LlamaModel, gpu_cache: PagedKVCache, cpu_cache: PagedKVCache | None = None, *, chunk_attention=True
+    ) -> None:
+        model.enable_chunk_attention(chunk_attention)  # probes once, before any step (the hot path reads nothing)
         self.model = model
         self.gpu_cache = gpu_cache
         self.cpu_cache = cpu_cache

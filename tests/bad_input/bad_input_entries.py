@@ -238,6 +238,19 @@ def cascade_args() -> dict[str, Arg]:
     }  # fmt: skip
 
 
+def chunk_args() -> dict[str, Arg]:
+    """Valid arguments of dense chunk attention: chunks of 2 and 3 new tokens, 4 query heads over 2 KV heads."""
+    return {
+        "q": Arg("float_tensor", lambda: torch.ones(5, 4, 4), skip=(NAN_INF,)),
+        "k": Arg("tensor", lambda: torch.ones(5, 2, 4)),
+        "v": Arg("tensor", lambda: torch.ones(5, 2, 4)),
+        "query_lens": Arg("ids", [2, 3], bad={WRONG_TYPE: ["ab", {1: 2}, None, torch.tensor([2, 3])],
+                                              OUT_OF_RANGE: [[-1, 6], [2, 2]]}),  # negative, or not q's rows
+        "scale": Arg("real", 0.5, bad={WRONG_TYPE: ["0.5"]}),  # None: 1 / sqrt(head_dim)
+        "backend": Arg("obj", "torch", bad={WRONG_TYPE: ["cuda", 3, None, "flash"]}),  # flash needs CUDA tensors
+    }  # fmt: skip
+
+
 def cascade_meta():
     """Host-validated cascade metadata matching cascade_args."""
     return kernels.prepare_cascade_metadata([[0, 1, 2], [0, 3, 4]], [9, 7], [0, 0], [4], block_size=4, num_blocks=8)
@@ -768,6 +781,15 @@ def _entries() -> list[Entry]:
             "out_a": Arg("tensor", lambda: torch.ones(2, 2, 4)), "lse_a": Arg("tensor", lambda: torch.zeros(2, 2)),
             "out_b": Arg("tensor", lambda: torch.ones(2, 2, 4)), "lse_b": Arg("tensor", lambda: torch.zeros(2, 2)),
             "backend": Arg("obj", "torch", bad={WRONG_TYPE: ["cuda", 3, None]})}),
+        Entry("kernels.dense_chunk_attention", kernels.dense_chunk_attention, chunk_args()),
+        Entry("kernels.dense_chunk_attention_prepared", kernels.dense_chunk_attention_prepared, {
+            **{k: v for k, v in chunk_args().items() if k != "query_lens"},
+            "meta": Arg("obj", lambda: kernels.prepare_chunk_metadata([2, 3], "cpu"), bad={
+                WRONG_TYPE: [None, "x", prepared_meta()],
+                OUT_OF_RANGE: [lambda: kernels.prepare_chunk_metadata([2, 2], "cpu")]})}),
+        Entry("kernels.prepare_chunk_metadata", kernels.prepare_chunk_metadata, {
+            "query_lens": Arg("ids", [2, 3], bad={WRONG_TYPE: ["ab", {1: 2}, None, torch.tensor([2, 3])]}),
+            "device": Arg("device", "cpu")}),
         Entry("kernels.quantize_per_token_head", kernels.quantize_per_token_head, {
             "x": Arg("tensor", lambda: torch.ones(2, 2, 4), skip=(WRONG_SHAPE,)),  # any [..., D] shape is valid
             "dtype": Arg("dtype", torch.int8, bad={BAD_DTYPE: [torch.float16, torch.complex64]})}),
@@ -799,7 +821,7 @@ def _entries() -> list[Entry]:
             "num_gpu_blocks": Arg("opt_int", 8, bad={OUT_OF_RANGE: [0, 1 << 62]}),
             "kv_cache_bytes": Arg("int", 1 << 20, bad={OUT_OF_RANGE: [0]}), "num_cpu_blocks": Arg("int", 0),
             "watermark": Arg("real", 0.01, bad={OUT_OF_RANGE: [1.0, -0.1]}), "enable_prefix_caching": Arg("bool", True),
-            "enable_cascade_attention": Arg("bool", True),
+            "enable_cascade_attention": Arg("bool", True), "enable_chunk_attention": Arg("bool", True),
             "dtype": Arg("dtype", torch.float16, bad={BAD_DTYPE: [torch.complex64, torch.int16, torch.float64]}),
             "gpu_memory_utilization": Arg("real", None, skip=(WRONG_TYPE,),
                                           bad={OUT_OF_RANGE: [0.0, 1.5, -0.5], WRONG_TYPE: ["0.5"]})}),
@@ -837,6 +859,8 @@ def _entries() -> list[Entry]:
         Entry("scheduler.LlamaModel.kv_cache_spec", "kv_cache_spec", {
             "block_size": Arg("int", 4, bad={OUT_OF_RANGE: [0, -1]}), "dtype": Arg("dtype", torch.float16)},
                 tiny_model),
+        Entry("scheduler.LlamaModel.enable_chunk_attention", "enable_chunk_attention", {
+            "enabled": Arg("bool", True)}, tiny_model),
         Entry("scheduler.LLMEngine", scheduler.LLMEngine, {
             "model": Arg("obj", tiny_model, bad={WRONG_TYPE: [None, "x"]}),
             "config": Arg("obj", engine_config, bad={WRONG_TYPE: ["x", {}]}),
