@@ -1,18 +1,38 @@
 #!/usr/bin/env bash
-# Everything a GPU session should run, in one command, from the repository root on the GPU machine
-# (its own torch/triton/transformers; no package registry): the whole test suite, then the GPU
+# Everything a GPU session should run, from the repository root on the GPU machine (its own
+# torch/triton/transformers; no package registry): the test suite, the tile tuner, then the GPU
 # benchmarks. Figures go to stdout and to $OUT (or ./gpu-results) for docs/benchmarks.md.
+#   bash benchmarks/run_gpu.sh                 # every part, in order
+#   bash benchmarks/run_gpu.sh tests tune      # only the named parts (a device call is limited to 10 min)
+# Parts: tests hot_path attention tune tp engine main. VLLM_SRC=<vllm wheel or dir> adds vLLM's
+# Triton attention side by side (benchmarks/setup_vllm_attention.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=.
 out="${OUT:-gpu-results}"
 mkdir -p "$out"
+
+tests() { python -m pytest -q -x tests 2>&1 | tail -25 | tee "$out/pytest.txt"; }
+hot_path() { python benchmarks/bench_hot_path.py --device cuda 2>&1 | tee "$out/hot_path.md"; }
+attention() {
+    [ -d third_party/vllm_attention ] || [ -z "${VLLM_SRC:-}" ] || bash benchmarks/setup_vllm_attention.sh
+    python benchmarks/bench_attention.py 2>&1 | tee "$out/attention.md"  # with the tuned tiles when a table exists
+}
+tune() {
+    python benchmarks/tune_attention.py --write 2>&1 | tee "$out/tune.md"  # writes kernels/configs/<gpu>.json
+    cp kernels/configs/*.json "$out/" 2>/dev/null
+}
+tp() { python benchmarks/bench_tp.py 2>&1 | tee "$out/tp.md"; }
+engine() { python benchmarks/bench_engine.py --device cuda 2>&1 | tee "$out/engine.md"; }
+main() { python -m scheduler --device cuda --num-requests 16 --max-num-seqs 16 2>&1 | tail -30 | tee "$out/main_job.txt"; }
+
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/machine.txt"
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/machine.txt"
-python -m pytest -q -x tests 2>&1 | tail -25 | tee "$out/pytest.txt"
-python benchmarks/bench_hot_path.py --device cuda 2>&1 | tee "$out/hot_path.md"
-[ -d third_party/vllm_attention ] || [ -z "${VLLM_SRC:-}" ] || bash benchmarks/setup_vllm_attention.sh
-python benchmarks/bench_attention.py 2>&1 | tee "$out/attention.md"
-python benchmarks/bench_tp.py 2>&1 | tee "$out/tp.md"
-python benchmarks/bench_engine.py --device cuda 2>&1 | tee "$out/engine.md"
-python -m scheduler --device cuda --num-requests 16 --max-num-seqs 16 2>&1 | tail -30 | tee "$out/main_job.txt"
+parts=("$@")
+[ ${#parts[@]} -gt 0 ] || parts=(tests hot_path tune attention tp engine main)
+for part in "${parts[@]}"; do
+    case "$part" in
+        tests|hot_path|attention|tune|tp|engine|main) echo "## $part"; "$part" ;;
+        *) echo "unknown part '$part'; choose from: tests hot_path attention tune tp engine main" >&2; exit 2 ;;
+    esac
+done

@@ -51,6 +51,7 @@ from kernels.attention_triton import (
     scaled_logits,
     softmax_step,
 )
+from kernels.tile_configs import tile_key, tuned_tile
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError, check_int, describe
 
 MAX_SPLITS = MAX_DECODE_SPLITS
@@ -166,8 +167,10 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def choose_split_tokens(total_tokens: int, max_cols: int, num_kv_heads: int, block_n: int, device) -> int:
-    """Tokens per decode split, a multiple of ``block_n``: about WAVES split programs per SM over the batch.
+def choose_split_tokens(
+    total_tokens: int, max_cols: int, num_kv_heads: int, block_n: int, device, waves: int = WAVES
+) -> int:
+    """Tokens per decode split, a multiple of ``block_n``: about ``waves`` split programs per SM over the batch.
 
     ``total_tokens`` is the KV positions the batch attends (all sequences), ``max_cols`` the longest
     range one sequence walks. At least MIN_TOKENS_PER_SPLIT, and that range needs <= MAX_SPLITS splits.
@@ -176,17 +179,42 @@ def choose_split_tokens(total_tokens: int, max_cols: int, num_kv_heads: int, blo
         tokens = -(-max_cols // 2)  # interpreter: few programs are cheapest (at most two splits)
     else:
         sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-        tokens = -(-total_tokens * num_kv_heads // (WAVES * sms))
+        tokens = -(-total_tokens * num_kv_heads // (waves * sms))
     tokens = max(tokens, MIN_TOKENS_PER_SPLIT, -(-max_cols // MAX_SPLITS))
     return -(-tokens // block_n) * block_n
 
 
-def decode_tile(d_pad: int, cache_bytes: int, dtype: tl.dtype) -> tuple[int, int, int]:
+def decode_tile(
+    d_pad: int, cache_bytes: int, dtype: tl.dtype, device: torch.device | None = None
+) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) of the decode kernel per head size, cache element size and dot dtype.
 
-    1-byte caches converted to 16-bit tiles move half the bytes per token, so they take twice the
-    tokens per tile; every choice builds for sm80/sm90 without register spills (tests/kernels: build_for_gpu).
+    A tuned entry for ``device`` (:mod:`kernels.tile_configs`) wins. Otherwise: 1-byte caches
+    converted to 16-bit tiles move half the bytes per token, so they take twice the tokens per
+    tile; every choice builds for sm80/sm90 without register spills (tests/kernels: build_for_gpu).
     """
+    default = _decode_heuristic(d_pad, cache_bytes, dtype)
+    entry = _decode_entry(d_pad, cache_bytes, dtype, device)
+    return entry.get("BLOCK_N", default[0]), entry.get("num_warps", default[1]), entry.get("num_stages", default[2])
+
+
+def decode_waves(d_pad: int, cache_bytes: int, dtype: tl.dtype, device: torch.device | None = None) -> int:
+    """Split programs per SM the automatic split size aims for: the tuned value, else WAVES."""
+    return _decode_entry(d_pad, cache_bytes, dtype, device).get("waves", WAVES)
+
+
+def decode_tile_key(d_pad: int, cache_bytes: int, dtype: tl.dtype) -> str:
+    """The tile table key of a decode launch (see :mod:`kernels.tile_configs`)."""
+    return tile_key("decode", f"d{d_pad}", f"c{cache_bytes}", dtype)
+
+
+def _decode_entry(d_pad: int, cache_bytes: int, dtype: tl.dtype, device: torch.device | None) -> dict[str, int]:
+    if device is None:
+        return {}
+    return tuned_tile(decode_tile_key(d_pad, cache_bytes, dtype), device) or {}
+
+
+def _decode_heuristic(d_pad: int, cache_bytes: int, dtype: tl.dtype) -> tuple[int, int, int]:
     block_n = 64 if d_pad <= 128 else 32
     if dtype != tl.float32 and cache_bytes == 1:
         return 2 * block_n, 8, 3 if d_pad <= 128 else 2  # head 256: a third 128 x 256 stage would spill
@@ -195,12 +223,12 @@ def decode_tile(d_pad: int, cache_bytes: int, dtype: tl.dtype) -> tuple[int, int
     return block_n, 8, 1 if cache_bytes == 1 else 3  # float32 operands: pipelined code tiles would spill
 
 
-def _split_geometry(num_splits, total_tokens, max_len, window, num_kv_heads, block_n, device) -> tuple[int, int]:
+def _split_geometry(num_splits, total_tokens, max_len, window, num_kv_heads, block_n, device, waves) -> tuple[int, int]:
     """(split_tokens, num_splits) of a launch: a fixed count gives (0, count), else fixed tokens per split."""
     if num_splits is not None:
         return 0, num_splits
     cols = max_len if window is None else min(max_len, window + block_n - 1)  # longest range a sequence walks
-    tokens = choose_split_tokens(total_tokens, cols, num_kv_heads, block_n, device)
+    tokens = choose_split_tokens(total_tokens, cols, num_kv_heads, block_n, device, waves)
     return tokens, -(-cols // tokens)
 
 
@@ -215,8 +243,10 @@ def _decode_triton(q, k_cache, v_cache, block_tables, seq_lens, geo, opts, k_sca
     group = num_q_heads // geo.num_kv_heads
     d_pad = max(16, triton.next_power_of_2(head_dim))
     dtype = dot_dtype(q, k_cache)
-    block_n, num_warps, num_stages = decode_tile(d_pad, k_cache.element_size(), dtype)
-    split_tokens, num_splits = _split_geometry(splits, *sizes, window, geo.num_kv_heads, block_n, q.device)
+    tile = (d_pad, k_cache.element_size(), dtype, q.device)
+    block_n, num_warps, num_stages = decode_tile(*tile)
+    waves = decode_waves(*tile)
+    split_tokens, num_splits = _split_geometry(splits, *sizes, window, geo.num_kv_heads, block_n, q.device, waves)
     out = torch.empty_like(q)  # [S, Hq, D]
     lse = torch.empty(num_seqs, num_q_heads, device=q.device, dtype=torch.float32)
     if num_splits == 1:

@@ -43,6 +43,7 @@ from kernels.attention_triton import (
     scaled_logits,
     softmax_step,
 )
+from kernels.tile_configs import tile_key, tuned_tile
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError, describe
 
 MAX_LOGITS = 1 << 25  # float32 elements of one reference logits chunk (128 MiB)
@@ -126,12 +127,15 @@ def _prefill_kernel(
     tl.store(lse_ptr + row_t * sl_t + heads * sl_h, lse, mask=row_ok)
 
 
-def prefill_tile(d_pad: int, group: int, dtype: tl.dtype, precision: str) -> tuple[int, int, int, int]:
+def prefill_tile(
+    d_pad: int, group: int, dtype: tl.dtype, precision: str, device: torch.device | None = None
+) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the prefill kernel; BLOCK_M holds one token's GROUP heads.
 
-    Chosen so sm80/sm90 builds do not spill registers: 16-bit dots (``dtype``, :func:`dot_dtype`)
-    take the flash-attention tile 128 x 64 over 8 warps; float32 operands hold twice the registers
-    (and 'ieee' dots run on FMA units), so they get smaller query tiles.
+    A tuned entry for ``device`` (:mod:`kernels.tile_configs`) wins over the heuristic, chosen so
+    sm80/sm90 builds do not spill registers: 16-bit dots (``dtype``, :func:`dot_dtype`) take the
+    flash-attention tile 128 x 64 over 8 warps; float32 operands hold twice the registers (and
+    'ieee' dots run on FMA units), so they get smaller query tiles.
     """
     if dtype != tl.float32:
         block_m, block_n, num_warps, num_stages = (128, 64, 8, 3) if d_pad <= 128 else (64, 32, 8, 2)
@@ -139,7 +143,16 @@ def prefill_tile(d_pad: int, group: int, dtype: tl.dtype, precision: str) -> tup
         block_m, block_n, num_warps, num_stages = (16, 32, 8, 1) if d_pad <= 128 else (16, 16, 4, 1)
     else:
         block_m, block_n, num_warps, num_stages = (64, 64, 8, 1) if d_pad <= 128 else (32, 32, 8, 1)
+    entry = tuned_tile(prefill_tile_key(d_pad, group, dtype), device) if device is not None else None
+    if entry:
+        block_m, block_n = entry.get("BLOCK_M", block_m), entry.get("BLOCK_N", block_n)
+        num_warps, num_stages = entry.get("num_warps", num_warps), entry.get("num_stages", num_stages)
     return max(block_m, triton.next_power_of_2(group)), block_n, num_warps, num_stages
+
+
+def prefill_tile_key(d_pad: int, group: int, dtype: tl.dtype) -> str:
+    """The tile table key of a prefill launch (see :mod:`kernels.tile_configs`)."""
+    return tile_key("prefill", f"d{d_pad}", f"g{group}", dtype)
 
 
 def _prefill_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens, geo, opts, k_scale, v_scale, max_q):
@@ -149,7 +162,7 @@ def _prefill_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens, geo
     group = num_q_heads // geo.num_kv_heads
     d_pad = max(16, triton.next_power_of_2(head_dim))
     precision, dtype = dot_precision(q, k_cache), dot_dtype(q, k_cache)
-    block_m, block_n, num_warps, num_stages = prefill_tile(d_pad, group, dtype, precision)
+    block_m, block_n, num_warps, num_stages = prefill_tile(d_pad, group, dtype, precision, q.device)
     tokens = block_m // group
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[0], num_q_heads, device=q.device, dtype=torch.float32)
