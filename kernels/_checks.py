@@ -61,6 +61,13 @@ def check_triton_device(*tensors: torch.Tensor) -> None:
     raise InvalidArgumentError(describe("backend", "triton", "CUDA tensors (or TRITON_INTERPRET=1 on CPU)"))
 
 
+def _holds_bool(value: object) -> bool:
+    """Whether a (nested) list holds a bool, which numpy would silently take as 0 or 1."""
+    if isinstance(value, np.ndarray):
+        return False  # its dtype says it
+    return any(_holds_bool(v) if isinstance(v, (list, tuple)) else isinstance(v, (bool, np.bool_)) for v in value)
+
+
 def check_host_ints(name: str, value: object, ndim: int) -> np.ndarray:
     """``value`` (a numpy array or nested list of ints, host values) as an int64 array of rank ``ndim``."""
     if isinstance(value, (str, bytes, torch.Tensor)) or not isinstance(value, (np.ndarray, list, tuple)):
@@ -69,8 +76,8 @@ def check_host_ints(name: str, value: object, ndim: int) -> np.ndarray:
         arr = np.asarray(value)
     except ValueError as exc:  # ragged nesting
         raise InvalidArgumentError(describe(name, "a ragged list", f"a rectangular {ndim}-d array")) from exc
-    if arr.size and (arr.dtype == np.bool_ or arr.dtype.kind not in "iu"):
-        raise InvalidArgumentError(describe(f"{name}.dtype", arr.dtype, "integers"))
+    if arr.size and (arr.dtype == np.bool_ or arr.dtype.kind not in "iu" or _holds_bool(value)):
+        raise InvalidArgumentError(describe(f"{name}.dtype", arr.dtype, "integers (no bools)"))
     if arr.ndim != ndim:
         raise InvalidArgumentError(describe(f"{name}.shape", arr.shape, f"{ndim} dimensions"))
     return arr.astype(np.int64)
