@@ -21,14 +21,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels._checks import Backend, check_host_ints
+from kernels._checks import Backend
 from kernels.attention_checks import check_cache, check_options, check_tables
 from kernels.attention_metadata import AttentionMetadata, offsets, prepare_attention_metadata
 from kernels.decode_attention import paged_decode_attention_prepared
 from kernels.merge_states import merge_attention_states
 from kernels.prefix_attention import PrefixMetadata, check_prefix_metadata, paged_prefix_attention_prepared
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError, check_int, describe
-from paged_kv.tensor_checks import INDEX_DTYPES, check_tensor
+from paged_kv.tensor_checks import INDEX_DTYPES, check_host_ints, check_tensor
 
 
 @dataclass(frozen=True, eq=False)

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import Backend, check_host_ints, check_triton_device, use_triton
+from kernels._checks import Backend, check_triton_device, use_triton
 from kernels.attention_checks import (
     CacheGeometry,
     block_id_bounds,
@@ -44,7 +44,7 @@ from kernels.attention_triton import (
 )
 from kernels.decode_attention import MAX_SPLITS, _merge_splits_kernel, choose_num_splits, decode_tile
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError, check_int, describe
-from paged_kv.tensor_checks import INDEX_DTYPES, check_shape, check_tensor
+from paged_kv.tensor_checks import INDEX_DTYPES, check_host_ints, check_shape, check_tensor
 
 MAX_TILE_ROWS = 64  # (query, head) rows of one program: bounds registers like the decode tile
 
