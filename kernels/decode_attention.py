@@ -51,7 +51,7 @@ from kernels.attention_triton import (
     scaled_logits,
     softmax_step,
 )
-from paged_kv.errors import InvalidArgumentError, OutOfRangeError, check_int, describe
+from paged_kv.errors import InvalidArgumentError, OutOfRangeError, check_bool, check_int, describe
 
 MAX_SPLITS = MAX_DECODE_SPLITS
 MIN_TOKENS_PER_SPLIT = 256
@@ -339,6 +339,7 @@ def paged_decode_attention(
     ``num_splits`` fixes flash-decoding's KV split count, each sequence's range divided in that many
     equal parts (None: splits of a fixed token count chosen from the batch's total tokens and the SMs).
     """
+    check_bool("return_lse", return_lse)
     geo, opts, lens = _validate_decode(
         q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, scale, sliding_window, soft_cap, num_splits
     )
@@ -402,6 +403,7 @@ def paged_decode_attention_prepared(
     ``num_splits``, else the count fixed in ``meta.decode_num_splits`` (CUDA-graph capture), else
     its host lengths.
     """
+    check_bool("return_lse", return_lse)
     geo, opts = check_prepared(q, k_cache, v_cache, meta, k_scale, v_scale, scale, sliding_window, soft_cap)
     if not meta.is_decode:
         raise InvalidArgumentError(describe("meta.max_query_len", meta.max_query_len, "1 (a decode step)"))
