@@ -397,7 +397,8 @@ def _entries() -> list[Entry]:
                 NONINTEGRAL: [[("a", 1.5)]], OUT_OF_RANGE: [[("a", -1)]]})}, m,
             named={"requests": ("requests", "seq_id", "num_new_tokens")}),
         *[Entry(f"paged_kv.BlockManager.{name}", name, {"seq_ids": Arg("obj", valid, bad={
-            WRONG_TYPE: [None, "ab", 3], BAD_ID: [["zz"], [["l"]], *extra]})}, m, named={"seq_ids": ("seq_ids", "seq_id")})
+            WRONG_TYPE: [None, "ab", 3], BAD_ID: [["zz"], [["l"]], *extra]})}, m,
+            named={"seq_ids": ("seq_ids", "seq_id")})
           for name, valid, extra in (
               ("swap_out_group", ["a", "b"], [["s"], ["a", "a"]]), ("swap_in_group", ["s"], [["a"], ["s", "s"]]),
               ("can_swap_out_group", ["a", "b"], [["s"]]), ("can_swap_in_group", ["s"], []),
@@ -745,8 +746,9 @@ def _entries() -> list[Entry]:
             **{k: v for k, v in prefix_args().items() if k not in ("block_tables", "prefix_lens", "cu_seqlens_q")},
             "meta": Arg("obj", prefix_meta, bad={WRONG_TYPE: [None, "x", prepared_meta()],
                                                  OUT_OF_RANGE: [lambda: prefix_meta(num_blocks=16)]})}),
+        # block ids are checked on the host copy, prepare_cascade_metadata's tables
         Entry("kernels.cascade_decode_attention", kernels.cascade_decode_attention, cascade_args(),
-              named={"block_tables": "tables"}),  # block ids are checked on the host copy, prepare_cascade_metadata's tables
+              named={"block_tables": "tables"}),
         Entry("kernels.cascade_decode_attention_prepared", kernels.cascade_decode_attention_prepared, {
             **{k: v for k, v in cascade_args().items() if k not in ("block_tables", "seq_lens", "seq_groups",
                                                                      "prefix_lens")},
