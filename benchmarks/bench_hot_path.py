@@ -112,7 +112,8 @@ def main() -> None:
     args = p.parse_args()
     device = torch.device(args.device)
     torch.set_num_threads(1)
-    print(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"device: {name}, torch {torch.__version__}")
     print("\n| decode call, host us | checked | prepared | checked / prepared |\n|---|---:|---:|---:|")
     for batch, context in ((1, 1024), (64, 2048)):
         checked, prepared = bench_decode_call(device, batch, context)

@@ -12,8 +12,9 @@ requests/s (``inf``: all at once). The same arrival times drive both runs:
   taken by the client from the scheduled arrival to the first content chunk and to the last.
 
 Each run gets a fresh engine with the same settings (so neither profits from the other's
-prefix cache); the modes alternate ``--repeat`` times and the fastest run of each is reported. Reported: request throughput, generated tokens/s, TTFT and TPOT p50/p99, and
-the server / offline ratio of each. Client, server and engine share one Python process (and
+prefix cache); the modes alternate ``--repeat`` times and the fastest run of each is reported.
+Reported: request throughput, generated tokens/s, TTFT and TPOT p50/p99, and the server /
+offline ratio of each. Client, server and engine share one Python process (and
 its GIL), so the overhead is an upper bound of what a separate client process would see.
 
     .venv/bin/python benchmarks/bench_serve.py [--num-requests 16] [--max-tokens 32] [--request-rate 4] [--repeat 2]

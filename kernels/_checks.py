@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-import numpy as np
 import torch
 
 from paged_kv.errors import InvalidArgumentError, describe
@@ -59,25 +58,3 @@ def check_triton_device(*tensors: torch.Tensor) -> None:
     if all(t.is_cuda for t in tensors) or os.environ.get("TRITON_INTERPRET") == "1":
         return
     raise InvalidArgumentError(describe("backend", "triton", "CUDA tensors (or TRITON_INTERPRET=1 on CPU)"))
-
-
-def _holds_bool(value: object) -> bool:
-    """Whether a (nested) list holds a bool, which numpy would silently take as 0 or 1."""
-    if isinstance(value, np.ndarray):
-        return False  # its dtype says it
-    return any(_holds_bool(v) if isinstance(v, (list, tuple)) else isinstance(v, (bool, np.bool_)) for v in value)
-
-
-def check_host_ints(name: str, value: object, ndim: int) -> np.ndarray:
-    """``value`` (a numpy array or nested list of ints, host values) as an int64 array of rank ``ndim``."""
-    if isinstance(value, (str, bytes, torch.Tensor)) or not isinstance(value, (np.ndarray, list, tuple)):
-        raise InvalidArgumentError(describe(name, type(value).__name__, "a numpy array or list of ints (host values)"))
-    try:
-        arr = np.asarray(value)
-    except ValueError as exc:  # ragged nesting
-        raise InvalidArgumentError(describe(name, "a ragged list", f"a rectangular {ndim}-d array")) from exc
-    if arr.size and (arr.dtype == np.bool_ or arr.dtype.kind not in "iu" or _holds_bool(value)):
-        raise InvalidArgumentError(describe(f"{name}.dtype", arr.dtype, "integers (no bools)"))
-    if arr.ndim != ndim:
-        raise InvalidArgumentError(describe(f"{name}.shape", arr.shape, f"{ndim} dimensions"))
-    return arr.astype(np.int64)

@@ -1,8 +1,10 @@
 """Triton building blocks of the paged attention kernels (decode and prefill) and their launch constants.
 
-Both kernels walk their KV range in tiles of BLOCK_N positions: load a K tile through the
+Every kernel walks its KV range in tiles of BLOCK_N positions: load a K tile through the
 block table, take q.k, scale it to log2-unit logits, mask, load the V tile and take one
-online-softmax step; ``finish_softmax`` normalizes at the end. Quantized caches apply the K
+online-softmax step; ``finish_softmax`` normalizes at the end. ``attend_kv_range`` is that
+whole loop for the kernels whose rows all see one range (decode splits, shared prefixes); the
+causal prefill kernel runs the same steps with its own masks. Quantized caches apply the K
 scales to the logits and the V scales to the probabilities, so the codes enter ``tl.dot``
 unchanged. The host helpers compute the constants the wrappers pass to the launches.
 
@@ -112,6 +114,39 @@ def finish_softmax(m_i, l_i, acc):
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     lse = tl.where(l_i > 0, (m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     return out, lse
+
+
+@triton.jit
+def attend_kv_range(
+    q, bt_row, head, kv_lo, start, stop, qk_a, qk_b, offs_d, d_mask, k_ptr, v_ptr, ks_ptr, vs_ptr,
+    sbt_b, sk_b, sk_t, sk_h, sk_d, sv_b, sv_t, sv_h, sv_d, sks_b, sks_t, sks_h, svs_b, svs_t, svs_h,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr, QUANTIZED: tl.constexpr,
+    SOFT_CAP: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Attention of every row of q ``[M, D_PAD]`` over the KV positions ``[start, stop)`` of one block-table row.
+
+    ``start`` is tile-aligned; with WINDOW, positions below ``kv_lo`` are masked too. Every row sees
+    the same positions (no causal mask). Returns (out ``[M, D_PAD]`` float32, natural-log lse ``[M]``);
+    an empty range gives 0 and -inf.
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    m_i = tl.full([q.shape[0]], float("-inf"), tl.float32)
+    l_i = tl.zeros([q.shape[0]], tl.float32)
+    acc = tl.zeros(q.shape, tl.float32)
+    for tile in range(start, stop, BLOCK_N):
+        pos = tile + offs_n  # [BLOCK_N] KV positions
+        valid = pos < stop
+        if WINDOW:
+            valid = (pos >= kv_lo) & valid
+        s, blk, slot, vs = paged_qk(
+            q, bt_row, pos, valid, head, offs_d, d_mask, k_ptr, ks_ptr, vs_ptr,
+            sbt_b, sk_b, sk_t, sk_h, sk_d,
+            sks_b, sks_t, sks_h, svs_b, svs_t, svs_h, BLOCK_SIZE, DTYPE, QUANTIZED, PRECISION,
+        )  # [M, BLOCK_N]
+        s = tl.where(valid[None, :], scaled_logits(s, qk_a, qk_b, SOFT_CAP), float("-inf"))
+        v = kv_tile(v_ptr, blk, slot, head, offs_d, valid, d_mask, sv_b, sv_t, sv_h, sv_d, DTYPE)
+        m_i, l_i, acc = softmax_step(s, v, vs, m_i, l_i, acc, QUANTIZED, PRECISION)
+    return finish_softmax(m_i, l_i, acc)
 
 
 def logit_coefficients(scale: float, soft_cap: float | None) -> tuple[float, float]:

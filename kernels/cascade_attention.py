@@ -21,14 +21,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels._checks import Backend, check_host_ints
+from kernels._checks import Backend
 from kernels.attention_checks import check_cache, check_options, check_tables
 from kernels.attention_metadata import AttentionMetadata, offsets, prepare_attention_metadata
 from kernels.decode_attention import paged_decode_attention_prepared
 from kernels.merge_states import merge_attention_states
 from kernels.prefix_attention import PrefixMetadata, check_prefix_metadata, paged_prefix_attention_prepared
-from paged_kv.errors import InvalidArgumentError, OutOfRangeError, check_int, describe
-from paged_kv.tensor_checks import INDEX_DTYPES, check_tensor
+from paged_kv.errors import InvalidArgumentError, OutOfRangeError, check_bool, check_int, describe
+from paged_kv.tensor_checks import INDEX_DTYPES, check_host_ints, check_tensor
 
 
 @dataclass(frozen=True, eq=False)
@@ -203,6 +203,7 @@ def cascade_decode_attention_prepared(
     Equals :func:`~kernels.decode_attention.paged_decode_attention` on the same batch (up to
     rounding); host checks only, no device value read.
     """
+    check_bool("return_lse", return_lse)
     if not isinstance(cascade, CascadeMetadata):
         raise InvalidArgumentError(describe("cascade", type(cascade).__name__, "a CascadeMetadata"))
     geo = check_cache(q, k_cache, v_cache, k_scale, v_scale)
@@ -246,6 +247,7 @@ def cascade_decode_attention(
     first ``prefix_lens[g] // block_size`` block ids; otherwise as
     :func:`~kernels.decode_attention.paged_decode_attention` (no sliding window). One host sync.
     """
+    check_bool("return_lse", return_lse)  # before the host sync
     geo = check_cache(q, k_cache, v_cache, k_scale, v_scale)
     check_options(geo.head_dim, scale, None, soft_cap)
     check_tables(block_tables, seq_lens, q.shape[0], q.device)

@@ -26,11 +26,17 @@ from typing import Literal
 import numpy as np
 import torch
 
-from kernels._checks import check_host_ints
 from kernels.attention_checks import check_options
 from kernels.attention_metadata import offsets
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError, check_int, describe
-from paged_kv.tensor_checks import FLOAT_DTYPES, check_device, check_dtype, check_shape, check_tensor
+from paged_kv.tensor_checks import (
+    FLOAT_DTYPES,
+    check_device,
+    check_dtype,
+    check_host_ints,
+    check_shape,
+    check_tensor,
+)
 
 ChunkBackend = Literal["auto", "flash", "sdpa", "torch"]
 CHUNK_BACKENDS = ("auto", "flash", "sdpa", "torch")

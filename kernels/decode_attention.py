@@ -40,19 +40,9 @@ from kernels.attention_checks import (
 )
 from kernels.attention_metadata import MAX_DECODE_SPLITS, AttentionMetadata
 from kernels.attention_torch import DecodeLayout, decode_attention, decode_layout, token_slots
-from kernels.attention_triton import (
-    cache_arguments,
-    dot_dtype,
-    dot_precision,
-    finish_softmax,
-    logit_coefficients,
-    kv_tile,
-    paged_qk,
-    scaled_logits,
-    softmax_step,
-)
+from kernels.attention_triton import attend_kv_range, cache_arguments, dot_dtype, dot_precision, logit_coefficients
 from kernels.tile_configs import tile_key, tuned_tile
-from paged_kv.errors import InvalidArgumentError, OutOfRangeError, check_int, describe
+from paged_kv.errors import InvalidArgumentError, OutOfRangeError, check_bool, check_int, describe
 
 MAX_SPLITS = MAX_DECODE_SPLITS
 MIN_TOKENS_PER_SPLIT = 256
@@ -94,29 +84,19 @@ def _decode_split_kernel(
 
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D_PAD)
-    offs_n = tl.arange(0, BLOCK_N)
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
     heads = kvh * GROUP + offs_g  # query heads of this KV head; rows >= GROUP are padding
     q_offs = seq * sq_s + heads[:, None] * sq_h + offs_d[None, :] * sq_d
     q = tl.load(q_ptr + q_offs, mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(DTYPE)  # [G_PAD, D_PAD]
 
-    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-    for tile in range(start, stop, BLOCK_N):
-        pos = tile + offs_n  # [BLOCK_N] absolute KV positions
-        valid = (pos >= kv_lo) & (pos < stop)
-        s, blk, slot, vs = paged_qk(
-            q, bt_ptr + seq * sbt_s, pos, valid, kvh, offs_d, d_mask, k_ptr, ks_ptr, vs_ptr,
-            sbt_b, sk_b, sk_t, sk_h, sk_d,
-            sks_b, sks_t, sks_h, svs_b, svs_t, svs_h, BLOCK_SIZE, DTYPE, QUANTIZED, PRECISION,
-        )  # [G_PAD, BLOCK_N]
-        s = tl.where(valid[None, :], scaled_logits(s, qk_a, qk_b, SOFT_CAP), float("-inf"))
-        v = kv_tile(v_ptr, blk, slot, kvh, offs_d, valid, d_mask, sv_b, sv_t, sv_h, sv_d, DTYPE)
-        m_i, l_i, acc = softmax_step(s, v, vs, m_i, l_i, acc, QUANTIZED, PRECISION)
-
-    out, lse = finish_softmax(m_i, l_i, acc)
+    # out: [G_PAD, D_PAD] float32, lse: [G_PAD]; positions below kv_lo are masked (WINDOW)
+    out, lse = attend_kv_range(
+        q, bt_ptr + seq * sbt_s, kvh, kv_lo, start, stop, qk_a, qk_b, offs_d, d_mask,
+        k_ptr, v_ptr, ks_ptr, vs_ptr,
+        sbt_b, sk_b, sk_t, sk_h, sk_d, sv_b, sv_t, sv_h, sv_d, sks_b, sks_t, sks_h, svs_b, svs_t, svs_h,
+        BLOCK_SIZE, BLOCK_N, DTYPE, QUANTIZED, SOFT_CAP, WINDOW, PRECISION,
+    )  # fmt: skip
     o_offs = seq * so_s + heads[:, None] * so_h + split * so_p + offs_d[None, :] * so_d
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
     tl.store(lse_ptr + seq * sl_s + heads * sl_h + split * sl_p, lse, mask=g_mask)
@@ -369,6 +349,7 @@ def paged_decode_attention(
     ``num_splits`` fixes flash-decoding's KV split count, each sequence's range divided in that many
     equal parts (None: splits of a fixed token count chosen from the batch's total tokens and the SMs).
     """
+    check_bool("return_lse", return_lse)
     geo, opts, lens = _validate_decode(
         q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, scale, sliding_window, soft_cap, num_splits
     )
@@ -432,6 +413,7 @@ def paged_decode_attention_prepared(
     ``num_splits``, else the count fixed in ``meta.decode_num_splits`` (CUDA-graph capture), else
     its host lengths.
     """
+    check_bool("return_lse", return_lse)
     geo, opts = check_prepared(q, k_cache, v_cache, meta, k_scale, v_scale, scale, sliding_window, soft_cap)
     if not meta.is_decode:
         raise InvalidArgumentError(describe("meta.max_query_len", meta.max_query_len, "1 (a decode step)"))

@@ -44,7 +44,7 @@ from kernels.attention_triton import (
     softmax_step,
 )
 from kernels.tile_configs import tile_key, tuned_tile
-from paged_kv.errors import InvalidArgumentError, OutOfRangeError, describe
+from paged_kv.errors import InvalidArgumentError, OutOfRangeError, check_bool, describe
 
 MAX_LOGITS = 1 << 25  # float32 elements of one reference logits chunk (128 MiB)
 
@@ -287,6 +287,7 @@ def paged_prefill_attention(
     :func:`kernels.decode_attention.paged_decode_attention`. With ``return_lse`` also returns the
     float32 natural-log logsumexp ``[T, Hq]``.
     """
+    check_bool("return_lse", return_lse)
     options = (scale, sliding_window, soft_cap)
     geo, opts, sizes = _validate_prefill(
         q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, k_scale, v_scale, options

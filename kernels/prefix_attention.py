@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import Backend, check_host_ints, check_triton_device, use_triton
+from kernels._checks import Backend, check_triton_device, use_triton
 from kernels.attention_checks import (
     CacheGeometry,
     block_id_bounds,
@@ -31,20 +31,10 @@ from kernels.attention_checks import (
 )
 from kernels.attention_metadata import offsets
 from kernels.attention_torch import dense_attention, gather_kv
-from kernels.attention_triton import (
-    cache_arguments,
-    dot_dtype,
-    dot_precision,
-    finish_softmax,
-    logit_coefficients,
-    kv_tile,
-    paged_qk,
-    scaled_logits,
-    softmax_step,
-)
+from kernels.attention_triton import attend_kv_range, cache_arguments, dot_dtype, dot_precision, logit_coefficients
 from kernels.decode_attention import MAX_SPLITS, _merge_splits_kernel, choose_num_splits, decode_tile
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError, check_int, describe
-from paged_kv.tensor_checks import INDEX_DTYPES, check_shape, check_tensor
+from paged_kv.tensor_checks import INDEX_DTYPES, check_host_ints, check_shape, check_tensor
 
 MAX_TILE_ROWS = 64  # (query, head) rows of one program: bounds registers like the decode tile
 
@@ -77,7 +67,6 @@ def _prefix_kernel(
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_PAD)
-    offs_n = tl.arange(0, BLOCK_N)
     d_mask = offs_d < HEAD_DIM
     rows = q_lo + offs_m // GROUP  # [BLOCK_M] query row of each tile row
     heads = kvh * GROUP + offs_m % GROUP  # [BLOCK_M] its query head
@@ -85,22 +74,13 @@ def _prefix_kernel(
     q_offs = rows[:, None] * sq_t + heads[:, None] * sq_h + offs_d[None, :] * sq_d
     q = tl.load(q_ptr + q_offs, mask=m_mask[:, None] & d_mask[None, :], other=0.0).to(DTYPE)  # [BLOCK_M, D_PAD]
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    for tile in range(start, stop, BLOCK_N):
-        pos = tile + offs_n  # [BLOCK_N] prefix positions
-        valid = pos < stop
-        s, blk, slot, vs = paged_qk(
-            q, bt_ptr + grp * sbt_g, pos, valid, kvh, offs_d, d_mask, k_ptr, ks_ptr, vs_ptr,
-            sbt_b, sk_b, sk_t, sk_h, sk_d,
-            sks_b, sks_t, sks_h, svs_b, svs_t, svs_h, BLOCK_SIZE, DTYPE, QUANTIZED, PRECISION,
-        )  # [BLOCK_M, BLOCK_N]
-        s = tl.where(valid[None, :], scaled_logits(s, qk_a, qk_b, SOFT_CAP), float("-inf"))
-        v = kv_tile(v_ptr, blk, slot, kvh, offs_d, valid, d_mask, sv_b, sv_t, sv_h, sv_d, DTYPE)
-        m_i, l_i, acc = softmax_step(s, v, vs, m_i, l_i, acc, QUANTIZED, PRECISION)
-
-    out, lse = finish_softmax(m_i, l_i, acc)
+    # out: [BLOCK_M, D_PAD] float32, lse: [BLOCK_M]; prefix positions have no window (kv_lo 0, WINDOW False)
+    out, lse = attend_kv_range(
+        q, bt_ptr + grp * sbt_g, kvh, 0, start, stop, qk_a, qk_b, offs_d, d_mask,
+        k_ptr, v_ptr, ks_ptr, vs_ptr,
+        sbt_b, sk_b, sk_t, sk_h, sk_d, sv_b, sv_t, sv_h, sv_d, sks_b, sks_t, sks_h, svs_b, svs_t, svs_h,
+        BLOCK_SIZE, BLOCK_N, DTYPE, QUANTIZED, SOFT_CAP, False, PRECISION,
+    )  # fmt: skip
     o_offs = rows[:, None] * so_t + heads[:, None] * so_h + split * so_p + offs_d[None, :] * so_d
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
     tl.store(lse_ptr + rows * sl_t + heads * sl_h + split * sl_p, lse, mask=m_mask)

@@ -97,7 +97,8 @@ class PagedKVCache:
 
     def _make_layer(self, shape: tuple[int, ...]) -> LayerKV:
         make = lambda s, dt: torch.zeros(s, dtype=dt, device=self.device)  # noqa: E731
-        scales = (make(shape[:3], torch.float32), make(shape[:3], torch.float32)) if self.spec.quantized else (None, None)
+        quantized = self.spec.quantized
+        scales = (make(shape[:3], torch.float32), make(shape[:3], torch.float32)) if quantized else (None, None)
         return LayerKV(make(shape, self.spec.dtype), make(shape, self.spec.dtype), *scales)
 
     def grow(self, num_blocks: int) -> None:

@@ -2,7 +2,8 @@
 
 Each check raises a typed error from :mod:`paged_kv.errors` naming the argument, the
 value and what was expected. This module sits below both :mod:`paged_kv.kv_cache` and
-the kernels, beside the errors: it imports nothing of the project but the errors.
+the kernels, beside the errors: it imports nothing of the project but the errors. Host
+index arrays (numpy, lists of ints) are checked here too (``check_host_ints``).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError, describe
@@ -103,3 +105,25 @@ def check_dtype(name: str, dtype: object, allowed: Iterable[torch.dtype]) -> tor
     if not isinstance(dtype, torch.dtype) or dtype not in allowed:
         raise InvalidArgumentError(describe(name, dtype, f"one of {allowed}"))
     return dtype
+
+
+def _holds_bool(value: object) -> bool:
+    """Whether a (nested) list holds a bool, which numpy would silently take as 0 or 1."""
+    if isinstance(value, np.ndarray):
+        return False  # its dtype says it
+    return any(_holds_bool(v) if isinstance(v, (list, tuple)) else isinstance(v, (bool, np.bool_)) for v in value)
+
+
+def check_host_ints(name: str, value: object, ndim: int) -> np.ndarray:
+    """``value`` (a numpy array or nested list of ints, host values) as an int64 array of rank ``ndim``."""
+    if isinstance(value, (str, bytes, torch.Tensor)) or not isinstance(value, (np.ndarray, list, tuple)):
+        raise InvalidArgumentError(describe(name, type(value).__name__, "a numpy array or list of ints (host values)"))
+    try:
+        arr = np.asarray(value)
+    except ValueError as exc:  # ragged nesting
+        raise InvalidArgumentError(describe(name, "a ragged list", f"a rectangular {ndim}-d array")) from exc
+    if arr.size and (arr.dtype == np.bool_ or arr.dtype.kind not in "iu" or _holds_bool(value)):
+        raise InvalidArgumentError(describe(f"{name}.dtype", arr.dtype, "integers (no bools)"))
+    if arr.ndim != ndim:
+        raise InvalidArgumentError(describe(f"{name}.shape", arr.shape, f"{ndim} dimensions"))
+    return arr.astype(np.int64)

@@ -10,6 +10,7 @@ from scheduler.params import SamplingParams
 from scheduler.weights import from_hf_model, from_state_dict
 
 __all__ = [
-    "BeamSearch", "BeamSearchOutput", "BeamSearchParams", "CacheConfig", "CompletionOutput", "EngineConfig", "LLM", "LLMEngine", "LlamaModel", "ModelConfig",
-    "RequestOutput", "SamplingParams", "SchedulerConfig", "from_hf_model", "from_state_dict",
+    "BeamSearch", "BeamSearchOutput", "BeamSearchParams", "CacheConfig", "CompletionOutput", "EngineConfig",
+    "LLM", "LLMEngine", "LlamaModel", "ModelConfig", "RequestOutput", "SamplingParams", "SchedulerConfig",
+    "from_hf_model", "from_state_dict",
 ]

@@ -27,7 +27,10 @@ def test_import_contract_is_kept(contract: str) -> None:
 
 
 def test_every_exported_name_means_one_thing() -> None:
-    """No package exports a function under the name of one of its own modules (``import pkg.name as m`` is the module)."""
+    """No package exports a function under the name of one of its own modules.
+
+    (``import pkg.name as m`` would be the module, not the function.)
+    """
     import importlib
     import importlib.util
     import pkgutil

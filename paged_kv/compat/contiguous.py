@@ -128,7 +128,8 @@ class KvStatePayload:
         try:
             tensors = safetensors.numpy.load(bytes(data))
         except safetensors.SafetensorError as exc:
-            raise InvalidArgumentError(describe("data", f"{len(data)} bytes", f"a safetensors payload ({exc})")) from None
+            expected = f"a safetensors payload ({exc})"
+            raise InvalidArgumentError(describe("data", f"{len(data)} bytes", expected)) from None
         num_layers = len(tensors) // 2
         names = {f"{n}.{i}" for n in ("keys", "values") for i in range(num_layers)}
         if not tensors or set(tensors) != names:
@@ -169,7 +170,8 @@ class KvCache(KvCacheAccess):
     ) -> None:
         self._max_seq_len = check_count("max_seq_len", max_seq_len)
         self._kv_dim = check_count("kv_dim", kv_dim, low=1)
-        heads = num_kv_heads if num_kv_heads is not None else (pool.spec.num_kv_heads if isinstance(pool, KVPool) else 1)
+        pool_heads = pool.spec.num_kv_heads if isinstance(pool, KVPool) else 1
+        heads = num_kv_heads if num_kv_heads is not None else pool_heads
         heads = check_count("num_kv_heads", heads, low=1)
         if kv_dim % heads:
             raise InvalidArgumentError(describe("num_kv_heads", heads, f"a divisor of kv_dim={kv_dim}"))
@@ -191,7 +193,8 @@ class KvCache(KvCacheAccess):
     def store_kv(self, layer: int, key: object, value: object) -> None:
         """Store one token's ``kv_dim`` key and value floats for ``layer`` at position ``seq_len()``."""
         layer = self._layer(layer)
-        k, v = (as_vector(n, x, self._kv_dim, device=self._pool.storage.device) for n, x in (("key", key), ("value", value)))
+        device = self._pool.storage.device
+        k, v = (as_vector(n, x, self._kv_dim, device=device) for n, x in (("key", key), ("value", value)))
         if self._len >= self._max_seq_len:
             raise OutOfRangeError(describe("seq_len", self._len, f"below max_seq_len={self._max_seq_len} (cache full)"))
         held = self._seq.length

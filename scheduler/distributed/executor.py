@@ -39,8 +39,8 @@ from scheduler.model import LlamaModel
 
 T = TypeVar("T")
 GRACE_S = 5.0  # how long shutdown waits for a worker to exit before killing it
-REAP_S = 1.0
-STARTUP_S = 300.0  # how long spawned workers may take to import torch and load their shard  # how long a failed collective waits for a dying worker's exit code
+REAP_S = 1.0  # how long a failed collective waits for a dying worker's exit code
+STARTUP_S = 300.0  # how long spawned workers may take to import torch and load their shard
 
 
 def under_torchrun() -> bool:
@@ -64,7 +64,9 @@ class TPExecutor:
         return self.groups.shard.size
 
     @classmethod
-    def launch(cls, model: LlamaModel, size: int, device: torch.device, timeout_s: float) -> tuple[TPExecutor, LlamaModel]:
+    def launch(
+        cls, model: LlamaModel, size: int, device: torch.device, timeout_s: float
+    ) -> tuple[TPExecutor, LlamaModel]:
         """Start (or, under torchrun, join) a group of ``size`` ranks; return it and rank 0's shard of ``model``."""
         if under_torchrun():
             return cls._join(model, size, device, timeout_s)

@@ -234,7 +234,7 @@ def cascade_args() -> dict[str, Arg]:
         "seq_groups": Arg("tensor", lambda: torch.tensor([0, 0]), bad={OUT_OF_RANGE: [torch.tensor([0, 5])]}),
         "prefix_lens": Arg("tensor", lambda: torch.tensor([4]),
                            bad={OUT_OF_RANGE: [torch.tensor([8]), torch.tensor([3])]}),
-        "return_lse": Arg("bool", False, skip=(WRONG_TYPE,)),  # not bool-checked, like paged_decode_attention's
+        "return_lse": Arg("bool", False),
     }  # fmt: skip
 
 
@@ -410,7 +410,8 @@ def _entries() -> list[Entry]:
                 NONINTEGRAL: [[("a", 1.5)]], OUT_OF_RANGE: [[("a", -1)]]})}, m,
             named={"requests": ("requests", "seq_id", "num_new_tokens")}),
         *[Entry(f"paged_kv.BlockManager.{name}", name, {"seq_ids": Arg("obj", valid, bad={
-            WRONG_TYPE: [None, "ab", 3], BAD_ID: [["zz"], [["l"]], *extra]})}, m, named={"seq_ids": ("seq_ids", "seq_id")})
+            WRONG_TYPE: [None, "ab", 3], BAD_ID: [["zz"], [["l"]], *extra]})}, m,
+            named={"seq_ids": ("seq_ids", "seq_id")})
           for name, valid, extra in (
               ("swap_out_group", ["a", "b"], [["s"], ["a", "a"]]), ("swap_in_group", ["s"], [["a"], ["s", "s"]]),
               ("can_swap_out_group", ["a", "b"], [["s"]]), ("can_swap_in_group", ["s"], []),
@@ -717,12 +718,12 @@ def _entries() -> list[Entry]:
             "backend": Arg("obj", "torch", bad={WRONG_TYPE: ["cuda", 3, None]})}),
         Entry("kernels.paged_decode_attention", kernels.paged_decode_attention, {
             **decode_args(), "num_splits": Arg("opt_int", 2, bad={OUT_OF_RANGE: [0, -1]}),
-            "return_lse": Arg("bool", False, skip=(WRONG_TYPE,))}),  # not bool-checked: kernels engineer (see report)
+            "return_lse": Arg("bool", False)}),
         Entry("kernels.paged_prefill_attention", kernels.paged_prefill_attention, {
             **decode_args(), "q": Arg("float_tensor", lambda: torch.ones(3, 4, 4), skip=(NAN_INF,)),
             "cu_seqlens_q": Arg("tensor", lambda: torch.tensor([0, 2, 3], dtype=torch.int32),
                                 bad={OUT_OF_RANGE: [torch.tensor([0, 2, 9], dtype=torch.int32)]}),
-            "return_lse": Arg("bool", False, skip=(WRONG_TYPE,))}),  # not bool-checked: kernels engineer (see report)
+            "return_lse": Arg("bool", False)}),
         Entry("kernels.prepare_attention_metadata", kernels.prepare_attention_metadata, {
             "tables": Arg("obj", [[0, 1], [2, 3]], bad={
                 WRONG_TYPE: ["ab", None, torch.zeros(2, 2, dtype=torch.int32), [[0, 1], "ab"]],
@@ -739,7 +740,7 @@ def _entries() -> list[Entry]:
                    "num_blocks": ("num_blocks", "tables")}),
         Entry("kernels.paged_decode_attention_prepared", kernels.paged_decode_attention_prepared, {
             **prepared_args(), "num_splits": Arg("opt_int", 2, bad={OUT_OF_RANGE: [0, -1]}),
-            "return_lse": Arg("bool", False, skip=(WRONG_TYPE,))}),  # not bool-checked, like the checked call's
+            "return_lse": Arg("bool", False)}),
         Entry("kernels.paged_prefill_attention_prepared", kernels.paged_prefill_attention_prepared, {
             **prepared_args(), "q": Arg("float_tensor", lambda: torch.ones(3, 4, 4), skip=(NAN_INF,)),
             "meta": Arg("obj", lambda: prepared_meta([2, 1]), bad={WRONG_TYPE: [None, "x", prepared_meta()],
@@ -758,8 +759,9 @@ def _entries() -> list[Entry]:
             **{k: v for k, v in prefix_args().items() if k not in ("block_tables", "prefix_lens", "cu_seqlens_q")},
             "meta": Arg("obj", prefix_meta, bad={WRONG_TYPE: [None, "x", prepared_meta()],
                                                  OUT_OF_RANGE: [lambda: prefix_meta(num_blocks=16)]})}),
+        # block ids are checked on the host copy, prepare_cascade_metadata's tables
         Entry("kernels.cascade_decode_attention", kernels.cascade_decode_attention, cascade_args(),
-              named={"block_tables": "tables"}),  # block ids are checked on the host copy, prepare_cascade_metadata's tables
+              named={"block_tables": "tables"}),
         Entry("kernels.cascade_decode_attention_prepared", kernels.cascade_decode_attention_prepared, {
             **{k: v for k, v in cascade_args().items() if k not in ("block_tables", "seq_lens", "seq_groups",
                                                                      "prefix_lens")},

@@ -31,7 +31,9 @@ def randn(*shape: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-def filled(n: int, cfg: KvCacheConfig = CFG, seed: int = 0, **kw) -> tuple[KvCacheCompressor, torch.Tensor, torch.Tensor]:
+def filled(
+    n: int, cfg: KvCacheConfig = CFG, seed: int = 0, **kw
+) -> tuple[KvCacheCompressor, torch.Tensor, torch.Tensor]:
     """A compressor holding n random (key, value) pairs; returns it with the keys and values."""
     c = KvCacheCompressor(cfg, **kw)
     keys, values = randn(n, cfg.head_dim, seed=seed), randn(n, cfg.head_dim, seed=seed + 1000)

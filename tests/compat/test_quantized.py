@@ -379,7 +379,8 @@ def test_random_operations_match_a_dense_model(fmt):
     for step in range(150):
         i = int(rng.integers(len(caches)))
         cache, model = caches[i]
-        op = rng.choice(["write", "write", "write", "truncate", "shift", "copy", "reset"], p=[.3, .2, .2, .1, .1, .05, .05])
+        ops = ["write", "write", "write", "truncate", "shift", "copy", "reset"]
+        op = rng.choice(ops, p=[.3, .2, .2, .1, .1, .05, .05])
         if op == "write":
             layer, pos = int(rng.integers(L)), int(min(rng.integers(model.len + 3), MAX - 1))
             k, v = vectors(step, 2)
@@ -402,6 +403,7 @@ def test_random_operations_match_a_dense_model(fmt):
             model.len = 0
         for c, m in caches:
             assert c.seq_len == m.len
-            np.testing.assert_array_equal(read_all(c).reshape(L, 2, m.len, H * D), m.data[:, :, : m.len], err_msg=f"{step}")
+            held = read_all(c).reshape(L, 2, m.len, H * D)
+            np.testing.assert_array_equal(held, m.data[:, :, : m.len], err_msg=f"{step}")
             assert c.memory_usage() <= (-(-m.len // BS) + 1) * c.pool.bytes_per_page
         cache.pool.manager.check()

@@ -127,7 +127,8 @@ def build_forked(groups, *, block_size, num_kv_heads, head_dim, dtype=F32, seed=
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     caches = [torch.full(shape, _fill_value(dtype), dtype=F32 if quantized else dtype).to(dtype) for _ in range(2)]
     scales = [torch.full(shape[:3], math.nan) if quantized else None for _ in range(2)]
-    tables, truth, seq_groups, prefix_lens, seq_lens = [], {f"{a}_{n}": [] for a in ("dense", "exact") for n in "kv"}, [], [], []
+    truth = {f"{a}_{n}": [] for a in ("dense", "exact") for n in "kv"}
+    tables, seq_groups, prefix_lens, seq_lens = [], [], [], []
     for (prefix, lens), counts in zip(groups, own):
         shared = [perm.pop() for _ in range(prefix // block_size)]
         head = {n: torch.randn(prefix, num_kv_heads, head_dim, generator=gen) for n in "kv"}

@@ -99,7 +99,8 @@ def test_prefix_quantized_cache(backend, cache_dtype):
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_empty_prefix_gives_zero_and_minus_inf(backend):
-    q, caches, tables, plens, cu, _, _ = prefix_case([(8, [9]), (8, [9])], [2, 1], hq=2, hkv=1, head_dim=16, block_size=8)
+    q, caches, tables, plens, cu, _, _ = prefix_case([(8, [9]), (8, [9])], [2, 1],
+                                                      hq=2, hkv=1, head_dim=16, block_size=8)
     plens = torch.tensor([0, 8], dtype=torch.int32)
     out, lse = call_on_backend(paged_prefix_attention, q, **_args(caches, tables, plens, cu), backend=backend)
     assert (out[:2] == 0).all() and torch.isneginf(lse[:2]).all()
@@ -140,7 +141,8 @@ def test_prefix_tile_holds_every_head_of_a_group():
 
 
 def _bad_inputs():
-    q, caches, tables, plens, cu, _, _ = prefix_case([(8, [9]), (8, [12])], [2, 1], hq=2, hkv=1, head_dim=16, block_size=8)
+    q, caches, tables, plens, cu, _, _ = prefix_case([(8, [9]), (8, [12])], [2, 1],
+                                                      hq=2, hkv=1, head_dim=16, block_size=8)
     return dict(q=q, **_args(caches, tables, plens, cu))
 
 
@@ -182,7 +184,8 @@ kc = torch.randn(8, 16, 2, 128)
 bt, plens = torch.arange(8, dtype=torch.int32).view(2, 4), torch.tensor([64, 32], dtype=torch.int32)
 cu = torch.tensor([0, 8, 12], dtype=torch.int32)
 q = torch.randn(12, 8, 128, dtype=torch.bfloat16)
-pfx.paged_prefix_attention(q, kc.bfloat16(), kc.bfloat16(), bt, plens, cu, soft_cap=30.0, num_splits=3, backend="triton")
+kb = kc.bfloat16()
+pfx.paged_prefix_attention(q, kb, kb, bt, plens, cu, soft_cap=30.0, num_splits=3, backend="triton")
 e4m3, scale = kc.to(torch.float8_e4m3fn), torch.ones(8, 16, 2)
 pfx.paged_prefix_attention(q.float(), e4m3, e4m3, bt, plens, cu, k_scale=scale, v_scale=scale, backend="triton")
 kc8 = torch.randn(8, 16, 2, 256, dtype=torch.float16)
