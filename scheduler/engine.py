@@ -93,8 +93,8 @@ class LLMEngine:
         self.inputs = StepInputBuilder(self.block_manager, self.device, width, cascade=cc.enable_cascade_attention)
         if self.executor is not None:
             self.executor.attach_caches(self.runner.gpu_cache, cpu_cache)
-            setup = WorkerSetup(num_blocks, cc.num_cpu_blocks, cc.block_size, cc.dtype, width, cc.enable_chunk_attention)
-            self.executor.setup(setup)
+            chunk = cc.enable_chunk_attention
+            self.executor.setup(WorkerSetup(num_blocks, cc.num_cpu_blocks, cc.block_size, cc.dtype, width, chunk))
         if graphs:
             captured = self.runner.capture_graphs(sc.max_num_seqs, width)
             logger.info("captured %d decode CUDA graphs (batch 1..%d) in %.1f s, %.2f GiB",
