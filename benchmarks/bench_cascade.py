@@ -1,9 +1,12 @@
-"""Cascade decode vs plain paged decode on beams that share a long prompt: K/V bytes read and time.
+"""Cascade decode vs plain paged decode on sequences that share a long prompt: K/V bytes read and time.
 
-Run ``python benchmarks/bench_cascade.py [--quick]``. Each request is a prompt of ``prompt``
-tokens in shared blocks plus ``width`` beams, each with its own suffix of 64-512 tokens (a
-seeded draw; 16-64 on the CPU). Plain decode reads every beam's whole length; cascade decode
-reads the prompt once per request and each suffix once. Both run their prepared (sync-free)
+Run ``python benchmarks/bench_cascade.py [--quick]``. Two cases. "beams": each request is a
+prompt of ``prompt`` tokens in shared blocks plus ``width`` beams. "system": ``requests``
+requests of one sequence each open with the same ``prompt``-token system prompt (the cached
+blocks prefix caching hands them). Every sequence has its own suffix of 64-512 tokens (a seeded
+draw; 16-64 on the CPU). The groups come from the engine's planner (scheduler.cascade_plan;
+plan_ms is its host time). Plain decode reads every sequence's whole length; cascade decode
+reads each group's prompt once and each suffix once. Both run their prepared (sync-free)
 paths: on a GPU the Triton kernels in bf16 (triton.testing.do_bench), on the CPU the torch
 paths in float32 (torch.utils.benchmark). Shape: 32 query heads, 8 KV heads, head_dim 128,
 block size 16, shuffled blocks. ``run(device, quick)`` returns the rows for other scripts.
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -24,28 +28,35 @@ from benchmarks.bench_attention import timer  # noqa: E402
 from kernels.attention_metadata import prepare_attention_metadata  # noqa: E402
 from kernels.cascade_attention import cascade_decode_attention_prepared, prepare_cascade_metadata  # noqa: E402
 from kernels.decode_attention import paged_decode_attention_prepared  # noqa: E402
+from scheduler.cascade_plan import plan_cascade  # noqa: E402
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 
 
-def make_batch(requests: int, width: int, prompt: int, suffix: tuple[int, int], dtype, device, seed: int = 0) -> dict:
-    """Caches, tables and lengths of ``requests`` x ``width`` beams forked from a ``prompt``-token prompt."""
+def make_batch(requests: int, width: int, prompt: int, suffix: tuple[int, int], across: bool, dtype, device,
+               seed: int = 0) -> dict:  # fmt: skip
+    """Caches, tables, lengths and the planner's groups of ``requests`` x ``width`` sequences after a
+    ``prompt``-token prompt, one per request or (``across``) one for all of them."""
     rng = np.random.default_rng(seed)
     shared = prompt // BLOCK_SIZE
     lens = prompt + rng.integers(suffix[0], suffix[1] + 1, size=requests * width)  # [S]
-    own = -(-lens // BLOCK_SIZE) - shared  # blocks each beam holds alone
-    perm = rng.permutation(requests * shared + int(own.sum()))
-    tables, groups, used = [], [], 0
+    own = -(-lens // BLOCK_SIZE) - shared  # blocks each sequence holds alone
+    perm = rng.permutation((1 if across else requests) * shared + int(own.sum()))
+    tables, used = [], 0
     for r in range(requests):
-        prefix = perm[used : used + shared].tolist()
-        used += shared
+        if r == 0 or not across:
+            prefix = perm[used : used + shared].tolist()
+            used += shared
         for b in range(width):
             s = r * width + b
             tables.append(prefix + perm[used : used + own[s]].tolist())
             used += int(own[s])
-            groups.append(r)
     cols = max(map(len, tables))
     table = np.array([t + [0] * (cols - len(t)) for t in tables], dtype=np.int64)
+    start = time.perf_counter()
+    plan = plan_cascade(table, lens, BLOCK_SIZE)
+    plan_ms = (time.perf_counter() - start) * 1e3
+    assert plan.pays, "the planner found no group worth a cascade step"
     gen = torch.Generator(device=device).manual_seed(seed)
     shape = (len(perm), BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     k_cache = torch.randn(shape, generator=gen, device=device, dtype=dtype)
@@ -54,10 +65,9 @@ def make_batch(requests: int, width: int, prompt: int, suffix: tuple[int, int], 
     meta = prepare_attention_metadata(table.tolist(), (lens - 1).tolist(), [1] * len(lens), block_size=BLOCK_SIZE,
                                       num_blocks=len(perm), device=device)  # fmt: skip
     cascade = prepare_cascade_metadata(
-        table, lens, np.array(groups), np.full(requests, shared * BLOCK_SIZE), block_size=BLOCK_SIZE,
-        num_blocks=len(perm), device=device,
+        table, lens, plan.seq_groups, plan.prefix_lens, block_size=BLOCK_SIZE, num_blocks=len(perm), device=device
     )  # fmt: skip
-    return dict(q=q, k_cache=k_cache, v_cache=v_cache, meta=meta, cascade=cascade, lens=lens, shared=shared)
+    return dict(q=q, k_cache=k_cache, v_cache=v_cache, meta=meta, cascade=cascade, lens=lens, plan_ms=plan_ms)
 
 
 def read_bytes(x: dict, dtype: torch.dtype) -> tuple[int, int]:
@@ -67,9 +77,9 @@ def read_bytes(x: dict, dtype: torch.dtype) -> tuple[int, int]:
     return int(x["lens"].sum()) * per_token, int(cascade_tokens) * per_token
 
 
-def run_case(requests, width, prompt, suffix, dtype, device, time_ms) -> dict:
-    """Time plain and cascade decode on one batch; return a table row."""
-    x = make_batch(requests, width, prompt, suffix, dtype, device)
+def run_case(case, requests, width, prompt, suffix, dtype, device, time_ms) -> dict:
+    """Time plain and cascade decode on one batch (case "beams" or "system"); return a table row."""
+    x = make_batch(requests, width, prompt, suffix, case == "system", dtype, device)
     caches = (x["q"], x["k_cache"], x["v_cache"])
 
     def plain():
@@ -81,25 +91,31 @@ def run_case(requests, width, prompt, suffix, dtype, device, time_ms) -> dict:
     err = (plain().float() - cascade().float()).abs().max().item()
     t_plain, t_cascade = time_ms(plain), time_ms(cascade)
     plain_bytes, cascade_bytes = read_bytes(x, dtype)
-    return dict(requests=requests, width=width, prompt=prompt, suffix=f"{suffix[0]}-{suffix[1]}",
+    return dict(case=case, requests=requests, width=width, prompt=prompt, suffix=f"{suffix[0]}-{suffix[1]}",
+                groups=x["cascade"].prefix.num_groups, plan_ms=x["plan_ms"],
                 plain_mb=plain_bytes / 2**20, cascade_mb=cascade_bytes / 2**20, bytes_ratio=cascade_bytes / plain_bytes,
                 plain_ms=t_plain, cascade_ms=t_cascade, time_ratio=t_cascade / t_plain, max_err=err)  # fmt: skip
 
 
 def run(device: torch.device, quick: bool) -> list[dict]:
-    """Rows of the grid (beam width 4 and 8) on ``device``: GPU 8k/32k prompts, CPU 1k/4k (--quick: 1k)."""
+    """Rows of the grid on ``device``. beams (width 4 and 8): GPU 8k/32k prompts x 1/8 requests, CPU 1k/4k x 1
+    (--quick: the first of each); system: 16 requests on a 2k prompt (GPU, not --quick: also 64)."""
     on_gpu = device.type == "cuda"
     dtype = torch.bfloat16 if on_gpu else torch.float32
     if on_gpu:
         prompts, suffix, requests = ((8192,) if quick else (8192, 32768)), (64, 512), ((1,) if quick else (1, 8))
     else:
         prompts, suffix, requests = ((1024,) if quick else (1024, 4096)), (16, 64), (1,)
+    system = (16,) if quick or not on_gpu else (16, 64)
     time_ms = timer(device, quick)
-    return [run_case(r, w, p, suffix, dtype, device, time_ms) for r in requests for p in prompts for w in (4, 8)]
+    cases = [("beams", r, w, p) for r in requests for p in prompts for w in (4, 8)]
+    cases += [("system", r, 1, 2048) for r in system]
+    return [run_case(c, r, w, p, suffix, dtype, device, time_ms) for c, r, w, p in cases]
 
 
 COLUMNS = [
-    ("requests", "{:>8}"), ("width", "{:>5}"), ("prompt", "{:>6}"), ("suffix", "{:>7}"), ("plain_mb", "{:>9.1f}"),
+    ("case", "{:>6}"), ("requests", "{:>8}"), ("width", "{:>5}"), ("prompt", "{:>6}"), ("suffix", "{:>7}"),
+    ("groups", "{:>6}"), ("plan_ms", "{:>7.2f}"), ("plain_mb", "{:>9.1f}"),
     ("cascade_mb", "{:>10.1f}"), ("bytes_ratio", "{:>11.2f}"), ("plain_ms", "{:>9.3f}"), ("cascade_ms", "{:>10.3f}"),
     ("time_ratio", "{:>10.2f}"), ("max_err", "{:>8.1e}"),
 ]  # fmt: skip
