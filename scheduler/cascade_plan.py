@@ -117,7 +117,7 @@ def _tree_groups(tables: np.ndarray, limits: np.ndarray, least: int) -> tuple[np
     differs = cut[1:] != cut[:-1]  # [C-1, width]
     first = np.where(differs.any(1), differs.argmax(1), width)
     lcp = np.minimum(first, np.minimum(lim[1:], lim[:-1]))  # [C-1] blocks shared by neighbours
-    root = _prefix_tree(lcp.tolist())  # a node: there are at least two rows
+    root = _prefix_tree(lcp.tolist())
     _choose(root, least)
     groups = _live_groups(root)
     for g, (lo, hi, _) in enumerate(groups):  # ancestors first: a deeper group takes its rows back
@@ -150,7 +150,7 @@ class _Node:
     forms: dict[int, bool] = field(default_factory=dict)
 
 
-def _prefix_tree(lcp: list[int]) -> _Node | int:
+def _prefix_tree(lcp: list[int]) -> _Node:
     """The tree of shared prefixes of sorted rows, from the blocks each pair of neighbours shares.
 
     Bottom-up over a stack of open nodes (blocks, kids): a node closes when the next pair of
@@ -168,7 +168,7 @@ def _prefix_tree(lcp: list[int]) -> _Node | int:
             stack[-1][1].append(_Node(lo, hi, blocks, subs, len(kids) - len(subs)))
         if shared > stack[-1][0]:  # the last row (or subtree) and the next share more: a deeper node
             stack.append((shared, [stack[-1][1].pop()]))
-    return stack[0][1][0]
+    return stack[0][1][0]  # the root (depth 0) closed over the sentinel
 
 
 def _choose(root: _Node, least: int) -> None:

@@ -43,7 +43,7 @@ class CacheConfig:
     num_cpu_blocks: int = 0  # swap space; must be > 0 for preemption_mode="swap"
     watermark: float = 0.01
     enable_prefix_caching: bool = True
-    # decode steps whose forked sequences share long prefixes attend them once per group (cascade decode)
+    # decode steps whose sequences share long prefixes (forks, a cached system prompt) attend them once per group
     enable_cascade_attention: bool = True
     dtype: torch.dtype | None = None  # None: the model's dtype
     # CUDA: the fraction of the device's memory the engine may use (weights, activations, graphs and

@@ -123,7 +123,8 @@ def system_prompt_requests(long_prompt: list[int]) -> list[list[int]]:
 
 def test_requests_sharing_a_system_prompt_are_the_same_with_cascade_on_and_off(tiny_hf, long_prompt, cascade_calls):
     params = [SamplingParams(max_tokens=9), SamplingParams(temperature=1.0, seed=3, max_tokens=8, logprobs=2),
-              SamplingParams(temperature=0.8, top_p=0.9, seed=4, max_tokens=10), SamplingParams(max_tokens=6)]  # fmt: skip
+              SamplingParams(temperature=0.8, top_p=0.9, seed=4, max_tokens=10),
+              SamplingParams(max_tokens=6)]  # fmt: skip
     prompts = system_prompt_requests(long_prompt)
     assert_same_with_cascade_on_and_off(tiny_hf, prompts, params, cascade_calls)  # only the system prompt is shared
 
