@@ -9,7 +9,9 @@ plan_ms is its host time). Plain decode reads every sequence's whole length; cas
 reads each group's prompt once and each suffix once. Both run their prepared (sync-free)
 paths: on a GPU the Triton kernels in bf16 (triton.testing.do_bench), on the CPU the torch
 paths in float32 (torch.utils.benchmark). Shape: 32 query heads, 8 KV heads, head_dim 128,
-block size 16, shuffled blocks. ``run(device, quick)`` returns the rows for other scripts.
+block size 16, shuffled blocks. ``run(device, quick)`` returns the rows for other scripts. Last,
+the planner's host time alone on tables of 256 sequences (no caches built): 256 requests on an
+8k system prompt, 32 x 8 and 64 x 4 beams on 32k prompts.
 """
 
 from __future__ import annotations
@@ -33,10 +35,9 @@ from scheduler.cascade_plan import plan_cascade  # noqa: E402
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 
 
-def make_batch(requests: int, width: int, prompt: int, suffix: tuple[int, int], across: bool, dtype, device,
-               seed: int = 0) -> dict:  # fmt: skip
-    """Caches, tables, lengths and the planner's groups of ``requests`` x ``width`` sequences after a
-    ``prompt``-token prompt, one per request or (``across``) one for all of them."""
+def make_tables(requests: int, width: int, prompt: int, suffix: tuple[int, int], across: bool, seed: int = 0):
+    """(tables [S, W], lens [S], blocks used) of ``requests`` x ``width`` sequences after a ``prompt``-token
+    prompt, one per request or (``across``) one for all of them, each with its own suffix; shuffled block ids."""
     rng = np.random.default_rng(seed)
     shared = prompt // BLOCK_SIZE
     lens = prompt + rng.integers(suffix[0], suffix[1] + 1, size=requests * width)  # [S]
@@ -52,20 +53,34 @@ def make_batch(requests: int, width: int, prompt: int, suffix: tuple[int, int], 
             tables.append(prefix + perm[used : used + own[s]].tolist())
             used += int(own[s])
     cols = max(map(len, tables))
-    table = np.array([t + [0] * (cols - len(t)) for t in tables], dtype=np.int64)
-    start = time.perf_counter()
-    plan = plan_cascade(table, lens, BLOCK_SIZE)
-    plan_ms = (time.perf_counter() - start) * 1e3
+    return np.array([t + [0] * (cols - len(t)) for t in tables], dtype=np.int64), lens, len(perm)
+
+
+def timed_plan(table: np.ndarray, lens: np.ndarray, repeats: int = 1):
+    """The planner's groups of a batch and its best host time in ms over ``repeats`` calls."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        plan = plan_cascade(table, lens, BLOCK_SIZE)
+        times.append((time.perf_counter() - start) * 1e3)
     assert plan.pays, "the planner found no group worth a cascade step"
+    return plan, min(times)
+
+
+def make_batch(requests: int, width: int, prompt: int, suffix: tuple[int, int], across: bool, dtype, device,
+               seed: int = 0) -> dict:  # fmt: skip
+    """Caches, tables, lengths and the planner's groups of a :func:`make_tables` batch."""
+    table, lens, num_blocks = make_tables(requests, width, prompt, suffix, across, seed)
+    plan, plan_ms = timed_plan(table, lens)
     gen = torch.Generator(device=device).manual_seed(seed)
-    shape = (len(perm), BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     k_cache = torch.randn(shape, generator=gen, device=device, dtype=dtype)
     v_cache = torch.randn(shape, generator=gen, device=device, dtype=dtype)
     q = torch.randn(len(lens), NUM_Q_HEADS, HEAD_DIM, generator=gen, device=device, dtype=dtype)
     meta = prepare_attention_metadata(table.tolist(), (lens - 1).tolist(), [1] * len(lens), block_size=BLOCK_SIZE,
-                                      num_blocks=len(perm), device=device)  # fmt: skip
+                                      num_blocks=num_blocks, device=device)  # fmt: skip
     cascade = prepare_cascade_metadata(
-        table, lens, plan.seq_groups, plan.prefix_lens, block_size=BLOCK_SIZE, num_blocks=len(perm), device=device
+        table, lens, plan.seq_groups, plan.prefix_lens, block_size=BLOCK_SIZE, num_blocks=num_blocks, device=device
     )  # fmt: skip
     return dict(q=q, k_cache=k_cache, v_cache=v_cache, meta=meta, cascade=cascade, lens=lens, plan_ms=plan_ms)
 
@@ -113,6 +128,22 @@ def run(device: torch.device, quick: bool) -> list[dict]:
     return [run_case(c, r, w, p, suffix, dtype, device, time_ms) for c, r, w, p in cases]
 
 
+# (case, requests, width, prompt) of the planner-only rows: 256 sequences each
+PLAN_SHAPES = [("system", 256, 1, 8192), ("beams", 32, 8, 32768), ("beams", 64, 4, 32768)]
+
+
+def plan_rows() -> list[dict]:
+    """The planner's host time alone on batches of 256 sequences (tables only, no caches), suffixes 64-512."""
+    rows = []
+    for case, requests, width, prompt in PLAN_SHAPES:
+        table, lens, _ = make_tables(requests, width, prompt, (64, 512), case == "system")
+        plan, ms = timed_plan(table, lens, repeats=20)
+        shape = "x".join(map(str, table.shape))
+        rows.append(dict(case=case, requests=requests, width=width, prompt=prompt, table=shape, groups=plan.num_groups,
+                         saved=plan.saved_tokens / plan.plain_tokens, plan_ms=ms))  # fmt: skip
+    return rows
+
+
 COLUMNS = [
     ("case", "{:>6}"), ("requests", "{:>8}"), ("width", "{:>5}"), ("prompt", "{:>6}"), ("suffix", "{:>7}"),
     ("groups", "{:>6}"), ("plan_ms", "{:>7.2f}"), ("plain_mb", "{:>9.1f}"),
@@ -122,7 +153,7 @@ COLUMNS = [
 
 
 def main() -> None:
-    """Parse arguments, run the grid and print a markdown table."""
+    """Parse arguments, run the grid and the planner rows, print markdown tables."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small grid, short timing")
     args = parser.parse_args()
@@ -135,6 +166,12 @@ def main() -> None:
     print("|" + "|".join("---:" for _ in COLUMNS) + "|")
     for row in rows:
         print("| " + " | ".join(fmt.format(row[name]) for name, fmt in COLUMNS) + " |")
+    print("\n# planner host time alone (best of 20), 256 sequences; saved = fraction of plain decode's K/V tokens")
+    print("| case | requests | width | prompt | table | groups | saved | plan_ms |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in plan_rows():
+        print(f"| {r['case']} | {r['requests']} | {r['width']} | {r['prompt']} | {r['table']} | {r['groups']} | "
+              f"{r['saved']:.2f} | {r['plan_ms']:.2f} |")
 
 
 if __name__ == "__main__":
