@@ -12,6 +12,11 @@ paths in float32 (torch.utils.benchmark). Shape: 32 query heads, 8 KV heads, hea
 block size 16, shuffled blocks. ``run(device, quick)`` returns the rows for other scripts. Last,
 the planner's host time alone on tables of 256 sequences (no caches built): 256 requests on an
 8k system prompt, 32 x 8 and 64 x 4 beams on 32k prompts.
+
+``--engine`` instead runs the CPU main workload (bench_engine.py's chat requests on SmolLM2-135M,
+half behind one ~300-token system prompt) through the engine with cascade decode off, on (with
+the default byte floor) and on at any saving, in rotating order, best time each: the end-to-end
+trade-off, answers compared.
 """
 
 from __future__ import annotations
@@ -144,6 +149,51 @@ def plan_rows() -> list[dict]:
     return rows
 
 
+ENGINE_MODES = {"off": (False, None), "on": (True, None), "on, no floor": (True, 0)}  # (cascade, min saved bytes)
+
+
+def engine_ab(rounds: int = 2) -> str:
+    """The CPU chat workload through the engine with cascade off, on, and on at any saving (the byte floor at 0),
+    in rotating order, best time each; as printed lines."""
+    from benchmarks.bench_engine import BLOCK_SIZE as ENGINE_BLOCK, BUDGET_SEQS, MAX_SEQ_LEN
+
+    from scheduler import CacheConfig, EngineConfig, LLMEngine, SchedulerConfig
+    from scheduler.hf import load_smollm2
+    from scheduler.workload import chat_workload
+
+    torch.set_num_threads(1)
+    hf, tokenizer = load_smollm2()
+    requests = chat_workload(tokenizer, 64, 64, seed=0)
+
+    def serve(cascade: bool, floor: int | None) -> tuple[float, list[list[int]], int]:
+        cache = CacheConfig(block_size=ENGINE_BLOCK, num_gpu_blocks=BUDGET_SEQS * MAX_SEQ_LEN // ENGINE_BLOCK,
+                            enable_cascade_attention=cascade, cascade_min_saved_bytes=floor)  # fmt: skip
+        config = EngineConfig(cache=cache, scheduler=SchedulerConfig(max_num_seqs=16), device="cpu")
+        engine = LLMEngine.from_hf(hf, config)
+        build, steps = engine.inputs.build, []
+        engine.inputs.build = lambda out: steps.append(build(out)) or steps[-1]  # count the cascade steps
+        start = time.perf_counter()
+        outs = engine.generate([r.prompt_token_ids for r in requests], [r.params for r in requests], use_tqdm=False)
+        cascade_steps = sum(s.meta.cascade is not None for s in steps)
+        return time.perf_counter() - start, [o.outputs[0].token_ids for o in outs], cascade_steps
+
+    names = list(ENGINE_MODES)
+    runs: dict[str, list] = {name: [] for name in names}
+    for i in range(rounds):
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            runs[name].append(serve(*ENGINE_MODES[name]))
+    best = {name: min(r, key=lambda x: x[0]) for name, r in runs.items()}
+    off_s, off_answers = best["off"][0], best["off"][1]
+    tokens = sum(map(len, off_answers))
+    lines = [f"# engine, CPU chat workload: 64 requests, max_tokens 64, max_num_seqs 16, {tokens} generated tokens"]
+    for name in names:
+        seconds, answers, steps = best[name]
+        same = sum(a == b for a, b in zip(answers, off_answers))
+        lines.append(f"cascade {name}: {', '.join(f'{r[0]:.1f}' for r in runs[name])} s, best {tokens / seconds:.1f} "
+                     f"tok/s, time / off {seconds / off_s:.2f}, {steps} cascade steps, answers as off {same}/64")
+    return "\n".join(lines)
+
+
 COLUMNS = [
     ("case", "{:>6}"), ("requests", "{:>8}"), ("width", "{:>5}"), ("prompt", "{:>6}"), ("suffix", "{:>7}"),
     ("groups", "{:>6}"), ("plan_ms", "{:>7.2f}"), ("plain_mb", "{:>9.1f}"),
@@ -156,7 +206,11 @@ def main() -> None:
     """Parse arguments, run the grid and the planner rows, print markdown tables."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small grid, short timing")
+    parser.add_argument("--engine", action="store_true", help="the CPU chat workload with cascade off / on instead")
     args = parser.parse_args()
+    if args.engine:
+        print(engine_ab())
+        return
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"# cascade vs plain decode, {name}; Hq={NUM_Q_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_DIM} block={BLOCK_SIZE}")

@@ -45,6 +45,9 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # decode steps whose sequences share long prefixes (forks, a cached system prompt) attend them once per group
     enable_cascade_attention: bool = True
+    # K/V bytes per layer a cascade step must save to run (it costs kernels and a merge per layer, and on
+    # CUDA the decode graph). None: the device's default, scheduler.cascade_plan.MIN_SAVED_BYTES
+    cascade_min_saved_bytes: int | None = None
     dtype: torch.dtype | None = None  # None: the model's dtype
     # CUDA: the fraction of the device's memory the engine may use (weights, activations, graphs and
     # the KV pool, as vLLM means it); the pool gets what is left. None: num_gpu_blocks / kv_cache_bytes.
@@ -64,6 +67,8 @@ class CacheConfig:
         check_real("watermark", self.watermark, low=0.0, high=1.0, open_high=True)
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
         check_bool("enable_cascade_attention", self.enable_cascade_attention)
+        if self.cascade_min_saved_bytes is not None:
+            check_int("cascade_min_saved_bytes", self.cascade_min_saved_bytes, low=0)
         if self.dtype is not None:
             check_dtype("dtype", self.dtype, KERNEL_DTYPES)  # storage the attention kernels read
 

@@ -128,8 +128,12 @@ class StepMaterializer:
 class StepInputBuilder:
     """Builds each step's :class:`StepInput` from the scheduler's decisions and the block manager."""
 
-    def __init__(self, bm: BlockManager, device: torch.device, max_blocks_per_seq: int, cascade: bool = False) -> None:
+    def __init__(
+        self, bm: BlockManager, device: torch.device, max_blocks_per_seq: int, cascade: bool = False,
+        min_saved_tokens: int = 0,
+    ) -> None:  # fmt: skip
         self.bm, self.device, self.cascade = bm, device, cascade
+        self.min_saved_tokens = min_saved_tokens  # K/V tokens a cascade step must save (see scheduler.cascade_plan)
         self.tables = BlockTables(bm, max_blocks_per_seq, device)
         self.materializer = StepMaterializer(self.tables.device_rows, device, bm.block_size)
 
@@ -165,7 +169,7 @@ class StepInputBuilder:
         if not may_share(self.tables.host, rows, seq_lens, bs):  # one column of the mirror: the no-sharing common case
             return None
         tables = self.tables.host[rows, : -(-int(seq_lens.max()) // bs)]  # [S, W] host mirror, current for the step
-        plan = plan_cascade(tables, seq_lens, bs)
+        plan = plan_cascade(tables, seq_lens, bs, min_saved_tokens=self.min_saved_tokens)
         if not plan.pays:
             return None
         return cascade_host_arrays(tables, seq_lens, plan.seq_groups, plan.prefix_lens, bs)

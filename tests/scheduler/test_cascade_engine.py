@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from no_host_reads import forbid_host_reads
-from sched_helpers import VOCAB, make_engine
+from sched_helpers import VOCAB
 from test_beam_search import assert_same_beams, hf_beams
 
 import scheduler.attention as attention
@@ -38,9 +38,10 @@ def long_prompt() -> list[int]:
     return torch.randint(0, VOCAB, (45,), generator=torch.Generator().manual_seed(11)).tolist()
 
 
-def engine(tiny_hf, cascade: bool) -> LLMEngine:
-    """A CPU engine over the tiny model with cascade decode on or off."""
-    cache = CacheConfig(block_size=4, num_gpu_blocks=256, watermark=0.0, enable_cascade_attention=cascade)
+def engine(tiny_hf, cascade: bool, min_saved_bytes: int | None = 0) -> LLMEngine:
+    """A CPU engine over the tiny model with cascade decode on or off (by default at any saving: tiny caches)."""
+    cache = CacheConfig(block_size=4, num_gpu_blocks=256, watermark=0.0, enable_cascade_attention=cascade,
+                        cascade_min_saved_bytes=min_saved_bytes)  # fmt: skip
     config = EngineConfig(cache=cache, scheduler=SchedulerConfig(max_num_batched_tokens=256), device="cpu")
     return LLMEngine.from_hf(tiny_hf, config)
 
@@ -97,7 +98,7 @@ def test_parallel_sampling_is_the_same_with_cascade_on_and_off(tiny_hf, long_pro
 
 
 def test_a_cascade_step_reads_no_device_value_and_gives_the_models_logits(tiny_hf, long_prompt):
-    eng = make_engine(tiny_hf)
+    eng = engine(tiny_hf, True)
     eng.add_request("beams", long_prompt, SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=8))
     eng.add_request("alone", long_prompt[:9], SamplingParams(max_tokens=8))
     eng.step()  # prefill; the n samples fork at their first token
@@ -130,7 +131,7 @@ def test_requests_sharing_a_system_prompt_are_the_same_with_cascade_on_and_off(t
 
 
 def test_a_cross_request_cascade_step_reads_no_device_value_and_gives_the_models_logits(tiny_hf, long_prompt):
-    eng = make_engine(tiny_hf)
+    eng = engine(tiny_hf, True)
     for i, prompt in enumerate(system_prompt_requests(long_prompt)):
         eng.add_request(f"r{i}", prompt, SamplingParams(temperature=1.0, seed=i, max_tokens=8))
     eng.step()  # prefill: every request after the first hits the cached system prompt
@@ -149,3 +150,15 @@ def test_decode_steps_with_no_shared_block_skip_the_planner(tiny_hf, long_prompt
     assert not planned  # one column of the host mirror said no group could form: no [S, W] copy, no plan
     engine(tiny_hf, True).generate(system_prompt_requests(long_prompt), SamplingParams(max_tokens=4), use_tqdm=False)
     assert planned
+
+
+def test_the_default_floor_keeps_cascade_off_when_it_saves_few_bytes(tiny_hf, long_prompt, cascade_calls):
+    eng = engine(tiny_hf, True, min_saved_bytes=None)  # the CPU default: 8 MiB per layer
+    cfg = tiny_hf.config
+    per_token = 2 * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4  # K+V float32 bytes
+    assert eng.inputs.min_saved_tokens == -(-(8 << 20) // per_token)
+    eng.generate(system_prompt_requests(long_prompt), SamplingParams(max_tokens=4), use_tqdm=False)
+    assert not cascade_calls  # 3 x 44 tokens saved per step: far below the floor
+    floor = engine(tiny_hf, True, min_saved_bytes=3 * 44 * per_token)  # exactly what a full step saves
+    floor.generate(system_prompt_requests(long_prompt), SamplingParams(max_tokens=4), use_tqdm=False)
+    assert cascade_calls

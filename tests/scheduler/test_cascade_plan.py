@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from kernels.cascade_attention import cascade_host_arrays
 from paged_kv import BlockManager, BlockManagerConfig
-from scheduler.cascade_plan import may_share, plan_cascade, shared_prefix_blocks
+from scheduler.cascade_plan import may_share, min_saved_tokens, plan_cascade, shared_prefix_blocks
 
 BS = 4
 
@@ -156,6 +156,14 @@ def test_heuristic_needs_enough_shared_blocks_and_savings():
     assert two.saved_tokens == 20 and two.plain_tokens == 70 and two.pays  # 20 / 70 >= 0.25
     assert not plan_cascade(tables, lens, BS, min_saved_fraction=0.5).pays
     assert plan_cascade(tables, lens, BS, min_shared_blocks=6).num_groups == 0
+    assert plan_cascade(tables, lens, BS, min_saved_tokens=20).pays  # the floor: at least 20 tokens saved
+    assert not plan_cascade(tables, lens, BS, min_saved_tokens=21).pays
+
+
+def test_min_saved_tokens_turns_bytes_per_layer_into_tokens():
+    assert min_saved_tokens(1536, "cpu") == -(-(8 << 20) // 1536)  # SmolLM2-135M float32: 3 KV heads x 64 x 2 x 4
+    assert min_saved_tokens(4096, "cuda") == (32 << 20) // 4096
+    assert min_saved_tokens(4096, "cpu", 4097) == 2 and min_saved_tokens(4096, "cuda", 0) == 0
 
 
 def test_may_share_reads_one_column_of_the_long_rows():
