@@ -73,16 +73,19 @@ def may_share(
     seq_lens: np.ndarray,
     block_size: int,
     min_shared_blocks: int = MIN_SHARED_BLOCKS,
+    min_saved_tokens: int = 0,
 ) -> bool:
-    """Whether two sequences could form a group: long enough, same block id at column ``min_shared_blocks - 1``.
+    """Whether a step may pay: two long sequences hold the same block at column ``min_shared_blocks - 1``,
+    and the longest sequences could save ``min_saved_tokens``.
 
-    A necessary condition read from one column of ``host_tables[rows]`` ``[R, W]`` (no copy of the
-    rows): if it fails, :func:`plan_cascade` forms no group.
+    Necessary conditions read from one column of ``host_tables[rows]`` ``[R, W]`` (no copy of the
+    rows) and the lengths: if one fails, :func:`plan_cascade` forms no group or its plan does not pay.
     """
     least = max(1, min_shared_blocks)
-    long = np.flatnonzero((np.asarray(seq_lens) - 1) // block_size >= least)  # [L] rows that can hold a group's prefix
-    if len(long) < 2:
-        return False
+    limits = (np.asarray(seq_lens) - 1) // block_size  # [R] blocks before each last token
+    long = np.flatnonzero(limits >= least)  # [L] rows that can hold a group's prefix
+    if len(long) < 2 or (limits[long].sum() - limits[long].min()) * block_size < min_saved_tokens:
+        return False  # every group leaves one member reading its prefix: at most all limits but one are saved
     ids = host_tables[np.asarray(rows)[long], least - 1]  # [L]
     return len(np.unique(ids)) < len(ids)
 

@@ -166,8 +166,8 @@ class StepInputBuilder:
         if not self.cascade or len(new) < 2 or (new != 1).any():
             return None
         bs = self.bm.block_size
-        if not may_share(self.tables.host, rows, seq_lens, bs):  # one column of the mirror: the no-sharing common case
-            return None
+        if not may_share(self.tables.host, rows, seq_lens, bs, min_saved_tokens=self.min_saved_tokens):
+            return None  # one column of the mirror and the lengths: no sharing, or too little to pay
         tables = self.tables.host[rows, : -(-int(seq_lens.max()) // bs)]  # [S, W] host mirror, current for the step
         plan = plan_cascade(tables, seq_lens, bs, min_saved_tokens=self.min_saved_tokens)
         if not plan.pays:

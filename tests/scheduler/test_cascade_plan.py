@@ -62,10 +62,11 @@ def simple_choice(tables, lens, keys, least: int) -> int:
 
 
 @settings(max_examples=300, deadline=None)
-@given(shared_batches(), st.integers(1, 4), st.floats(0.0, 0.6))
-def test_every_group_shares_its_prefix_before_each_members_last_token(batch, min_blocks, fraction):
+@given(shared_batches(), st.integers(1, 4), st.floats(0.0, 0.6), st.integers(0, 80))
+def test_every_group_shares_its_prefix_before_each_members_last_token(batch, min_blocks, fraction, floor):
     tables, lens, keys = batch
-    plan = plan_cascade(tables, lens, BS, min_shared_blocks=min_blocks, min_saved_fraction=fraction)
+    plan = plan_cascade(tables, lens, BS, min_shared_blocks=min_blocks, min_saved_fraction=fraction,
+                        min_saved_tokens=floor)  # fmt: skip
     saved = 0
     for g, prefix in enumerate(plan.prefix_lens.tolist()):
         rows = np.flatnonzero(plan.seq_groups == g).tolist()
@@ -73,7 +74,9 @@ def test_every_group_shares_its_prefix_before_each_members_last_token(batch, min
         assert common_blocks(tables, lens, rows) >= prefix // BS  # shared by all, strictly before each last token
         saved += (len(rows) - 1) * prefix
     assert plan.saved_tokens == saved and plan.plain_tokens == lens.sum()
-    assert plan.pays == (plan.num_groups > 0 and saved >= fraction * lens.sum())
+    assert plan.pays == (plan.num_groups > 0 and saved >= fraction * lens.sum() and saved >= floor)
+    if not may_share(tables, np.arange(len(lens)), lens, BS, min_blocks, floor):  # the step builder's screen
+        assert not plan.pays
     if plan.num_groups:  # what the planner hands over is a valid cascade batch
         arrays = cascade_host_arrays(tables, lens, plan.seq_groups, plan.prefix_lens, BS)
         assert (arrays.suffix_lens >= 1).all()
@@ -174,6 +177,8 @@ def test_may_share_reads_one_column_of_the_long_rows():
     assert not may_share(host, np.array([0, 1]), np.array([20, 16]), BS)  # row 1 is too short for 4 blocks
     assert may_share(host, np.array([0, 2]), lens[:2], BS, min_shared_blocks=3)
     assert not may_share(host, np.array([0]), lens[:1], BS)
+    assert may_share(host, np.array([0, 1]), lens[:2], BS, min_saved_tokens=16)  # one row's 4 blocks could be saved
+    assert not may_share(host, np.array([0, 1]), lens[:2], BS, min_saved_tokens=17)
 
 
 def test_the_block_being_written_is_never_shared():
