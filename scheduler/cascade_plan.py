@@ -25,10 +25,10 @@ prefix saves little and costs a launch and a merge); the step runs cascade when 
 it saves are at least ``min_saved_fraction`` of plain decode's ``sum_i len_i`` tokens and at least
 ``min_saved_tokens``. That floor pays for a cascade step's fixed cost per layer (more kernels and
 a merge; on CUDA, no decode graph replay): the engine derives it from :data:`MIN_SAVED_BYTES` per
-layer and its cache's bytes per token (:func:`min_saved_tokens`). The CPU value is measured: on
-SmolLM2-135M's chat workload (``bench_cascade.py --engine``) steps saving ~2 MiB per layer ran
-14% slower with cascade, and the torch path breaks even near 8 MiB. The CUDA value is an estimate
-(about two launches' worth of HBM reads, plus the graph) waiting for GPU figures.
+layer and its cache's bytes per token (:func:`min_saved_tokens`). The CPU value is an estimate
+backed by the CPU chat workload (``bench_cascade.py --engine``): its steps save about 2-3 MiB per
+layer and ran 0-14% slower with cascade than without (never faster, three runs). The CUDA value
+is an estimate (about two launches' worth of HBM reads, plus the graph) waiting for GPU figures.
 """
 
 from __future__ import annotations
