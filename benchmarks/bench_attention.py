@@ -291,7 +291,7 @@ def _dense_chunk_row(q, kd, new: int, time_ms, sdpa_ms: float) -> dict:
 
 
 def section_cascade(ctx: dict) -> None:
-    """Cascade vs plain decode on beams of width 4 and 8 sharing a long prompt (rows of bench_cascade.py)."""
+    """Cascade vs plain decode: beams sharing a long prompt, requests sharing a system prompt (bench_cascade.py)."""
     from bench_cascade import run  # benchmarks/ is this script's directory, first on sys.path
 
     print_rows(run(ctx["device"], ctx["quick"]))

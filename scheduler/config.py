@@ -43,10 +43,13 @@ class CacheConfig:
     num_cpu_blocks: int = 0  # swap space; must be > 0 for preemption_mode="swap"
     watermark: float = 0.01
     enable_prefix_caching: bool = True
-    # decode steps whose forked sequences share long prefixes attend them once per group (cascade decode)
+    # decode steps whose sequences share long prefixes (forks, a cached system prompt) attend them once per group
     enable_cascade_attention: bool = True
     # prompts with no cached prefix attend their own K/V with the device's dense kernel (FlashAttention varlen)
     enable_chunk_attention: bool = True
+    # K/V bytes per layer a cascade step must save to run (it costs kernels and a merge per layer, and on
+    # CUDA the decode graph). None: the device's default, scheduler.cascade_plan.MIN_SAVED_BYTES
+    cascade_min_saved_bytes: int | None = None
     dtype: torch.dtype | None = None  # None: the model's dtype
     # CUDA: the fraction of the device's memory the engine may use (weights, activations, graphs and
     # the KV pool, as vLLM means it); the pool gets what is left. None: num_gpu_blocks / kv_cache_bytes.
@@ -67,6 +70,8 @@ class CacheConfig:
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
         check_bool("enable_cascade_attention", self.enable_cascade_attention)
         check_bool("enable_chunk_attention", self.enable_chunk_attention)
+        if self.cascade_min_saved_bytes is not None:
+            check_int("cascade_min_saved_bytes", self.cascade_min_saved_bytes, low=0)
         if self.dtype is not None:
             check_dtype("dtype", self.dtype, KERNEL_DTYPES)  # storage the attention kernels read
 

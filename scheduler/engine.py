@@ -42,6 +42,7 @@ from paged_kv.errors import (
 )
 from paged_kv.kv_cache import PagedKVCache
 from paged_kv.tokens import as_id_list
+from scheduler.cascade_plan import min_saved_tokens
 from scheduler.config import EngineConfig
 from scheduler.distributed.executor import TPExecutor
 from scheduler.distributed.parallel_state import TPShard
@@ -90,7 +91,10 @@ class LLMEngine:
         gpu_cache = PagedKVCache(spec, num_blocks, self.device)
         self.runner = ModelRunner(self.model, gpu_cache, cpu_cache, chunk_attention=cc.enable_chunk_attention)
         width = min(-(-model.config.max_position_embeddings // cc.block_size), num_blocks)
-        self.inputs = StepInputBuilder(self.block_manager, self.device, width, cascade=cc.enable_cascade_attention)
+        per_token = spec.bytes_per_block // (spec.num_layers * spec.block_size)  # K+V bytes of a token in a layer
+        floor = min_saved_tokens(per_token, self.device.type, cc.cascade_min_saved_bytes)
+        self.inputs = StepInputBuilder(self.block_manager, self.device, width, cascade=cc.enable_cascade_attention,
+                                       min_saved_tokens=floor)  # fmt: skip
         if self.executor is not None:
             self.executor.attach_caches(self.runner.gpu_cache, cpu_cache)
             chunk = cc.enable_chunk_attention

@@ -3,8 +3,9 @@
 :class:`StepInputBuilder` runs in the driver. It reads the block manager's tables into
 persistent rows (:mod:`scheduler.block_tables`), computes positions, slots and lengths
 with numpy, and uploads them in one pinned, non-blocking copy. A decode step whose request
-groups share long prefixes also gets a cascade plan (:mod:`scheduler.cascade_plan`), planned
-from the host mirror of the tables; its index arrays travel in the same copy. The result, a
+sequences share long prefixes (forks of one request, or requests whose prompts hit the same
+cached blocks) also gets a cascade plan (:mod:`scheduler.cascade_plan`), planned from the host
+mirror of the tables; its index arrays travel in the same copy. The result, a
 :class:`StepInput`, carries prepared attention metadata: nothing downstream reads a
 device value back (the model's forward can be captured in a CUDA graph).
 """
@@ -20,7 +21,7 @@ from kernels.attention_metadata import AttentionMetadata, host_positions, host_s
 from kernels.cascade_attention import CascadeArrays, build_cascade_metadata, cascade_host_arrays
 from paged_kv.block_manager import BlockManager, CopyOp
 from scheduler.block_tables import BlockTables, DeviceRows
-from scheduler.cascade_plan import plan_cascade
+from scheduler.cascade_plan import may_share, plan_cascade
 from scheduler.scheduler_output import SchedulerOutput
 
 
@@ -127,8 +128,12 @@ class StepMaterializer:
 class StepInputBuilder:
     """Builds each step's :class:`StepInput` from the scheduler's decisions and the block manager."""
 
-    def __init__(self, bm: BlockManager, device: torch.device, max_blocks_per_seq: int, cascade: bool = False) -> None:
+    def __init__(
+        self, bm: BlockManager, device: torch.device, max_blocks_per_seq: int, cascade: bool = False,
+        min_saved_tokens: int = 0,
+    ) -> None:  # fmt: skip
         self.bm, self.device, self.cascade = bm, device, cascade
+        self.min_saved_tokens = min_saved_tokens  # K/V tokens a cascade step must save (see scheduler.cascade_plan)
         self.tables = BlockTables(bm, max_blocks_per_seq, device)
         self.materializer = StepMaterializer(self.tables.device_rows, device, bm.block_size)
 
@@ -153,19 +158,18 @@ class StepInputBuilder:
         samples = seq_lens == np.fromiter((s.seq.num_tokens for s in items), np.int64, n)
         rows = self.tables.sync_all([s.seq.seq_id for s in items], seq_lens, force=bool(out.copies))
         ids = [t for s in items for t in s.seq.token_ids[s.start : s.start + s.num_tokens]]
-        cascade = self._plan_cascade(out, rows, new, seq_lens)
+        cascade = self._plan_cascade(rows, new, seq_lens)
         return self._pack(out, rows, computed, new, seq_lens, samples, ids, cascade)
 
-    def _plan_cascade(self, out: SchedulerOutput, rows, new, seq_lens) -> CascadeArrays | None:
-        """The step's cascade arrays when it is a decode step whose request groups share enough blocks, else None."""
+    def _plan_cascade(self, rows, new, seq_lens) -> CascadeArrays | None:
+        """The step's cascade arrays when it is a decode step whose sequences share enough blocks, else None."""
         if not self.cascade or len(new) < 2 or (new != 1).any():
             return None
-        keys = [s.group.request_id for s in out.scheduled]
-        if len(set(keys)) == len(keys):  # every request decodes one sequence: no group to form
-            return None
         bs = self.bm.block_size
+        if not may_share(self.tables.host, rows, seq_lens, bs, min_saved_tokens=self.min_saved_tokens):
+            return None  # one column of the mirror and the lengths: no sharing, or too little to pay
         tables = self.tables.host[rows, : -(-int(seq_lens.max()) // bs)]  # [S, W] host mirror, current for the step
-        plan = plan_cascade(tables, seq_lens, keys, bs)
+        plan = plan_cascade(tables, seq_lens, bs, min_saved_tokens=self.min_saved_tokens)
         if not plan.pays:
             return None
         return cascade_host_arrays(tables, seq_lens, plan.seq_groups, plan.prefix_lens, bs)

@@ -824,6 +824,7 @@ def _entries() -> list[Entry]:
             "kv_cache_bytes": Arg("int", 1 << 20, bad={OUT_OF_RANGE: [0]}), "num_cpu_blocks": Arg("int", 0),
             "watermark": Arg("real", 0.01, bad={OUT_OF_RANGE: [1.0, -0.1]}), "enable_prefix_caching": Arg("bool", True),
             "enable_cascade_attention": Arg("bool", True), "enable_chunk_attention": Arg("bool", True),
+            "cascade_min_saved_bytes": Arg("opt_int", 0, bad={OUT_OF_RANGE: [-1]}),
             "dtype": Arg("dtype", torch.float16, bad={BAD_DTYPE: [torch.complex64, torch.int16, torch.float64]}),
             "gpu_memory_utilization": Arg("real", None, skip=(WRONG_TYPE,),
                                           bad={OUT_OF_RANGE: [0.0, 1.5, -0.5], WRONG_TYPE: ["0.5"]})}),
