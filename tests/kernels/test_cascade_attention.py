@@ -66,6 +66,7 @@ CASES = [
     pytest.param([(12, [13, 20, 16])], 6, 1, 16, 4, F16, F16, id="mqa-group6-f16-bs4"),
     pytest.param([(32, [33, 48]), (16, [20, 17])], 4, 2, 24, 16, BF16, BF16, id="bf16-d24-bs16"),
     pytest.param([(16, [20, 18]), (0, [7])], 2, 2, 16, 8, F16, F32, id="q32-kv16"),
+    pytest.param([(16, [17 + i % 9 for i in range(40)])], 4, 2, 16, 8, F32, F32, id="40-members-one-group"),
 ]
 
 

@@ -64,6 +64,7 @@ CASES = [
     pytest.param([(12, [13, 14])], [5], 6, 1, 16, 4, F16, F16, id="mqa-group6-f16"),
     pytest.param([(16, [17]), (32, [33])], [0, 3], 4, 4, 24, 16, BF16, BF16, id="mha-bf16-d24-empty-group"),
     pytest.param([(8, [9]), (16, [17])], [2, 2], 4, 2, 16, 8, F16, F32, id="q32-kv16"),
+    pytest.param([(24, [25, 30])], [64], 4, 2, 16, 8, F32, F32, id="64-queries-one-group"),  # a system-prompt group
 ]
 
 

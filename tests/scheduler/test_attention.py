@@ -7,9 +7,12 @@ off and with transformers.
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
+from backend_device import needs_cuda
 from no_host_reads import forbid_host_reads
 from sched_helpers import NUM_NEW, VOCAB
 
@@ -77,10 +80,10 @@ def chunk_calls(monkeypatch):
     return calls
 
 
-def engine(tiny_hf, chunk: bool, **sched) -> LLMEngine:
-    """A CPU engine over the tiny model with the dense chunk path on or off."""
+def engine(tiny_hf, chunk: bool, device: str = "cpu", **sched) -> LLMEngine:
+    """An engine (CPU unless told) over the tiny model with the dense chunk path on or off."""
     cache = CacheConfig(block_size=4, num_gpu_blocks=256, watermark=0.0, enable_chunk_attention=chunk)
-    config = EngineConfig(cache=cache, scheduler=SchedulerConfig(**sched), device="cpu")
+    config = EngineConfig(cache=cache, scheduler=SchedulerConfig(**sched), device=device)
     return LLMEngine.from_hf(tiny_hf, config)
 
 
@@ -107,14 +110,19 @@ def test_only_fresh_chunks_take_the_dense_path(tiny_hf, chunk_calls):
     assert len(chunk_calls) == layers
 
 
-def test_a_fresh_prefill_step_reads_no_device_value_and_gives_the_models_logits(tiny_hf, prompts):
-    eng = engine(tiny_hf, True)
-    for i, p in enumerate(prompts[:3]):
+def first_step_logits(eng: LLMEngine, prompts: list[list[int]]) -> tuple[torch.Tensor, object]:
+    """Logits ``[R, vocab]`` of the engine's first step (a fresh prefill of ``prompts``), under the host-read guard."""
+    for i, p in enumerate(prompts):
         eng.add_request(str(i), p, SamplingParams(max_tokens=2))
     out = eng.schedule()
     with forbid_host_reads():
         step = eng.inputs.build(out)
-        logits = eng.runner.execute(step)
+        return eng.runner.execute(step), step
+
+
+def test_a_fresh_prefill_step_reads_no_device_value_and_gives_the_models_logits(tiny_hf, prompts):
+    eng = engine(tiny_hf, True)
+    logits, step = first_step_logits(eng, prompts[:3])
     assert (step.meta.host_seq_lens == step.meta.host_query_lens).all()
     assert eng.model.chunk_backend == "sdpa"
     with torch.no_grad():
@@ -127,3 +135,14 @@ def test_the_model_probes_once_and_can_turn_the_path_off(tiny_hf):
     assert eng.model.chunk_backend is None
     assert eng.model.enable_chunk_attention() == "sdpa"
     assert np.all(step_routes(step_meta([0], [3]), chunk=eng.model.chunk_backend is not None) == CHUNK)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_fresh_bf16_prefill_on_cuda_takes_flash_and_matches_the_paged_kernel(tiny_hf, prompts):
+    hf = copy.deepcopy(tiny_hf).to(torch.bfloat16)
+    dense, paged = engine(hf, True, device="cuda"), engine(hf, False, device="cuda")
+    assert dense.model.chunk_backend == "flash" and paged.model.chunk_backend is None
+    with_flash, _ = first_step_logits(dense, prompts[:4])
+    without, _ = first_step_logits(paged, prompts[:4])
+    torch.testing.assert_close(with_flash, without, atol=5e-2, rtol=5e-2)  # bf16 activations, two summation orders
