@@ -1,7 +1,8 @@
 """Tune the attention kernels' tiles on the GPU at hand and write them to ``kernels/configs/<gpu>.json``.
 
 Run ``python benchmarks/tune_attention.py [--quick] [--write]`` on a CUDA machine. For each
-tuned case (decode over bf16, int8 and fp8 e4m3 caches at 64 x 8k; causal prefill 4 x 2048;
+tuned case (decode over bf16, int8 and fp8 e4m3 caches at 64 x 8k; causal prefill 4 x 2048; the
+cascade prefix kernel, 16 groups of 8 queries over 8k-token prefixes;
 32 query heads, 8 KV heads, head_dim 128, block 16) it times every candidate tile with
 ``triton.testing.do_bench`` through the same lookup the kernels use (:func:`kernels.tile_configs.overriding`),
 keeps the fastest whose output matches the built-in tile's within 16-bit rounding, and prints
@@ -27,6 +28,7 @@ from benchmarks.bench_attention import BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, NUM_Q
 from kernels.attention_triton import dot_dtype  # noqa: E402
 from kernels.decode_attention import decode_tile_key, paged_decode_attention  # noqa: E402
 from kernels.prefill_attention import paged_prefill_attention, prefill_tile_key  # noqa: E402
+from kernels.prefix_attention import paged_prefix_attention, prefix_tile_key  # noqa: E402
 from kernels.quant import quantize_per_token_head  # noqa: E402
 from kernels.tile_configs import config_path, gpu_name, overriding, save_table  # noqa: E402
 
@@ -90,6 +92,16 @@ def prefill_case(quick: bool) -> tuple[str, Callable[[], torch.Tensor]]:
     return key, lambda: paged_prefill_attention(q, x["k"], x["v"], x["tables"], x["lens"], cu)
 
 
+def prefix_case(quick: bool) -> tuple[str, Callable[[], torch.Tensor]]:
+    """(table key, a shared-prefix call): 16 groups of 8 queries (beams) over 8k-token prefixes (4 x 2k quick)."""
+    groups, prefix = (4, 2048) if quick else (16, 8192)
+    x = paged_from_lens([prefix] * groups, torch.bfloat16, "cuda")
+    q = torch.randn(groups * 8, NUM_Q_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    cu = torch.arange(0, groups * 8 + 1, 8, dtype=torch.int32, device="cuda")
+    key = prefix_tile_key(D_PAD, x["k"].element_size(), dot_dtype(q, x["k"]))
+    return key, lambda: paged_prefix_attention(q, x["k"], x["v"], x["tables"], x["lens"], cu)[0]
+
+
 def tune_decode(quick: bool) -> list[dict]:
     """Decode: the tile first (at the built-in waves), then the waves for the winning tile."""
     rows = []
@@ -104,10 +116,12 @@ def tune_decode(quick: bool) -> list[dict]:
 
 
 def tune_prefill(quick: bool) -> list[dict]:
-    """Prefill: query and key tiles, warps and stages."""
+    """Prefill: query and key tiles, warps and stages; the shared-prefix (cascade) kernel: key tiles."""
     key, call = prefill_case(quick)
     space = {"BLOCK_M": (64, 128), "BLOCK_N": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3, 4)}
-    return [tune(key, call, candidates(space), quick)]
+    prefix_key, prefix_call = prefix_case(quick)
+    prefix_space = {"BLOCK_N": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3, 4)}
+    return [tune(key, call, candidates(space), quick), tune(prefix_key, prefix_call, candidates(prefix_space), quick)]
 
 
 def main() -> None:

@@ -41,7 +41,7 @@ from kernels.attention_checks import (
 from kernels.attention_metadata import MAX_DECODE_SPLITS, AttentionMetadata
 from kernels.attention_torch import DecodeLayout, decode_attention, decode_layout, token_slots
 from kernels.attention_triton import attend_kv_range, cache_arguments, dot_dtype, dot_precision, logit_coefficients
-from kernels.tile_configs import tile_key, tuned_tile
+from kernels.tile_configs import tile_key, tuned_values
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError, check_bool, check_int, describe
 
 MAX_SPLITS = MAX_DECODE_SPLITS
@@ -173,25 +173,20 @@ def decode_tile(
     converted to 16-bit tiles move half the bytes per token, so they take twice the tokens per
     tile; every choice builds for sm80/sm90 without register spills (tests/kernels: build_for_gpu).
     """
-    default = _decode_heuristic(d_pad, cache_bytes, dtype)
-    entry = _decode_entry(d_pad, cache_bytes, dtype, device)
-    return entry.get("BLOCK_N", default[0]), entry.get("num_warps", default[1]), entry.get("num_stages", default[2])
+    block_n, num_warps, num_stages = _decode_heuristic(d_pad, cache_bytes, dtype)
+    defaults = {"BLOCK_N": block_n, "num_warps": num_warps, "num_stages": num_stages}
+    tile = tuned_values(decode_tile_key(d_pad, cache_bytes, dtype), device, defaults)
+    return tile["BLOCK_N"], tile["num_warps"], tile["num_stages"]
 
 
 def decode_waves(d_pad: int, cache_bytes: int, dtype: tl.dtype, device: torch.device | None = None) -> int:
     """Split programs per SM the automatic split size aims for: the tuned value, else WAVES."""
-    return _decode_entry(d_pad, cache_bytes, dtype, device).get("waves", WAVES)
+    return tuned_values(decode_tile_key(d_pad, cache_bytes, dtype), device, {"waves": WAVES})["waves"]
 
 
 def decode_tile_key(d_pad: int, cache_bytes: int, dtype: tl.dtype) -> str:
     """The tile table key of a decode launch (see :mod:`kernels.tile_configs`)."""
     return tile_key("decode", f"d{d_pad}", f"c{cache_bytes}", dtype)
-
-
-def _decode_entry(d_pad: int, cache_bytes: int, dtype: tl.dtype, device: torch.device | None) -> dict[str, int]:
-    if device is None:
-        return {}
-    return tuned_tile(decode_tile_key(d_pad, cache_bytes, dtype), device) or {}
 
 
 def _decode_heuristic(d_pad: int, cache_bytes: int, dtype: tl.dtype) -> tuple[int, int, int]:

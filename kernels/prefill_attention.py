@@ -43,7 +43,7 @@ from kernels.attention_triton import (
     scaled_logits,
     softmax_step,
 )
-from kernels.tile_configs import tile_key, tuned_tile
+from kernels.tile_configs import tile_key, tuned_values
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError, check_bool, describe
 
 MAX_LOGITS = 1 << 25  # float32 elements of one reference logits chunk (128 MiB)
@@ -143,11 +143,9 @@ def prefill_tile(
         block_m, block_n, num_warps, num_stages = (16, 32, 8, 1) if d_pad <= 128 else (16, 16, 4, 1)
     else:
         block_m, block_n, num_warps, num_stages = (64, 64, 8, 1) if d_pad <= 128 else (32, 32, 8, 1)
-    entry = tuned_tile(prefill_tile_key(d_pad, group, dtype), device) if device is not None else None
-    if entry:
-        block_m, block_n = entry.get("BLOCK_M", block_m), entry.get("BLOCK_N", block_n)
-        num_warps, num_stages = entry.get("num_warps", num_warps), entry.get("num_stages", num_stages)
-    return max(block_m, triton.next_power_of_2(group)), block_n, num_warps, num_stages
+    defaults = {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": num_warps, "num_stages": num_stages}
+    t = tuned_values(prefill_tile_key(d_pad, group, dtype), device, defaults)
+    return max(t["BLOCK_M"], triton.next_power_of_2(group)), t["BLOCK_N"], t["num_warps"], t["num_stages"]
 
 
 def prefill_tile_key(d_pad: int, group: int, dtype: tl.dtype) -> str:

@@ -33,6 +33,7 @@ from kernels.attention_metadata import offsets
 from kernels.attention_torch import dense_attention, gather_kv
 from kernels.attention_triton import attend_kv_range, cache_arguments, dot_dtype, dot_precision, logit_coefficients
 from kernels.decode_attention import MAX_SPLITS, _merge_splits_kernel, choose_num_splits, decode_tile
+from kernels.tile_configs import tile_key, tuned_values
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError, check_int, describe
 from paged_kv.tensor_checks import INDEX_DTYPES, check_host_ints, check_shape, check_tensor
 
@@ -123,6 +124,19 @@ def prefix_tile(group: int, max_queries: int) -> tuple[int, int]:
     return block_m, block_m // group
 
 
+def prefix_tile_key(d_pad: int, cache_bytes: int, dtype: tl.dtype) -> str:
+    """The tile table key of a prefix (cascade) launch (see :mod:`kernels.tile_configs`)."""
+    return tile_key("prefix", f"d{d_pad}", f"c{cache_bytes}", dtype)
+
+
+def prefix_launch(d_pad: int, cache_bytes: int, dtype: tl.dtype, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of the prefix kernel: the tuned entry, else decode's built-in tile."""
+    block_n, num_warps, num_stages = decode_tile(d_pad, cache_bytes, dtype)
+    defaults = {"BLOCK_N": block_n, "num_warps": num_warps, "num_stages": num_stages}
+    tile = tuned_values(prefix_tile_key(d_pad, cache_bytes, dtype), device, defaults)
+    return tile["BLOCK_N"], tile["num_warps"], tile["num_stages"]
+
+
 def _prefix_triton(q, k_cache, v_cache, meta: PrefixMetadata, geo: CacheGeometry, opts, k_scale, v_scale, splits):
     """Launch the prefix kernel (and decode's split merge when splits > 1); returns (out, lse)."""
     num_rows, num_q_heads, head_dim = q.shape
@@ -141,7 +155,7 @@ def _prefix_triton(q, k_cache, v_cache, meta: PrefixMetadata, geo: CacheGeometry
         part_lse = torch.empty(num_rows, num_q_heads, splits, device=q.device, dtype=torch.float32)
     qk_a, qk_b = logit_coefficients(scale, soft_cap)
     dtype = dot_dtype(q, k_cache)
-    block_n, num_warps, num_stages = decode_tile(d_pad, k_cache.element_size(), dtype)
+    block_n, num_warps, num_stages = prefix_launch(d_pad, k_cache.element_size(), dtype, q.device)
     cache_pointers, cache_strides = cache_arguments(k_cache, v_cache, k_scale, v_scale)
     tables = meta.block_tables
     _prefix_kernel[(meta.num_groups * num_qtiles, geo.num_kv_heads, splits)](

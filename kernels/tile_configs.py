@@ -45,6 +45,12 @@ def tuned_tile(key: str, device: torch.device) -> dict[str, int] | None:
     return load_table(config_path(gpu_name(device))).get(key)
 
 
+def tuned_values(key: str, device: torch.device | None, defaults: dict[str, int]) -> dict[str, int]:
+    """``defaults`` with the tuned entry of ``key`` on ``device`` laid over them (no device: the defaults)."""
+    entry = tuned_tile(key, device) if device is not None else None
+    return {**defaults, **(entry or {})}
+
+
 def gpu_name(device: torch.device) -> str:
     """The CUDA device's model name as a file stem: 'NVIDIA H100 80GB HBM3' -> 'nvidia_h100_80gb_hbm3'."""
     return re.sub(r"[^a-z0-9]+", "_", _device_name(device.index or 0).lower()).strip("_")

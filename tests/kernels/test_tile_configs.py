@@ -13,6 +13,7 @@ from backend_device import call_on_backend
 import kernels.tile_configs as tc
 from kernels.decode_attention import decode_tile, decode_tile_key, decode_waves, paged_decode_attention
 from kernels.prefill_attention import prefill_tile, prefill_tile_key
+from kernels.prefix_attention import prefix_launch, prefix_tile_key
 from kernels.tile_configs import check_table, load_table, overriding, save_table, tuned_tile
 from paged_kv.errors import InvalidArgumentError
 
@@ -90,6 +91,9 @@ def test_tile_functions_take_the_tuned_values():
     with overriding({pkey: {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}}):
         assert prefill_tile(128, 4, tl.bfloat16, "tf32", CPU) == (64, 32, 4, 2)
         assert prefill_tile(128, 16, tl.bfloat16, "tf32", CPU) != (64, 32, 4, 2)  # another group, another key
+    assert prefix_launch(128, 2, tl.bfloat16, CPU) == decode_tile(128, 2, tl.bfloat16)  # untuned: decode's tile
+    with overriding({prefix_tile_key(128, 2, tl.bfloat16): {"BLOCK_N": 128, "num_warps": 4}}):
+        assert prefix_launch(128, 2, tl.bfloat16, CPU) == (128, 4, decode_tile(128, 2, tl.bfloat16)[2])
 
 
 def test_decode_with_a_tuned_tile_is_still_correct():
