@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import signal
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -117,6 +118,9 @@ def spawned_worker(
     cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, ready,
 ) -> None:  # fmt: skip
     """Entry point of a worker process the engine spawned: load the shard, say ready, join, serve, clean up."""
+    # Ctrl-C reaches the terminal's whole process group: the driver alone handles it and stops the workers
+    # (LLMEngine.shutdown), so a worker neither dies mid-collective nor prints a KeyboardInterrupt traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(num_threads)
     device = local_device(device_type, rank)
     model = LlamaModel(cfg, TPShard(rank, size))

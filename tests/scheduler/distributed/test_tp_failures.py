@@ -46,6 +46,9 @@ def test_one_kv_head_is_replicated_and_a_killed_worker_raises_a_typed_error(one_
     try:
         got = [o.outputs[0].token_ids for o in engine.generate(_prompts(), params, use_tqdm=False)]
         assert got == ref
+        os.kill(engine.executor.processes[0].pid, signal.SIGINT)  # Ctrl-C is the driver's to handle
+        again = [o.outputs[0].token_ids for o in engine.generate(_prompts(), params, use_tqdm=False)]
+        assert again == ref and engine.executor.processes[0].is_alive()
         (k0, _), (k1, _) = engine.executor.gather_kv(1, list(range(8)))
         assert k0.shape[2] == k1.shape[2] == 1 and torch.equal(k0, k1)  # both ranks hold (and wrote) the one head
         engine.add_request("long", _prompts()[2], SamplingParams(max_tokens=100, ignore_eos=True))
