@@ -58,15 +58,6 @@ class CascadePlan:
         return len(self.prefix_lens)
 
 
-def shared_prefix_blocks(rows: np.ndarray, seq_lens: np.ndarray, block_size: int) -> int:
-    """Leading blocks every row ``[M, W]`` holds alike, each strictly before every member's last token."""
-    limit = int(((seq_lens - 1) // block_size).min())  # blocks before the one holding the last token
-    if limit <= 0:
-        return 0
-    same = (rows[:, :limit] == rows[:1, :limit]).all(0)  # [limit]
-    return limit if same.all() else int(np.argmin(same))
-
-
 def may_share(
     host_tables: np.ndarray,
     rows: np.ndarray,

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels.cascade_attention import cascade_host_arrays
 from paged_kv import BlockManager, BlockManagerConfig
-from scheduler.cascade_plan import may_share, min_saved_tokens, plan_cascade, shared_prefix_blocks
+from scheduler.cascade_plan import may_share, min_saved_tokens, plan_cascade
 
 BS = 4
 
@@ -181,12 +182,11 @@ def test_may_share_reads_one_column_of_the_long_rows():
     assert not may_share(host, np.array([0, 1]), lens[:2], BS, min_saved_tokens=17)
 
 
-def test_the_block_being_written_is_never_shared():
-    rows = np.array([[3, 4, 5], [3, 4, 5]])
-    assert shared_prefix_blocks(rows, np.array([12, 12]), BS) == 2  # token 11 sits in block 2
-    assert shared_prefix_blocks(rows, np.array([9, 12]), BS) == 2
-    assert shared_prefix_blocks(rows, np.array([8, 12]), BS) == 1
-    assert shared_prefix_blocks(rows, np.array([1, 12]), BS) == 0
+@pytest.mark.parametrize("lens,shared", [((12, 12), 2), ((9, 12), 2), ((8, 12), 1), ((1, 12), 0)])
+def test_the_block_being_written_is_never_shared(lens, shared):
+    rows = np.array([[3, 4, 5], [3, 4, 5]])  # token 11 sits in block 2; token 7 in block 1; token 0 in block 0
+    plan = plan_cascade(rows, np.array(lens), BS, min_shared_blocks=1, min_saved_fraction=0.0)
+    assert plan.prefix_lens.tolist() == ([shared * BS] if shared else [])
 
 
 def block_tables(bm: BlockManager, ids: list[str]) -> tuple[np.ndarray, np.ndarray]:
