@@ -173,15 +173,20 @@ def decode_tile(
     converted to 16-bit tiles move half the bytes per token, so they take twice the tokens per
     tile; every choice builds for sm80/sm90 without register spills (tests/kernels: build_for_gpu).
     """
-    block_n, num_warps, num_stages = _decode_heuristic(d_pad, cache_bytes, dtype)
-    defaults = {"BLOCK_N": block_n, "num_warps": num_warps, "num_stages": num_stages}
-    tile = tuned_values(decode_tile_key(d_pad, cache_bytes, dtype), device, defaults)
+    tile = _decode_launch(d_pad, cache_bytes, dtype, device)
     return tile["BLOCK_N"], tile["num_warps"], tile["num_stages"]
 
 
 def decode_waves(d_pad: int, cache_bytes: int, dtype: tl.dtype, device: torch.device | None = None) -> int:
     """Split programs per SM the automatic split size aims for: the tuned value, else WAVES."""
-    return tuned_values(decode_tile_key(d_pad, cache_bytes, dtype), device, {"waves": WAVES})["waves"]
+    return _decode_launch(d_pad, cache_bytes, dtype, device)["waves"]
+
+
+def _decode_launch(d_pad: int, cache_bytes: int, dtype: tl.dtype, device: torch.device | None) -> dict[str, int]:
+    """BLOCK_N, num_warps, num_stages and waves of one decode launch: the heuristic under the tuned entry."""
+    block_n, num_warps, num_stages = _decode_heuristic(d_pad, cache_bytes, dtype)
+    defaults = {"BLOCK_N": block_n, "num_warps": num_warps, "num_stages": num_stages, "waves": WAVES}
+    return tuned_values(decode_tile_key(d_pad, cache_bytes, dtype), device, defaults)
 
 
 def decode_tile_key(d_pad: int, cache_bytes: int, dtype: tl.dtype) -> str:
@@ -218,9 +223,8 @@ def _decode_triton(q, k_cache, v_cache, block_tables, seq_lens, geo, opts, k_sca
     group = num_q_heads // geo.num_kv_heads
     d_pad = max(16, triton.next_power_of_2(head_dim))
     dtype = dot_dtype(q, k_cache)
-    tile = (d_pad, k_cache.element_size(), dtype, q.device)
-    block_n, num_warps, num_stages = decode_tile(*tile)
-    waves = decode_waves(*tile)
+    tile = _decode_launch(d_pad, k_cache.element_size(), dtype, q.device)  # one table lookup per launch
+    block_n, num_warps, num_stages, waves = tile["BLOCK_N"], tile["num_warps"], tile["num_stages"], tile["waves"]
     split_tokens, num_splits = _split_geometry(splits, *sizes, window, geo.num_kv_heads, block_n, q.device, waves)
     out = torch.empty_like(q)  # [S, Hq, D]
     lse = torch.empty(num_seqs, num_q_heads, device=q.device, dtype=torch.float32)

@@ -42,7 +42,7 @@ def tuned_tile(key: str, device: torch.device) -> dict[str, int] | None:
             return table[key]
     if device.type != "cuda":
         return None
-    return load_table(config_path(gpu_name(device))).get(key)
+    return _device_table(device.index or 0).get(key)
 
 
 def tuned_values(key: str, device: torch.device | None, defaults: dict[str, int]) -> dict[str, int]:
@@ -59,6 +59,12 @@ def gpu_name(device: torch.device) -> str:
 @functools.cache
 def _device_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
+
+
+@functools.cache
+def _device_table(index: int) -> dict[str, dict[str, int]]:
+    """The table of CUDA device ``index``, resolved once (kernel launches look it up on the host path)."""
+    return load_table(config_path(gpu_name(torch.device("cuda", index))))
 
 
 def config_path(name: str) -> Path:
@@ -103,8 +109,9 @@ def overriding(table: Mapping[str, Mapping[str, int]]) -> Iterator[None]:
 
 
 def save_table(path: Path, table: Mapping[str, Mapping[str, int]]) -> None:
-    """Merge ``table`` into the file at ``path`` (keys it names are replaced) and forget the cached read."""
+    """Merge ``table`` into the file at ``path`` (keys it names are replaced) and forget the cached reads."""
     merged = {**load_table(path), **check_table(table)}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(dict(sorted(merged.items())), indent=2) + "\n")
     load_table.cache_clear()
+    _device_table.cache_clear()

@@ -26,8 +26,10 @@ def fake_gpu(monkeypatch, tmp_path):
     monkeypatch.setattr(tc, "_device_name", lambda index: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(tc, "CONFIG_DIR", tmp_path)
     load_table.cache_clear()
+    tc._device_table.cache_clear()
     yield tmp_path
     load_table.cache_clear()
+    tc._device_table.cache_clear()
 
 
 def test_gpu_name_is_a_file_stem(fake_gpu):
