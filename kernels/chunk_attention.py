@@ -179,35 +179,41 @@ def _flash(q, k, v, meta: ChunkMetadata, scale: float) -> tuple[torch.Tensor, to
     return out, lse.t()  # [T, Hq, D], [T, Hq] (a transposed view)
 
 
-def _sdpa(q, k, v, meta: ChunkMetadata, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The flash CPU op per sequence on ``[1, H, L, D]`` views."""
+def _per_sequence(q, k, v, meta: ChunkMetadata, attend) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attend(q_s, k_s, v_s) -> (out [L, Hq, D], lse [L, Hq])`` on each sequence's rows, packed back."""
     out = torch.empty_like(q)  # [T, Hq, D]
     lse = torch.empty(q.shape[:2], device=q.device, dtype=torch.float32)  # [T, Hq]
     cu = meta.host_cu_seqlens
     for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
-        if a == b:
-            continue
-        qs, ks, vs = (t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, L, D]
-        o, m = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qs, ks, vs, 0.0, True, scale=scale)
-        out[a:b] = o[0].transpose(0, 1)
-        lse[a:b] = m[0].t()
+        if a < b:
+            out[a:b], lse[a:b] = attend(q[a:b], k[a:b], v[a:b])
     return out, lse
+
+
+def _sdpa(q, k, v, meta: ChunkMetadata, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The flash CPU op per sequence on ``[1, H, L, D]`` views."""
+
+    def attend(qs, ks, vs):
+        views = (t.transpose(0, 1).unsqueeze(0) for t in (qs, ks, vs))  # [1, H, L, D]
+        o, m = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(*views, 0.0, True, scale=scale)
+        return o[0].transpose(0, 1), m[0].t()
+
+    return _per_sequence(q, k, v, meta, attend)
 
 
 def _dense(q, k, v, meta: ChunkMetadata, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Float32 dense causal attention per sequence (the reference)."""
-    out = torch.empty_like(q)
-    lse = torch.empty(q.shape[:2], device=q.device, dtype=torch.float32)
     group = q.shape[1] // k.shape[1]
-    cu = meta.host_cu_seqlens
-    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
-        qs = q[a:b].float().transpose(0, 1)  # [Hq, L, D]
-        ks, vs = (t[a:b].float().transpose(0, 1).repeat_interleave(group, 0) for t in (k, v))  # [Hq, L, D]
+
+    def attend(qs, ks, vs):
+        n = qs.shape[0]
+        qs = qs.float().transpose(0, 1)  # [Hq, L, D]
+        ks, vs = (t.float().transpose(0, 1).repeat_interleave(group, 0) for t in (ks, vs))  # [Hq, L, D]
         s = scale * qs @ ks.transpose(1, 2)  # [Hq, L, L]
-        s = s.masked_fill(torch.ones(b - a, b - a, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-        lse[a:b] = torch.logsumexp(s, -1).t()
-        out[a:b] = (torch.softmax(s, -1) @ vs).transpose(0, 1).to(q.dtype)
-    return out, lse
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=qs.device).triu(1), float("-inf"))
+        return (torch.softmax(s, -1) @ vs).transpose(0, 1).to(q.dtype), torch.logsumexp(s, -1).t()
+
+    return _per_sequence(q, k, v, meta, attend)
 
 
 _RUNNERS = {"flash": _flash, "sdpa": _sdpa, "torch": _dense}
