@@ -4,7 +4,7 @@ Run ``python benchmarks/bench_cascade.py [--quick]``. Two cases. "beams": each r
 prompt of ``prompt`` tokens in shared blocks plus ``width`` beams. "system": ``requests``
 requests of one sequence each open with the same ``prompt``-token system prompt (the cached
 blocks prefix caching hands them). Every sequence has its own suffix of 64-512 tokens (a seeded
-draw; 16-64 on the CPU). The groups come from the engine's planner (scheduler.cascade_plan;
+draw; 16-64 on the CPU). The groups come from the engine's planner (scheduler.runner.cascade_plan;
 plan_ms is its host time). Plain decode reads every sequence's whole length; cascade decode
 reads each group's prompt once and each suffix once. Both run their prepared (sync-free)
 paths: on a GPU the Triton kernels in bf16 (triton.testing.do_bench), on the CPU the torch
@@ -35,7 +35,7 @@ from benchmarks.bench_attention import timer  # noqa: E402
 from kernels.attention_metadata import prepare_attention_metadata  # noqa: E402
 from kernels.cascade_attention import cascade_decode_attention_prepared, prepare_cascade_metadata  # noqa: E402
 from kernels.decode_attention import paged_decode_attention_prepared  # noqa: E402
-from scheduler.cascade_plan import plan_cascade  # noqa: E402
+from scheduler.runner.cascade_plan import plan_cascade  # noqa: E402
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 
@@ -155,11 +155,11 @@ ENGINE_MODES = {"off": (False, None), "on": (True, None), "on, no floor": (True,
 def engine_ab(rounds: int = 2) -> str:
     """The CPU chat workload through the engine with cascade off, on, and on at any saving (the byte floor at 0),
     in rotating order, best time each; as printed lines."""
-    from benchmarks.bench_engine import BLOCK_SIZE as ENGINE_BLOCK, BUDGET_SEQS, MAX_SEQ_LEN
-
+    from benchmarks.bench_engine import BLOCK_SIZE as ENGINE_BLOCK
+    from benchmarks.bench_engine import BUDGET_SEQS, MAX_SEQ_LEN
     from scheduler import CacheConfig, EngineConfig, LLMEngine, SchedulerConfig
-    from scheduler.hf import load_smollm2
-    from scheduler.workload import chat_workload
+    from scheduler.entrypoints.workload import chat_workload
+    from scheduler.model.loader import load_smollm2
 
     torch.set_num_threads(1)
     hf, tokenizer = load_smollm2()

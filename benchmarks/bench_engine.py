@@ -38,10 +38,10 @@ import torch  # noqa: E402
 
 from paged_kv import BlockManager, BlockManagerConfig  # noqa: E402
 from scheduler import CacheConfig, EngineConfig, LLMEngine, SchedulerConfig  # noqa: E402
-from scheduler.hf import load_smollm2  # noqa: E402
-from scheduler.scheduler import Scheduler  # noqa: E402
-from scheduler.sequence import Sequence, SequenceGroup, SequenceStatus  # noqa: E402
-from scheduler.workload import chat_workload  # noqa: E402
+from scheduler.core.scheduler import Scheduler  # noqa: E402
+from scheduler.core.sequence import Sequence, SequenceGroup, SequenceStatus  # noqa: E402
+from scheduler.entrypoints.workload import chat_workload  # noqa: E402
+from scheduler.model.loader import load_smollm2  # noqa: E402
 
 MAX_SEQ_LEN = 2048
 BUDGET_SEQS = 4  # the KV budget, in contiguous max_seq_len sequences

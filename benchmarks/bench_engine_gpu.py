@@ -44,7 +44,7 @@ import torch
 
 from paged_kv.errors import UnknownSequenceError
 from scheduler import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
-from scheduler.weights import from_hf_model
+from scheduler.model.weights import from_hf_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the GPU machines have no network; nothing is downloaded
 

@@ -7,7 +7,7 @@ Two side-by-side measurements, each printed with its ratio:
    the host time per call is measured over a queue of calls; on the CPU the Triton launches are
    stubbed, so the figure is the wrappers' own Python work.
 2. Building a decode step's device inputs at batch 64 and 256 (~1k tokens each): the engine's
-   :class:`~scheduler.step_input.StepInputBuilder` (persistent tables, numpy, one upload) vs
+   :class:`~scheduler.runner.step_input.StepInputBuilder` (persistent tables, numpy, one upload) vs
    rebuilding every table from lists per step (the engine's previous ``pack_step``).
 
 Run: ``python benchmarks/bench_hot_path.py [--device cuda]``.
@@ -25,10 +25,10 @@ import torch
 import kernels.decode_attention as dec
 from kernels import paged_decode_attention, paged_decode_attention_prepared, prepare_attention_metadata
 from paged_kv import BlockManager, BlockManagerConfig
-from scheduler.params import SamplingParams
-from scheduler.scheduler_output import ScheduledSeq, SchedulerOutput
-from scheduler.sequence import Sequence, SequenceGroup
-from scheduler.step_input import StepInputBuilder
+from scheduler.core.params import SamplingParams
+from scheduler.core.scheduler_output import ScheduledSeq, SchedulerOutput
+from scheduler.core.sequence import Sequence, SequenceGroup
+from scheduler.runner.step_input import StepInputBuilder
 
 
 def _best_us(fn, repeat: int, rounds: int = 5, sync=lambda: None) -> float:

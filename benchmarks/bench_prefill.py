@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from benchmarks.bench_engine_gpu import SHAPES, random_llama  # noqa: E402
 from scheduler import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig  # noqa: E402
-from scheduler.weights import from_hf_model  # noqa: E402
+from scheduler.model.weights import from_hf_model  # noqa: E402
 
 
 def build(hf, device: torch.device, chunk: bool, args: argparse.Namespace) -> LLMEngine:

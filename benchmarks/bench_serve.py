@@ -1,6 +1,6 @@
 """The OpenAI-compatible server under load against the offline engine on the same workload, same run.
 
-A mixed chat workload on SmolLM2-135M-Instruct (``scheduler.workload``: short questions, half
+A mixed chat workload on SmolLM2-135M-Instruct (``scheduler.entrypoints.workload``: short questions, half
 behind one long shared system prompt, greedy answers stopping at EOS or a per-request limit in
 [max_tokens / 4, max_tokens]) arrives as a seeded Poisson process at ``--request-rate``
 requests/s (``inf``: all at once). The same arrival times drive both runs:
@@ -41,15 +41,18 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from openai import AsyncOpenAI  # noqa: E402
 
-from scheduler.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
-from scheduler.engine import LLMEngine  # noqa: E402
-from scheduler.hf import load_smollm2  # noqa: E402
-from scheduler.llm import LLM  # noqa: E402
-from scheduler.loader import DEFAULT_MODEL_NAME, LoadedModel  # noqa: E402
-from scheduler.params import SamplingParams  # noqa: E402
-from scheduler.server.app import build_app  # noqa: E402
-from scheduler.server.background import serve_in_thread  # noqa: E402
-from scheduler.workload import ChatRequest, chat_workload  # noqa: E402
+from scheduler.core.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from scheduler.core.params import SamplingParams  # noqa: E402
+from scheduler.engine.llm_engine import LLMEngine  # noqa: E402
+from scheduler.entrypoints.llm import LLM  # noqa: E402
+from scheduler.entrypoints.server.app import build_app  # noqa: E402
+from scheduler.entrypoints.server.background import serve_in_thread  # noqa: E402
+from scheduler.entrypoints.workload import ChatRequest, chat_workload  # noqa: E402
+from scheduler.model.loader import (  # noqa: E402
+    DEFAULT_MODEL_NAME,
+    LoadedModel,
+    load_smollm2,  # noqa: E402
+)
 
 CONFIG = EngineConfig(
     cache=CacheConfig(block_size=16, num_gpu_blocks=256),

@@ -27,8 +27,8 @@ import torch  # noqa: E402
 
 from paged_kv import BlockManager, BlockManagerConfig  # noqa: E402
 from scheduler import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig  # noqa: E402
-from scheduler.beam_search import BeamSearch, BeamSearchParams  # noqa: E402
-from scheduler.model import LlamaModel, ModelConfig  # noqa: E402
+from scheduler.engine.beam_search import BeamSearch, BeamSearchParams  # noqa: E402
+from scheduler.model.llama import LlamaModel, ModelConfig  # noqa: E402
 
 VOCAB = 256
 BLOCK_SIZE = 16

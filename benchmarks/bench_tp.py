@@ -26,8 +26,15 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from scheduler import CacheConfig, EngineConfig, LLMEngine, LlamaModel, ModelConfig, SamplingParams  # noqa: E402
-from scheduler import SchedulerConfig  # noqa: E402
+from scheduler import (  # noqa: E402
+    CacheConfig,
+    EngineConfig,
+    LlamaModel,
+    LLMEngine,
+    ModelConfig,
+    SamplingParams,
+    SchedulerConfig,  # noqa: E402
+)
 from scheduler.distributed.parallel_state import COMM  # noqa: E402
 
 # (name, layers, hidden, vocab, assumed decode step ms at batch 64 on one H100, bf16)

@@ -28,7 +28,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from scheduler import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig  # noqa: E402
-from scheduler.hf import load_smollm2  # noqa: E402
+from scheduler.model.loader import load_smollm2  # noqa: E402
 
 
 def warm_engine(num_seqs: int, prompt_len: int, context: int, budget: int, seed: int) -> LLMEngine:
@@ -53,12 +53,12 @@ def warm_engine(num_seqs: int, prompt_len: int, context: int, budget: int, seed:
 
 # (module, attribute) timed by --by-function; a name missing from the checkout is skipped
 TIMED = [
-    ("scheduler.model", "LlamaModel.forward"),
-    ("scheduler.model", "MLP.forward"),
-    ("scheduler.model", "RMSNorm.forward"),
-    ("scheduler.rope", "RotaryEmbedding.forward"),
+    ("scheduler.model.llama", "LlamaModel.forward"),
+    ("scheduler.model.llama", "MLP.forward"),
+    ("scheduler.model.llama", "RMSNorm.forward"),
+    ("scheduler.model.rope", "RotaryEmbedding.forward"),
     ("paged_kv.kv_cache", "PagedKVCache.write"),
-    ("scheduler.attention", "paged_decode_attention"),
+    ("scheduler.model.attention", "paged_decode_attention"),
     ("kernels.decode_attention", "_validate_decode"),
     ("kernels.decode_attention", "_decode_torch"),
 ]

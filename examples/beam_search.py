@@ -15,8 +15,8 @@ import argparse
 import torch
 
 from scheduler import CacheConfig, EngineConfig, LLMEngine
-from scheduler.beam_search import BeamSearch, BeamSearchParams
-from scheduler.hf import load_smollm2
+from scheduler.engine.beam_search import BeamSearch, BeamSearchParams
+from scheduler.model.loader import load_smollm2
 
 ARTICLE = (
     "The lighthouse on the northern cape was built in 1871 after three ships were lost on the reef in a single "

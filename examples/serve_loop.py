@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from scheduler import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
-from scheduler.hf import load_smollm2
+from scheduler.model.loader import load_smollm2
 
 QUESTIONS = ["What is the capital of Italy?", "Name two planets.", "Why is the sea salty?", "Count from one to ten."]
 

@@ -1,13 +1,13 @@
 """The serving engine: continuous batching over the paged KV cache with a Llama-family model."""
 
-from scheduler.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
-from scheduler.config import CacheConfig, EngineConfig, SchedulerConfig
-from scheduler.engine import LLMEngine
-from scheduler.llm import LLM
-from scheduler.model import LlamaModel, ModelConfig
-from scheduler.outputs import CompletionOutput, RequestOutput
-from scheduler.params import SamplingParams
-from scheduler.weights import from_hf_model, from_state_dict
+from scheduler.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from scheduler.core.outputs import CompletionOutput, RequestOutput
+from scheduler.core.params import SamplingParams
+from scheduler.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from scheduler.engine.llm_engine import LLMEngine
+from scheduler.entrypoints.llm import LLM
+from scheduler.model.llama import LlamaModel, ModelConfig
+from scheduler.model.weights import from_hf_model, from_state_dict
 
 __all__ = [
     "BeamSearch", "BeamSearchOutput", "BeamSearchParams", "CacheConfig", "CompletionOutput", "EngineConfig",

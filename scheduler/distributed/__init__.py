@@ -1,9 +1,8 @@
-"""Tensor parallelism over torch.distributed: sharded layers, the driver's executor and the workers' loop.
+"""Tensor-parallel process groups and collectives over torch.distributed (gloo on CPU, NCCL on CUDA).
 
-The driver (rank 0) owns the scheduler and the block manager; every step it broadcasts one
-host-side payload to the workers, which rebuild the same step input on their device and run
-their shard of the model. Collectives: gloo on CPU, NCCL on CUDA (the step payloads always
-travel over a gloo group).
+The model's parallel layers (:mod:`scheduler.model.parallel_layers`) call these collectives; the
+driver's executor and the workers' loop (:mod:`scheduler.runner.tp_executor`,
+:mod:`scheduler.runner.tp_worker`) set the groups up and broadcast each step over them.
 """
 
 from scheduler.distributed.parallel_state import TPShard

@@ -296,7 +296,7 @@ def _tiny_text_model() -> tuple[object, object]:
 
 def loaded_tiny() -> object:
     """The tiny model and tokenizer as the loader hands them to LLM."""
-    from scheduler.loader import LoadedModel
+    from scheduler.model.loader import LoadedModel
 
     hf, tokenizer = _tiny_text_model()
     return LoadedModel(hf_model=hf, tokenizer=tokenizer, name="tiny")

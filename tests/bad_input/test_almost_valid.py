@@ -11,9 +11,9 @@ import math
 
 import numpy as np
 import torch
+from bad_input_machinery import state as snapshot
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from bad_input_machinery import state as snapshot
 
 import kernels
 from paged_kv import BlockManager, BlockManagerConfig, PagedKVError

@@ -10,7 +10,12 @@ import pytest
 import torch
 
 from paged_kv.compat.ndarray_kv import (
-    CapacityExceeded, InvalidArgument, KvCache, KvCacheError, LayerOutOfBounds, ShapeMismatch,
+    CapacityExceeded,
+    InvalidArgument,
+    KvCache,
+    KvCacheError,
+    LayerOutOfBounds,
+    ShapeMismatch,
 )
 from paged_kv.compat.pool import KVPool
 from paged_kv.errors import InvalidArgumentError, OutOfBlocksError, OutOfRangeError, PagedKVError

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from backend_device import TRITON_DEVICE, call_on_backend, gpu_test
@@ -10,7 +9,6 @@ from backend_device import TRITON_DEVICE, call_on_backend, gpu_test
 import kernels.block_copy as copy_module
 from kernels.block_copy import copy_blocks, copy_blocks_reference, mapping_to_pairs, swap_blocks
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError
-
 
 NUM_BLOCKS = 7
 

@@ -8,11 +8,10 @@ import pytest
 import torch
 from backend_device import call_on_backend
 
-from kernels.quant import as_storage, is_quantized, quant_max, quantize_per_token_head
 import kernels.cache_write as write_kv_module
 from kernels.cache_write import write_kv, write_kv_reference
+from kernels.quant import as_storage, is_quantized, quant_max, quantize_per_token_head
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError
-
 
 CACHE_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
 QUANT_DTYPES = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]

@@ -40,6 +40,7 @@ from kernels.decode_attention import (
 )
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError
 
+
 def naive_decode(q, paged: Paged, *, exact=False, scale=None, **opts):
     """Naive decode over the dense truth: q [S, Hq, D] -> (out [S, Hq, D], lse [S, Hq]) float64."""
     ks, vs = (paged.exact_k, paged.exact_v) if exact else (paged.dense_k, paged.dense_v)

@@ -14,6 +14,7 @@ from test_block_manager_stateful import BS, VOCAB, random_op
 from paged_kv import BlockManager
 from paged_kv.errors import InvalidArgumentError, OutOfBlocksError, PagedKVError
 
+
 @st.composite
 def managers(draw) -> BlockManager:
     """A small pool after the stateful test's random operations: prefix hits, forks (shared blocks),

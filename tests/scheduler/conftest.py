@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from sched_helpers import NUM_NEW, SHARED, VOCAB, tiny_llama
 
 
@@ -58,7 +57,7 @@ def hf_greedy(tiny_hf, prompts) -> list[list[int]]:
 @pytest.fixture(scope="session")
 def smollm2():
     """(transformers model, tokenizer) of SmolLM2-135M-Instruct, loaded once per session."""
-    from scheduler.hf import load_smollm2
+    from scheduler.model.loader import load_smollm2
 
     return load_smollm2()
 

@@ -16,11 +16,11 @@ from backend_device import needs_cuda
 from no_host_reads import forbid_host_reads
 from sched_helpers import NUM_NEW, VOCAB
 
-import scheduler.attention as attention
+import scheduler.model.attention as attention
 from kernels.attention_metadata import prepare_attention_metadata
 from paged_kv.kv_cache import KVCacheSpec, PagedKVCache
 from scheduler import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
-from scheduler.attention import CHUNK, DECODE, PAGED, AttentionPlan, step_routes
+from scheduler.model.attention import CHUNK, DECODE, PAGED, AttentionPlan, step_routes
 
 
 def step_meta(computed, new, block_size=4):

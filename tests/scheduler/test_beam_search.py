@@ -6,13 +6,13 @@ import math
 
 import pytest
 import torch
+from sched_helpers import VOCAB, make_engine
 from torch.overrides import TorchFunctionMode
 
-import scheduler.beam_search as beam_search
+import scheduler.engine.beam_search as beam_search
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError, PagedKVError, SequenceStateError
 from scheduler import SamplingParams
-from scheduler.beam_search import BeamSearch, BeamSearchParams
-from sched_helpers import VOCAB, make_engine
+from scheduler.engine.beam_search import BeamSearch, BeamSearchParams
 
 WIDTH = 4
 NEW = 16

@@ -8,7 +8,7 @@ import torch
 
 from paged_kv import BlockManager, BlockManagerConfig
 from paged_kv.errors import OutOfRangeError
-from scheduler.block_tables import BlockTables
+from scheduler.runner.block_tables import BlockTables
 
 
 def _tables(num_blocks=64, width=8, rows=64) -> tuple[BlockManager, BlockTables]:

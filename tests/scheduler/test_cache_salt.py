@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from sched_helpers import SHARED, make_engine
 
 from paged_kv.errors import InvalidArgumentError
-from sched_helpers import SHARED, make_engine
 from scheduler import SamplingParams
 
 

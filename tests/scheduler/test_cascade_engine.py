@@ -15,11 +15,11 @@ from no_host_reads import forbid_host_reads
 from sched_helpers import VOCAB
 from test_beam_search import assert_same_beams, hf_beams
 
-import scheduler.attention as attention
-import scheduler.step_input as step_input
+import scheduler.model.attention as attention
+import scheduler.runner.step_input as step_input
 from scheduler import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
-from scheduler.beam_search import BeamSearch, BeamSearchParams
-from scheduler.step_input import StepInput
+from scheduler.engine.beam_search import BeamSearch, BeamSearchParams
+from scheduler.runner.step_input import StepInput
 
 
 @pytest.fixture

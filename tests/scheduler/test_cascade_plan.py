@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from kernels.cascade_attention import cascade_host_arrays
 from paged_kv import BlockManager, BlockManagerConfig
-from scheduler.cascade_plan import may_share, min_saved_tokens, plan_cascade
+from scheduler.runner.cascade_plan import may_share, min_saved_tokens, plan_cascade
 
 BS = 4
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.__main__ import engine_config, parse_args
-from scheduler.cli import main, serve_parser
+from scheduler.entrypoints.cli import main, serve_parser
+from scheduler.entrypoints.main_job import engine_config, parse_args
 
 
 def test_serve_takes_the_engine_options_of_the_main_job():

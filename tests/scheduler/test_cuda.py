@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 from backend_device import needs_cuda
+from sched_helpers import VOCAB, make_engine
 from test_beam_search import NEW, WIDTH, assert_all_freed, assert_same_beams, hf_beams
 
-import scheduler.__main__ as main_job
+import scheduler.entrypoints.main_job as main_job
 from scheduler import SamplingParams
-from scheduler.beam_search import BeamSearch, BeamSearchParams
-from sched_helpers import VOCAB, make_engine
+from scheduler.engine.beam_search import BeamSearch, BeamSearchParams
 
 pytestmark = [pytest.mark.gpu, needs_cuda]
 

@@ -7,7 +7,7 @@ import torch
 from sched_helpers import NUM_NEW
 
 from scheduler import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
-from scheduler.cuda_graphs import capture_sizes
+from scheduler.runner.cuda_graphs import capture_sizes
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

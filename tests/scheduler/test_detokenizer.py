@@ -5,9 +5,9 @@ from __future__ import annotations
 import random
 
 import pytest
-
-from scheduler.detokenizer import REPLACEMENT, IncrementalDetokenizer, find_stop, holdback
 from text_helpers import tiny_tokenizer
+
+from scheduler.entrypoints.detokenizer import REPLACEMENT, IncrementalDetokenizer, find_stop, holdback
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from sched_helpers import NUM_NEW, make_engine
 
 from paged_kv.errors import (
     DuplicateSequenceError,
@@ -13,7 +14,6 @@ from paged_kv.errors import (
     PagedKVError,
     UnknownSequenceError,
 )
-from sched_helpers import NUM_NEW, make_engine
 from scheduler import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from sched_helpers import NUM_NEW, make_engine
 
 from scheduler import SamplingParams
-from sched_helpers import NUM_NEW, make_engine
 
 GREEDY = SamplingParams(max_tokens=NUM_NEW, ignore_eos=True)
 

@@ -9,7 +9,7 @@ from kernels.attention_metadata import prepare_attention_metadata
 from paged_kv.errors import InvalidArgumentError
 from paged_kv.kv_cache import PagedKVCache
 from scheduler import ModelConfig, from_hf_model, from_state_dict
-from scheduler.rope import inverse_frequencies
+from scheduler.model.rope import inverse_frequencies
 
 BLOCK = 4
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from paged_kv.errors import InvalidArgumentError
-from scheduler.config import CacheConfig, EngineConfig
-from scheduler.llm import LLM
-from scheduler import loader
-from scheduler.loader import load_model
-from scheduler.params import SamplingParams
+from scheduler.core.config import CacheConfig, EngineConfig
+from scheduler.core.params import SamplingParams
+from scheduler.entrypoints.llm import LLM
+from scheduler.model import loader
+from scheduler.model.loader import load_model
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 

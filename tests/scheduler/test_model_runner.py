@@ -8,10 +8,10 @@ import torch
 
 from paged_kv import BlockManager, BlockManagerConfig
 from scheduler import SamplingParams
-from scheduler.model_runner import order_free_batches
-from scheduler.scheduler_output import ScheduledSeq, SchedulerOutput
-from scheduler.sequence import Sequence, SequenceGroup
-from scheduler.step_input import StepInputBuilder
+from scheduler.core.scheduler_output import ScheduledSeq, SchedulerOutput
+from scheduler.core.sequence import Sequence, SequenceGroup
+from scheduler.runner.model_runner import order_free_batches
+from scheduler.runner.step_input import StepInputBuilder
 
 
 def test_order_free_batches_equal_copying_in_list_order():

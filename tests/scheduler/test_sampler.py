@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from scheduler import SamplingParams
-from scheduler.sampler import apply_top_k_top_p, sample
+from scheduler.runner.sampler import apply_top_k_top_p, sample
 
 PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
 

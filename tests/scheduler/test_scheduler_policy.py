@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from sched_helpers import make_engine
+
 from scheduler import SamplingParams
 
 

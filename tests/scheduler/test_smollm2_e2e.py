@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from scheduler import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
-from scheduler.workload import chat_workload
+from scheduler.entrypoints.workload import chat_workload
 
 NEW_TOKENS = 24
 TIE = 1e-3

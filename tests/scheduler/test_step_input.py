@@ -13,7 +13,7 @@ from no_host_reads import forbid_host_reads
 from sched_helpers import make_engine
 
 from scheduler import SamplingParams
-from scheduler.sampler import sample
+from scheduler.runner.sampler import sample
 
 
 def _hf_last_logits(hf, seqs) -> torch.Tensor:

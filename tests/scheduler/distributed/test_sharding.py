@@ -8,7 +8,7 @@ import torch
 from paged_kv.errors import InvalidArgumentError
 from scheduler import LlamaModel, ModelConfig
 from scheduler.distributed.parallel_state import TPShard
-from scheduler.distributed.sharding import shard_state_dict
+from scheduler.model.sharding import shard_state_dict
 
 CFG = ModelConfig(vocab_size=255, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
                   head_dim=4)  # fmt: skip

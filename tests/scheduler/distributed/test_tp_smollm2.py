@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from scheduler import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
-from scheduler.workload import chat_workload
+from scheduler.entrypoints.workload import chat_workload
 
 
 @pytest.mark.slow

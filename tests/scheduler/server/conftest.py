@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from scheduler.config import CacheConfig, EngineConfig, SchedulerConfig
-from scheduler.llm import LLM
+from scheduler.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from scheduler.entrypoints.llm import LLM
 
 ENGINE = EngineConfig(
     cache=CacheConfig(block_size=4, num_gpu_blocks=512), scheduler=SchedulerConfig(max_num_seqs=64), device="cpu"
@@ -37,8 +37,8 @@ def offline(tiny_model_dir) -> LLM:
 @pytest.fixture(scope="module")
 def served(tiny_model_dir):
     """A uvicorn server on a free port of 127.0.0.1, stopped when the module's tests are done."""
-    from scheduler.server.app import build_app
-    from scheduler.server.background import serve_in_thread
+    from scheduler.entrypoints.server.app import build_app
+    from scheduler.entrypoints.server.background import serve_in_thread
 
     llm = LLM(tiny_model_dir, engine_config=ENGINE)
     app = build_app(llm, max_in_flight=64)

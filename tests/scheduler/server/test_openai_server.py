@@ -10,7 +10,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from scheduler.params import SamplingParams
+from scheduler.core.params import SamplingParams
 
 PROMPTS = ["hello world", "the quick brown fox", "what is the capital of france?", "numbers: 1 2 3"]
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]

@@ -12,12 +12,12 @@ import httpx
 import openai
 import pytest
 
-from scheduler.config import CacheConfig, EngineConfig
-from scheduler.llm import LLM
-from scheduler.loader import DEFAULT_MODEL_NAME, LoadedModel
-from scheduler.params import SamplingParams
-from scheduler.server.app import build_app
-from scheduler.server.background import free_port, serve_in_thread
+from scheduler.core.config import CacheConfig, EngineConfig
+from scheduler.core.params import SamplingParams
+from scheduler.entrypoints.llm import LLM
+from scheduler.entrypoints.server.app import build_app
+from scheduler.entrypoints.server.background import free_port, serve_in_thread
+from scheduler.model.loader import DEFAULT_MODEL_NAME, LoadedModel
 
 QUESTIONS = ["What is the capital of France?", "Why is the sky blue?"]
 MAX_TOKENS = 16
@@ -43,7 +43,7 @@ def test_smollm2_greedy_chat_through_the_server_equals_offline(smollm2):
 @pytest.mark.slow
 def test_the_serve_command_starts_answers_and_stops(tiny_model_dir):
     port = free_port()
-    cmd = [sys.executable, "-m", "scheduler.cli", "serve", "--model", str(tiny_model_dir), "--port", str(port),
+    cmd = [sys.executable, "-m", "scheduler.entrypoints.cli", "serve", "--model", str(tiny_model_dir), "--port", str(port),
            "--kv-blocks", "64", "--block-size", "4", "--served-model-name", "tiny"]  # fmt: skip
     root = Path(__file__).resolve().parents[3]
     env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}

@@ -1,0 +1,111 @@
+"""Configuration of the scheduler and the engine, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from paged_kv.config import MAX_BLOCK_SIZE, MAX_BLOCKS
+from paged_kv.errors import InvalidArgumentError, check_bool, check_int, check_real, describe
+from paged_kv.kv_cache import KERNEL_DTYPES
+from paged_kv.tensor_checks import check_device, check_dtype
+
+PreemptionMode = Literal["recompute", "swap"]
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    """Per-step budgets and policies of the scheduler."""
+
+    max_num_batched_tokens: int = 512  # new tokens per step (decode + prefill chunks)
+    max_num_seqs: int = 64  # sequences per step
+    enable_chunked_prefill: bool = True  # split long prompts across steps
+    preemption_mode: PreemptionMode = "recompute"
+
+    def __post_init__(self) -> None:
+        check_int("max_num_seqs", self.max_num_seqs, low=1, high=1 << 16)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens, low=self.max_num_seqs, high=1 << 24)
+        check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise InvalidArgumentError(describe("preemption_mode", self.preemption_mode, f"one of {PREEMPTION_MODES}"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class CacheConfig:
+    """The paged KV pools: block geometry, sizes, prefix caching and storage dtype."""
+
+    block_size: int = 16
+    num_gpu_blocks: int | None = None  # None: as many as fit in kv_cache_bytes
+    kv_cache_bytes: int = 256 << 20
+    num_cpu_blocks: int = 0  # swap space; must be > 0 for preemption_mode="swap"
+    watermark: float = 0.01
+    enable_prefix_caching: bool = True
+    # decode steps whose sequences share long prefixes (forks, a cached system prompt) attend them once per group
+    enable_cascade_attention: bool = True
+    # prompts with no cached prefix attend their own K/V with the device's dense kernel (FlashAttention varlen)
+    enable_chunk_attention: bool = True
+    # K/V bytes per layer a cascade step must save to run (it costs kernels and a merge per layer, and on
+    # CUDA the decode graph). None: the device's default, scheduler.runner.cascade_plan.MIN_SAVED_BYTES
+    cascade_min_saved_bytes: int | None = None
+    dtype: torch.dtype | None = None  # None: the model's dtype
+    # CUDA: the fraction of the device's memory the engine may use (weights, activations, graphs and
+    # the KV pool, as vLLM means it); the pool gets what is left. None: num_gpu_blocks / kv_cache_bytes.
+    gpu_memory_utilization: float | None = None
+
+    def __post_init__(self) -> None:
+        check_int("block_size", self.block_size, low=1, high=MAX_BLOCK_SIZE)
+        utilization = self.gpu_memory_utilization
+        if utilization is not None and (
+            isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0.0 < utilization <= 1.0
+        ):
+            raise InvalidArgumentError(describe("gpu_memory_utilization", utilization, "a fraction in (0, 1] or None"))
+        if self.num_gpu_blocks is not None:
+            check_int("num_gpu_blocks", self.num_gpu_blocks, low=1, high=MAX_BLOCKS)
+        check_int("kv_cache_bytes", self.kv_cache_bytes, low=1)
+        check_int("num_cpu_blocks", self.num_cpu_blocks, low=0, high=MAX_BLOCKS)
+        check_real("watermark", self.watermark, low=0.0, high=1.0, open_high=True)
+        check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        check_bool("enable_cascade_attention", self.enable_cascade_attention)
+        check_bool("enable_chunk_attention", self.enable_chunk_attention)
+        if self.cascade_min_saved_bytes is not None:
+            check_int("cascade_min_saved_bytes", self.cascade_min_saved_bytes, low=0)
+        if self.dtype is not None:
+            check_dtype("dtype", self.dtype, KERNEL_DTYPES)  # storage the attention kernels read
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """Everything the engine needs besides the model: cache, scheduler and device."""
+
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    device: str | None = None  # None: "cuda" when available, else "cpu"
+    enforce_eager: bool = False  # True: no CUDA graphs (every step runs eagerly)
+    # ranks the model is split over (scheduler.distributed); > 1 runs eagerly, no CUDA graphs
+    tensor_parallel_size: int = 1
+    distributed_timeout_s: float = 60.0  # a worker that dies or hangs fails a step within this
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enforce_eager, bool):
+            raise InvalidArgumentError(describe("enforce_eager", self.enforce_eager, "a bool"))
+        check_int("tensor_parallel_size", self.tensor_parallel_size, low=1, high=1 << 12)
+        check_real("distributed_timeout_s", self.distributed_timeout_s, low=0.0, open_low=True)
+        if not isinstance(self.cache, CacheConfig):
+            raise InvalidArgumentError(describe("cache", self.cache, "a CacheConfig"))
+        if not isinstance(self.scheduler, SchedulerConfig):
+            raise InvalidArgumentError(describe("scheduler", self.scheduler, "a SchedulerConfig"))
+        if self.scheduler.preemption_mode == "swap" and self.cache.num_cpu_blocks == 0:
+            raise InvalidArgumentError(
+                describe("cache.num_cpu_blocks", 0, "> 0 when scheduler.preemption_mode='swap'")
+            )
+        if self.device is not None:
+            check_device("device", self.device)
+
+    def resolved_device(self) -> torch.device:
+        """The device the model and the KV cache live on."""
+        if self.device is None:
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)

@@ -1,0 +1,49 @@
+"""What the engine returns for a request: its samples, why they stopped, and its timings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduler.core.sequence import SequenceGroup
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompletionOutput:
+    """One sample of a request."""
+
+    index: int
+    token_ids: list[int]  # a stop token / EOS that ended the sample is its last token
+    finish_reason: str | None  # "stop", "length", "abort", or None while running
+    cumulative_logprob: float
+    logprobs: list[float]  # log-probability of each output token under the model
+    top_logprobs: list[dict[int, float]]  # per output token, when SamplingParams.logprobs > 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class RequestOutput:
+    """A request's prompt, its samples (ordered by index) and its timestamps (perf_counter seconds)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    arrival_time: float
+    first_token_time: float | None
+    finish_time: float | None
+    num_preemptions: int
+
+    @classmethod
+    def from_group(cls, group: SequenceGroup) -> RequestOutput:
+        """Snapshot a sequence group."""
+        outputs = [
+            CompletionOutput(
+                index=s.index, token_ids=s.output_token_ids, finish_reason=s.finish_reason,
+                cumulative_logprob=s.cumulative_logprob, logprobs=list(s.logprobs), top_logprobs=list(s.top_logprobs),
+            )  # fmt: skip
+            for s in sorted(group.seqs, key=lambda s: s.index)
+        ]
+        return cls(
+            request_id=group.request_id, prompt_token_ids=group.prompt_token_ids, outputs=outputs,
+            finished=group.is_finished(), arrival_time=group.arrival_time, first_token_time=group.first_token_time,
+            finish_time=group.finish_time, num_preemptions=group.num_preemptions,
+        )  # fmt: skip

@@ -1,0 +1,258 @@
+"""The scheduler: waiting / running / swapped queues, per-step budgets, chunked prefill, preemption.
+
+Each step it fills a token budget and a sequence budget in this order:
+1. running groups: decode groups first, then groups still prefilling (chunked);
+   when the pool cannot hold a group's new tokens it preempts the
+   latest-admitted group not yet scheduled this step (or the group itself),
+   requeued (waiting for recompute, swapped for swap) in arrival order;
+2. swapped groups, FCFS, if nothing was preempted this step;
+3. waiting groups, FCFS with head-of-line blocking (no starvation), only when
+   nothing was preempted and nothing is swapped out, and only while the block
+   manager can allocate above its watermark; prefix-cache hits are skipped.
+
+Invariant between steps: for every sequence of a running group the block
+manager holds exactly ``seq.num_computed`` tokens; a sequence scheduled with
+``(start, n)`` has had ``n`` more tokens recorded, whose KV the step writes.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+
+from paged_kv.block_manager import BlockManager, CopyOp
+from paged_kv.errors import OutOfBlocksError
+from scheduler.core.config import SchedulerConfig
+from scheduler.core.scheduler_output import ScheduledSeq, SchedulerOutput, StepBudget
+from scheduler.core.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+class Scheduler:
+    """Decides, step by step, which tokens of which sequences run through the model."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.bm = block_manager
+        self.waiting: deque[SequenceGroup] = deque()
+        self.running: list[SequenceGroup] = []  # admission order: the tail is preempted first
+        self.swapped: deque[SequenceGroup] = deque()
+        self.num_preemptions = {"recompute": 0, "swap": 0}
+        self._ids = itertools.count()
+
+    # -- queue management -------------------------------------------------
+    def new_seq_id(self) -> int:
+        """A fresh block-manager id for a sequence."""
+        return next(self._ids)
+
+    def add(self, group: SequenceGroup) -> None:
+        """Queue a new request (its sequences hold no blocks yet)."""
+        group.set_status(SequenceStatus.WAITING)
+        self.waiting.append(group)
+
+    def has_unfinished(self) -> bool:
+        """Whether any group is queued, running or swapped out."""
+        return bool(self.waiting or self.running or self.swapped)
+
+    def groups(self) -> list[SequenceGroup]:
+        """Every live group, in queue order."""
+        return [*self.running, *self.swapped, *self.waiting]
+
+    def remove(self, group: SequenceGroup) -> None:
+        """Drop a group from its queue and free the blocks of every sequence it still holds."""
+        for queue in (self.running, self.swapped, self.waiting):
+            if group in queue:
+                queue.remove(group)
+        for seq in group.seqs:
+            self.free_seq(seq)
+
+    def free_seq(self, seq: Sequence) -> None:
+        """Release a sequence's blocks (finished or pruned); a no-op if it holds none."""
+        if seq.seq_id in self.bm:
+            self.bm.free(seq.seq_id)
+
+    def fork(self, group: SequenceGroup, parent: Sequence) -> Sequence:
+        """Add to ``group`` a child sharing every block of ``parent`` (no KV copied)."""
+        child = parent.fork(self.new_seq_id(), len(group.seqs))
+        if parent.seq_id in self.bm:
+            self.bm.fork(parent.seq_id, child.seq_id)
+        group.seqs.append(child)
+        return child
+
+    def drop_finished(self) -> list[SequenceGroup]:
+        """Remove finished groups from the running queue and return them."""
+        done = [g for g in self.running if g.is_finished()]
+        self.running = [g for g in self.running if not g.is_finished()]
+        return done
+
+    # -- one step ---------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work and record it with the block manager."""
+        step = StepBudget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        self._schedule_running(step)
+        if not step.preempted:
+            self._schedule_swapped(step)
+            if not self.swapped:
+                self._schedule_waiting(step)
+        if not (step.scheduled or step.preempted or self.running) and self.has_unfinished():
+            queued = f"{len(self.waiting)} waiting, {len(self.swapped)} swapped"
+            raise RuntimeError(f"scheduler stalled: {queued}, none runnable")
+        return step.output()
+
+    def _schedule_running(self, step: StepBudget) -> None:
+        decode = [g for g in self.running if _is_decode(g)]
+        rest = [g for g in self.running if not _is_decode(g)]
+        for group in rest if self._commit_all(decode, step) else decode + rest:
+            if group in step.preempted:
+                continue
+            plan = self._plan_running(group, step.tokens_left, step.num_seqs)
+            if plan and self._make_room(group, plan, step):
+                self._commit(group, plan, step)
+
+    def _commit_all(self, groups: list[SequenceGroup], step: StepBudget) -> bool:
+        """Commit every group's plan with one ``append_all`` if the pool holds them all; else change nothing.
+
+        Plans are made in turn against the budgets the earlier ones leave, and
+        ``append_all`` takes exactly what the per-group commits would: when it
+        fits, the per-group loop would have preempted nothing and made the same steps.
+        """
+        plans, left, num_seqs = [], step.tokens_left, step.num_seqs
+        for group in groups:
+            plan = self._plan_running(group, left, num_seqs)
+            plans.append((group, plan))
+            left, num_seqs = left - sum(n for _, n in plan), num_seqs + len(plan)
+        requests = [(s.seq_id, s.token_ids[s.num_computed : s.num_computed + n]) for _, p in plans for s, n in p]
+        try:
+            step.copies += self.bm.append_all(requests)
+        except OutOfBlocksError:
+            return False
+        for group, plan in plans:
+            for seq, n in plan:
+                step.add(ScheduledSeq(seq, group, seq.num_computed, n))
+        return True
+
+    def _plan_running(self, group: SequenceGroup, tokens_left: int, num_seqs: int) -> list[tuple[Sequence, int]]:
+        """New-token counts for a running group's sequences within the budgets left (tokens, sequences)."""
+        plan, left = [], tokens_left
+        for seq in group.unfinished():
+            n = min(seq.num_uncomputed, left)
+            if n <= 0 or num_seqs + len(plan) >= self.config.max_num_seqs:
+                if left <= 0:
+                    break
+                continue
+            if not self.config.enable_chunked_prefill and n < seq.num_uncomputed:
+                break
+            plan.append((seq, n))
+            left -= n
+        return plan
+
+    def _make_room(self, group: SequenceGroup, plan: list[tuple[Sequence, int]], step: StepBudget) -> bool:
+        """Preempt later groups until ``plan`` fits; preempt ``group`` itself if nothing else can go."""
+        while self._blocks_needed(plan) > self.bm.gpu.num_free:
+            victim = next((g for g in reversed(self.running) if g is not group and g not in step.scheduled), None)
+            self._preempt(victim or group, step)
+            if victim is None:
+                return False
+        return True
+
+    def _blocks_needed(self, plan: list[tuple[Sequence, int]]) -> int:
+        """Exact blocks ``append`` will take for ``plan``: new blocks plus copy-on-write copies."""
+        return self.bm.num_blocks_to_append_all((seq.seq_id, n) for seq, n in plan)
+
+    def _commit(self, group: SequenceGroup, plan: list[tuple[Sequence, int]], step: StepBudget) -> None:
+        for seq, n in plan:
+            start = seq.num_computed
+            step.copies += self.bm.append(seq.seq_id, seq.token_ids[start : start + n])
+            step.add(ScheduledSeq(seq, group, start, n))
+
+    # -- preemption -------------------------------------------------------
+    def _preempt(self, group: SequenceGroup, step: StepBudget) -> None:
+        """Take a group off the GPU: swap its blocks to the CPU pool, or drop them for recompute."""
+        self.running.remove(group)
+        step.preempted.append(group)
+        group.num_preemptions += 1
+        seqs = group.unfinished()
+        ids = [seq.seq_id for seq in seqs]
+        if self.config.preemption_mode == "swap" and self.bm.can_swap_out_group(ids):
+            step.swap_out += self.bm.swap_out_group(ids)  # blocks shared within the group move once
+            group.set_status(SequenceStatus.SWAPPED)
+            _insert_by_arrival(self.swapped, group)
+            self.num_preemptions["swap"] += 1
+            return
+        for seq in seqs:
+            self.bm.free(seq.seq_id)
+            seq.reset_for_recompute()
+        _insert_by_arrival(self.waiting, group)
+        self.num_preemptions["recompute"] += 1
+
+    # -- swapped and waiting ----------------------------------------------
+    def _schedule_swapped(self, step: StepBudget) -> None:
+        while self.swapped:
+            group = self.swapped[0]
+            ids = [seq.seq_id for seq in group.unfinished()]
+            if not (self.bm.can_swap_in_group(ids) and self._fits_seqs(group)):  # shared blocks counted once
+                return
+            self.swapped.popleft()
+            step.swap_in += self.bm.swap_in_group(ids)
+            group.set_status(SequenceStatus.RUNNING)
+            self.running.append(group)
+            plan = self._plan_running(group, step.tokens_left, step.num_seqs)
+            if plan and self._blocks_needed(plan) <= self.bm.gpu.num_free:
+                self._commit(group, plan, step)
+
+    def _schedule_waiting(self, step: StepBudget) -> None:
+        while self.waiting and self._fits_seqs(self.waiting[0]):
+            group = self.waiting[0]
+            plan = self._plan_prefill(group, step)
+            if plan is None:
+                return
+            self.waiting.popleft()
+            salt = group.params.cache_salt
+            for seq, cached, n in plan:
+                start = self.bm.allocate(seq.seq_id, seq.token_ids[: cached + n], cache_salt=salt)  # >= cached
+                seq.num_computed = start
+                step.add(ScheduledSeq(seq, group, start, cached + n - start))
+            group.set_status(SequenceStatus.RUNNING)
+            self.running.append(group)
+
+    def _plan_prefill(self, group: SequenceGroup, step: StepBudget) -> list[tuple[Sequence, int, int]] | None:
+        """(seq, cached tokens, new tokens) for every sequence of a waiting group, or None if it cannot start.
+
+        Each sequence gets at least one token: the budget keeps one token per later sequence in reserve.
+        """
+        seqs, salt = group.unfinished(), group.params.cache_salt
+        plan, left = [], step.tokens_left
+        for i, seq in enumerate(seqs):
+            cached = self.bm.num_cached_tokens(seq.token_ids, cache_salt=salt)
+            n, mine = seq.num_tokens - cached, left - (len(seqs) - 1 - i)
+            if n > mine and not self.config.enable_chunked_prefill:
+                return None
+            n = min(n, mine)
+            if n <= 0:
+                return None
+            plan.append((seq, cached, n))
+            left -= n
+        if len(plan) == 1:
+            seq, cached, n = plan[0]
+            return plan if self.bm.can_allocate(seq.token_ids[: cached + n], cache_salt=salt) else None
+        bs = self.bm.block_size
+        upper = sum(-(-(c + n) // bs) for _, c, n in plan)  # counts every hit as a fresh block
+        return plan if self.bm.gpu.num_free - upper >= self.bm.config.watermark_blocks else None
+
+    def _fits_seqs(self, group: SequenceGroup) -> bool:
+        """Whether the running groups' reserved sequences leave room for ``group``'s."""
+        running = sum(g.num_seqs_reserved() for g in self.running)
+        return running + group.num_seqs_reserved() <= self.config.max_num_seqs
+
+
+def _insert_by_arrival(queue: deque[SequenceGroup], group: SequenceGroup) -> None:
+    """Requeue a preempted group ahead of every group that arrived after it (FCFS)."""
+    at = next((i for i, g in enumerate(queue) if g.arrival_time > group.arrival_time), len(queue))
+    queue.insert(at, group)
+
+
+def _is_decode(group: SequenceGroup) -> bool:
+    """A group whose every sequence only needs its last sampled token computed."""
+    return all(s.num_uncomputed == 1 and s.num_computed > 0 for s in group.unfinished())
+
+
+__all__ = ["CopyOp", "Scheduler", "ScheduledSeq", "SchedulerOutput"]

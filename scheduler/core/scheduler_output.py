@@ -1,0 +1,79 @@
+"""What one scheduler step decided: the tokens to run and the block copies owed before them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from paged_kv.block_manager import CopyOp
+from scheduler.core.sequence import Sequence, SequenceGroup
+
+
+@dataclass(frozen=True, eq=False)
+class ScheduledSeq:
+    """``num_tokens`` new tokens of ``seq`` at positions ``[start, start + num_tokens)``."""
+
+    seq: Sequence
+    group: SequenceGroup
+    start: int  # tokens already in the cache before this step
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether the step reaches the sequence's last token, so its logits are sampled."""
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass(eq=False)
+class SchedulerOutput:
+    """One step's work, in the order the model runner must apply it."""
+
+    scheduled: list[ScheduledSeq]
+    swap_out: list[CopyOp]  # (gpu, cpu): copy first, before anything reuses the GPU blocks
+    swap_in: list[CopyOp]  # (cpu, gpu)
+    copies: list[CopyOp]  # copy-on-write (src, dst) in the GPU pool, in the order they were made
+    preempted: list[SequenceGroup]
+
+    @property
+    def num_batched_tokens(self) -> int:
+        """New tokens the step runs through the model."""
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        """Whether the step has nothing to run and no block to move."""
+        return not (self.scheduled or self.swap_out or self.swap_in or self.copies)
+
+
+@dataclass(eq=False)
+class StepBudget:
+    """Accumulates a step while the scheduler fills its token and sequence budgets."""
+
+    max_tokens: int
+    max_seqs: int
+    scheduled_seqs: list[ScheduledSeq] = field(default_factory=list)
+    scheduled: set[SequenceGroup] = field(default_factory=set)
+    preempted: list[SequenceGroup] = field(default_factory=list)
+    swap_out: list[CopyOp] = field(default_factory=list)
+    swap_in: list[CopyOp] = field(default_factory=list)
+    copies: list[CopyOp] = field(default_factory=list)
+    num_tokens: int = 0
+
+    @property
+    def tokens_left(self) -> int:
+        """Token budget not yet used."""
+        return self.max_tokens - self.num_tokens
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences scheduled so far."""
+        return len(self.scheduled_seqs)
+
+    def add(self, item: ScheduledSeq) -> None:
+        """Count a scheduled sequence against the budgets."""
+        self.scheduled_seqs.append(item)
+        self.scheduled.add(item.group)
+        self.num_tokens += item.num_tokens
+
+    def output(self) -> SchedulerOutput:
+        """Freeze the step."""
+        return SchedulerOutput(self.scheduled_seqs, self.swap_out, self.swap_in, self.copies, self.preempted)

@@ -1,0 +1,138 @@
+"""Sequences and sequence groups: the token state the scheduler moves between queues.
+
+A :class:`Sequence` is one stream of tokens (prompt + output). Its first
+``num_computed`` tokens have KV in the cache; between steps the block manager
+holds exactly those tokens' slots. A :class:`SequenceGroup` is one request:
+its prompt and every sample (``n`` parallel samples, or beams) forked from it.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from scheduler.core.params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    """Where a sequence is: queued, in the running batch, in the CPU pool, or done."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One token stream with the KV bookkeeping of its cached prefix."""
+
+    def __init__(self, seq_id: int, index: int, prompt_token_ids: list[int]) -> None:
+        self.seq_id = seq_id  # the block manager's id for this sequence
+        self.index = index  # sample index inside its group
+        self.prompt_len = len(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)  # prompt followed by outputs
+        self.num_computed = 0  # leading tokens whose KV is in the cache
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.finish_time: float | None = None
+        self.logprobs: list[float] = []  # log-probability of each output token
+        self.top_logprobs: list[dict[int, float]] = []  # per output token, when asked for
+        self.generator: torch.Generator | None = None
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """Tokens generated so far."""
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens."""
+        return len(self.token_ids)
+
+    @property
+    def num_outputs(self) -> int:
+        """Output tokens generated so far."""
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens still to run through the model before the next sample."""
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def cumulative_logprob(self) -> float:
+        """Sum of the output tokens' log-probabilities."""
+        return sum(self.logprobs)
+
+    @property
+    def is_finished(self) -> bool:
+        """Whether a stop condition ended the sequence."""
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int, logprob: float, top: dict[int, float] | None = None) -> None:
+        """Record a sampled token (its KV is computed by the next step)."""
+        self.token_ids.append(token_id)
+        self.logprobs.append(logprob)
+        if top is not None:
+            self.top_logprobs.append(top)
+
+    def fork(self, seq_id: int, index: int) -> Sequence:
+        """A copy of this sequence's tokens and cache bookkeeping under a new id (generator not shared)."""
+        child = Sequence(seq_id, index, self.token_ids[: self.prompt_len])
+        child.token_ids = list(self.token_ids)
+        child.num_computed = self.num_computed
+        child.status = self.status
+        child.logprobs = list(self.logprobs)
+        child.top_logprobs = list(self.top_logprobs)
+        return child
+
+    def reset_for_recompute(self) -> None:
+        """Forget the cached KV: every token is recomputed on readmission."""
+        self.num_computed = 0
+        self.status = SequenceStatus.WAITING
+
+    def __repr__(self) -> str:
+        state = f"tokens={self.num_tokens}, computed={self.num_computed}, {self.status.value}"
+        return f"Sequence(id={self.seq_id}, {state})"
+
+
+@dataclass(eq=False)
+class SequenceGroup:
+    """One request: its sampling parameters, its sequences and its timestamps."""
+
+    request_id: str
+    seqs: list[Sequence]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+    max_seqs: int = 1  # sequences the group may run at once (n samples, beam width)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        """The request's prompt."""
+        seq = self.seqs[0]
+        return seq.token_ids[: seq.prompt_len]
+
+    def unfinished(self) -> list[Sequence]:
+        """Sequences that still generate."""
+        return [s for s in self.seqs if not s.is_finished]
+
+    def is_finished(self) -> bool:
+        """Whether every sequence has stopped."""
+        return all(s.is_finished for s in self.seqs)
+
+    def num_seqs_reserved(self) -> int:
+        """Sequence slots the group holds in the batch, counting samples not forked yet."""
+        num_finished = sum(s.is_finished for s in self.seqs)
+        return max(self.max_seqs - num_finished, len(self.seqs) - num_finished)
+
+    def set_status(self, status: SequenceStatus) -> None:
+        """Move every unfinished sequence to ``status``."""
+        for s in self.unfinished():
+            s.status = status

@@ -1,0 +1,204 @@
+"""From token-level engine outputs to text: per-sample deltas, stop strings, final text outputs.
+
+Both front ends, the offline :class:`~scheduler.entrypoints.llm.LLM` and the HTTP server,
+drive the engine through :class:`OutputProcessor`: after every engine step it
+reads each live request's samples, detokenizes the new tokens, ends samples
+at a stop string (aborting the request in the engine once every sample has
+stopped, so its blocks are freed at once) and returns what each stream may
+release. Text that could still turn into a stop string is held back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from scheduler.core.outputs import CompletionOutput, RequestOutput
+from scheduler.core.params import SamplingParams
+from scheduler.engine.llm_engine import LLMEngine
+from scheduler.entrypoints.detokenizer import IncrementalDetokenizer, find_stop, holdback
+
+
+@dataclass(frozen=True, kw_only=True)
+class SampleDelta:
+    """What one sample added since the last update: tokens, their log-probabilities, released text."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float]]
+    finish_reason: str | None  # set on the sample's last delta only
+    stop_reason: str | None = None  # the stop string that ended it
+
+
+@dataclass(frozen=True, kw_only=True)
+class TextCompletion:
+    """One finished sample: its text (cut before a stop string), tokens and log-probabilities."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float]]
+    finish_reason: str | None
+    stop_reason: str | None = None
+
+    @property
+    def cumulative_logprob(self) -> float:
+        """Sum of the output tokens' log-probabilities."""
+        return sum(self.logprobs)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TextRequestOutput:
+    """A finished request: its prompt, its samples in index order and its timestamps (perf_counter seconds)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[TextCompletion]
+    arrival_time: float
+    first_token_time: float | None
+    finish_time: float | None
+
+
+@dataclass
+class _Sample:
+    """Text state of one sample. Invariant: ``text[:sent]`` has been released and never changes."""
+
+    detok: IncrementalDetokenizer
+    text: str = ""
+    sent: int = 0
+    num_tokens: int = 0  # engine output tokens consumed
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | None = None
+
+
+class TextRequest:
+    """One request's text-level state across engine steps."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, tokenizer,
+                 prompt: str | None = None) -> None:  # fmt: skip
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.tokenizer = tokenizer
+        self.samples: dict[int, _Sample] = {}
+        self.last: RequestOutput | None = None
+
+    @property
+    def all_stopped(self) -> bool:
+        """Whether every one of the ``n`` samples has finished (by the engine or a stop string)."""
+        return len(self.samples) == self.params.n and all(s.finish_reason for s in self.samples.values())
+
+    def update(self, out: RequestOutput) -> list[SampleDelta]:
+        """Consume an engine snapshot; return a delta for every sample that produced tokens or finished."""
+        self.last = out
+        deltas = []
+        for o in out.outputs:
+            sample = self.samples.get(o.index)
+            if sample is None:
+                detok = IncrementalDetokenizer(self.tokenizer, self.prompt_token_ids)
+                sample = self.samples[o.index] = _Sample(detok)
+            if sample.finish_reason is None and (len(o.token_ids) > sample.num_tokens or o.finish_reason):
+                deltas.append(self._advance(o.index, sample, o))
+        return deltas
+
+    def _advance(self, index: int, s: _Sample, o: CompletionOutput) -> SampleDelta:
+        new = slice(s.num_tokens, len(o.token_ids))
+        s.num_tokens = len(o.token_ids)
+        ids, lps, tops = o.token_ids[new], o.logprobs[new], o.top_logprobs[new]
+        s.token_ids += ids
+        s.logprobs += lps
+        s.top_logprobs += tops
+        start = len(s.text)
+        s.text += s.detok.add(ids) + (s.detok.flush() if o.finish_reason else "")
+        stops = self.params.stop
+        hit = find_stop(s.text, start, stops) if stops else None
+        if hit is not None:
+            s.text, s.finish_reason, s.stop_reason = s.text[: hit[0]], "stop", hit[1]
+        else:
+            s.finish_reason = o.finish_reason
+        release = len(s.text) if s.finish_reason else len(s.text) - holdback(s.text, stops)
+        text, s.sent = s.text[s.sent : release], max(s.sent, release)
+        return SampleDelta(
+            index=index, text=text, token_ids=ids, logprobs=lps, top_logprobs=tops,
+            finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+        )  # fmt: skip
+
+    def result(self) -> TextRequestOutput:
+        """The request's final text outputs."""
+        last = self.last
+        outputs = [
+            TextCompletion(
+                index=i, text=s.text, token_ids=s.token_ids, logprobs=s.logprobs, top_logprobs=s.top_logprobs,
+                finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+            )  # fmt: skip
+            for i, s in sorted(self.samples.items())
+        ]
+        return TextRequestOutput(
+            request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
+            outputs=outputs, arrival_time=last.arrival_time if last else 0.0,
+            first_token_time=last.first_token_time if last else None, finish_time=last.finish_time if last else None,
+        )  # fmt: skip
+
+
+class OutputProcessor:
+    """Drives an engine step by step and turns its outputs into text deltas for every live request."""
+
+    def __init__(self, engine: LLMEngine, tokenizer) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.requests: dict[str, TextRequest] = {}
+
+    def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+            prompt: str | None = None) -> TextRequest:  # fmt: skip
+        """Queue a request in the engine (raises, nothing queued, on a bad one) and track its text."""
+        self.engine.add_request(request_id, prompt_token_ids, params)
+        req = self.requests[request_id] = TextRequest(request_id, list(prompt_token_ids), params, self.tokenizer,
+                                                      prompt)  # fmt: skip
+        return req
+
+    def abort(self, request_id: str) -> TextRequest | None:
+        """Stop a live request and free its blocks; None if it is not live."""
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            req.update(self.engine.abort(request_id))
+        return req
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is still live."""
+        return bool(self.requests)
+
+    def step(self) -> list[tuple[TextRequest, list[SampleDelta], bool]]:
+        """One engine step; (request, its deltas, whether it is done) for every request that changed."""
+        finished = {o.request_id: o for o in self.engine.step()}
+        changed = []
+        for rid, req in list(self.requests.items()):
+            out = finished.get(rid) or self.engine.request_output(rid)
+            deltas = req.update(out)
+            done = out.finished or req.all_stopped
+            if not done:
+                self._finish_stopped_samples(req, deltas)
+            if done:
+                del self.requests[rid]
+                if not out.finished:  # every sample hit a stop string: free its blocks now
+                    req.last = self.engine.abort(rid)
+            if deltas or done:
+                changed.append((req, deltas, done))
+        return changed
+
+    def _finish_stopped_samples(self, req: TextRequest, deltas: list[SampleDelta]) -> None:
+        """Free the blocks of samples a stop string just ended while their siblings run on (``n > 1``)."""
+        stopped = {d.index for d in deltas if d.stop_reason is not None}
+        if not stopped:
+            return
+        group = next(g for g in self.engine.scheduler.groups() if g.request_id == req.request_id)
+        for seq in group.seqs:
+            if seq.index in stopped and not seq.is_finished:
+                self.engine.finish_sequence(seq, "stop")

@@ -1,0 +1,6 @@
+"""The OpenAI-compatible HTTP server: FastAPI app, async engine loop, Prometheus metrics."""
+
+from scheduler.entrypoints.server.app import build_app
+from scheduler.entrypoints.server.async_engine import AsyncEngine
+
+__all__ = ["AsyncEngine", "build_app"]

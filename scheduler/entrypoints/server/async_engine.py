@@ -1,0 +1,213 @@
+"""One engine loop for every connection: the engine steps in a worker thread, streams get asyncio queues.
+
+The event loop never runs the engine: handlers put commands (add, abort) on a
+thread-safe queue; the worker thread applies them between steps, runs
+``engine.step``, detokenizes through an :class:`OutputProcessor` and hands
+each request's deltas back to its handler's asyncio queue with
+``call_soon_threadsafe``. Only the worker thread touches the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from scheduler.core.params import SamplingParams
+from scheduler.engine.llm_engine import LLMEngine
+from scheduler.engine.request_checks import check_prompt, check_request_fits
+from scheduler.entrypoints.output_processor import OutputProcessor, SampleDelta, TextRequest, TextRequestOutput
+from scheduler.entrypoints.server.metrics import EngineSnapshot, ServerMetrics
+
+log = logging.getLogger("paged_kv.server")
+_STOP = object()
+SNAPSHOT_INTERVAL_S = 0.1  # how stale /metrics gauges may be while the engine is busy
+
+
+class Overloaded(Exception):
+    """The server holds as many requests as it may; the client should retry later."""
+
+
+@dataclass(frozen=True)
+class Event:
+    """An update of one prompt of a handler's request: new deltas, and the result once it is done."""
+
+    key: int  # index of the prompt within the HTTP request
+    deltas: list[SampleDelta]
+    result: TextRequestOutput | None = None
+    error: Exception | None = None
+
+
+@dataclass
+class _Live:
+    """Worker-side state of a request: where its events go and its timings."""
+
+    sink: Callable[[Event], None]
+    key: int
+    arrival: float
+    first_token: float | None = None
+
+
+class AsyncEngine:
+    """Serves concurrent requests from one engine stepped by one worker thread."""
+
+    def __init__(self, engine: LLMEngine, tokenizer, *, max_in_flight: int = 256,
+                 metrics: ServerMetrics | None = None) -> None:  # fmt: skip
+        self.engine = engine
+        self.processor = OutputProcessor(engine, tokenizer)
+        self.max_in_flight = max_in_flight
+        self.metrics = metrics or ServerMetrics()
+        self.num_in_flight = 0  # requests admitted and not yet done; event-loop thread only
+        self.num_aborted = 0  # requests aborted by their client; worker thread only
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: dict[str, _Live] = {}  # worker thread only
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._snapshot_time = 0.0
+
+    # -- lifecycle --------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread."""
+        self._thread = threading.Thread(target=self._run, name="paged-kv-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Abort what is live and stop the engine thread."""
+        if self._thread is not None:
+            self._commands.put(_STOP)
+            self._thread.join()
+            self._thread = None
+
+    # -- admission (event-loop thread) -------------------------------------
+    def max_new_tokens(self, prompt_len: int, n: int) -> int:
+        """The most tokens each of ``n`` samples of a prompt can generate: model context and KV pool."""
+        pool = self.engine.block_manager.config
+        usable = pool.num_blocks - pool.watermark_blocks
+        fits = (usable // n) * pool.block_size
+        return min(self.engine.model.config.max_position_embeddings, fits) - prompt_len
+
+    def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise (a PagedKVError) if the engine could never serve the request; reads only immutable config."""
+        prompt = check_prompt(prompt_token_ids, self.engine.model.config.vocab_size)
+        e = self.engine
+        check_request_fits(len(prompt), params, e.model.config, e.config.scheduler, e.block_manager.config)
+
+    async def generate(self, prompts: list[tuple[list[int], str | None]], params: list[SamplingParams]
+                       ) -> AsyncIterator[Event]:  # fmt: skip
+        """Run every prompt; yield events until each is done. Closing the iterator early aborts what is left.
+
+        Raises Overloaded when the server is full and a PagedKVError on a request it can never serve,
+        both before anything is queued.
+        """
+        if self.num_in_flight + len(prompts) > self.max_in_flight:
+            raise Overloaded(f"{self.num_in_flight} requests in flight, at most {self.max_in_flight}")
+        for (ids, _), p in zip(prompts, params):
+            self.check(ids, p)
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        sink = lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev)  # noqa: E731
+        rids = [f"req-{next(self._ids)}" for _ in prompts]
+        now, left = time.perf_counter(), set(range(len(prompts)))
+        self.num_in_flight += len(prompts)
+        try:
+            for key, (rid, (ids, text), p) in enumerate(zip(rids, prompts, params)):
+                self._commands.put(("add", rid, ids, text, p, _Live(sink, key, now)))
+            while left:
+                ev = await events.get()
+                if ev.result is not None or ev.error is not None:
+                    left.discard(ev.key)
+                yield ev
+        finally:
+            self.num_in_flight -= len(prompts)
+            for key in left:
+                self._commands.put(("abort", rids[key]))
+
+    # -- the worker thread -------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            block = not self.processor.has_unfinished()
+            commands = [self._commands.get()] if block else []
+            while True:
+                try:
+                    commands.append(self._commands.get_nowait())
+                except queue.Empty:
+                    break
+            for command in commands:
+                if command is _STOP:
+                    self._abort_all()
+                    return
+                self._apply(command)
+            if self.processor.has_unfinished():
+                self._step()
+            self._snapshot()
+
+    def _snapshot(self) -> None:
+        """Publish the engine's gauges: when idle, else at most every SNAPSHOT_INTERVAL_S (stats cost O(blocks))."""
+        now = time.perf_counter()
+        if not self.processor.has_unfinished() or now - self._snapshot_time >= SNAPSHOT_INTERVAL_S:
+            self.metrics.snapshot = EngineSnapshot.of(self.engine)
+            self._snapshot_time = now
+
+    def _apply(self, command: tuple) -> None:
+        if command[0] == "add":
+            _, rid, ids, text, params, live = command
+            try:
+                self.processor.add(rid, ids, params, text)
+            except Exception as e:  # PagedKVError: a bad request (400); anything else: a bug, still answered
+                _send(live, Event(live.key, [], error=e))
+                return
+            self._live[rid] = live
+        elif command[1] in self._live:  # abort of a request still running
+            self._live.pop(command[1])
+            try:
+                self.processor.abort(command[1])
+            except Exception:  # a bug; the loop must keep serving the others
+                log.exception("abort of %s failed", command[1])
+            self.num_aborted += 1
+
+    def _step(self) -> None:
+        try:
+            changed = self.processor.step()
+        except Exception as e:  # an engine bug: fail every live request, keep serving
+            log.exception("engine step failed")
+            self._abort_all(RuntimeError(f"engine step failed: {e}"))
+            return
+        now = time.perf_counter()
+        for req, deltas, done in changed:
+            live = self._live[req.request_id]
+            if live.first_token is None and any(d.token_ids for d in deltas):
+                live.first_token = now
+            result = req.result() if done else None
+            if done:
+                del self._live[req.request_id]
+                self._record(req, live, now)
+            _send(live, Event(live.key, deltas, result))
+
+    def _record(self, req: TextRequest, live: _Live, now: float) -> None:
+        outputs = list(req.samples.values())
+        self.metrics.record_finished(
+            reason=outputs[0].finish_reason if outputs else "abort", prompt_tokens=len(req.prompt_token_ids),
+            output_tokens=max((len(s.token_ids) for s in outputs), default=0), arrival=live.arrival,
+            first_token=live.first_token, finish=now,
+        )  # fmt: skip
+
+    def _abort_all(self, error: Exception | None = None) -> None:
+        for rid, live in list(self._live.items()):
+            try:
+                self.processor.abort(rid)
+            except Exception:  # after a failed step the engine may not know the request any more
+                self.processor.requests.pop(rid, None)
+            _send(live, Event(live.key, [], error=error or RuntimeError("the server is shutting down")))
+        self._live.clear()
+
+
+def _send(live: _Live, event: Event) -> None:
+    """Hand an event to its handler's event loop (gone if the server is shutting down)."""
+    try:
+        live.sink(event)
+    except RuntimeError:  # event loop closed
+        pass

@@ -1,0 +1,125 @@
+"""OpenAI response bodies from text deltas and results: completions and chat, whole and streamed.
+
+A request with ``P`` prompts and ``n`` samples each has ``P * n`` choices;
+choice ``key * n + index`` is sample ``index`` of prompt ``key``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from scheduler.entrypoints.output_processor import SampleDelta, TextCompletion, TextRequestOutput
+
+
+@dataclass
+class ResponseContext:
+    """What every body of one response shares: id, creation time, model, kind and formatting options."""
+
+    kind: str  # "completion" or "chat"
+    model: str
+    n: int
+    tokenizer: object
+    logprobs: int | None  # top log-probabilities per token; None: no logprobs block
+    id: str = field(default="")
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        self.id = self.id or f"{'cmpl' if self.kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
+
+    def head(self, *, chunk: bool) -> dict:
+        """The fields before ``choices``."""
+        chat = "chat.completion.chunk" if chunk else "chat.completion"
+        obj = "text_completion" if self.kind == "completion" else chat
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def token_text(self, token_id: int) -> str:
+        """A token's own text."""
+        return self.tokenizer.decode([token_id])
+
+    def logprobs_block(self, token_ids: list[int], logprobs: list[float], tops: list[dict[int, float]]) -> dict | None:
+        """The ``logprobs`` field of a choice for these tokens (OpenAI's completion or chat layout)."""
+        if self.logprobs is None:
+            return None
+        texts = [self.token_text(t) for t in token_ids]
+        top = [_top(d, self.logprobs) for d in tops] + [[]] * (len(token_ids) - len(tops))
+        if self.kind == "chat":
+            entries = []
+            for text, lp, tp in zip(texts, logprobs, top):
+                alternatives = [_chat_logprob(self.token_text(t), v) for t, v in tp]
+                entries.append({**_chat_logprob(text, lp), "top_logprobs": alternatives})
+            return {"content": entries}
+        offsets = [sum(len(s) for s in texts[:i]) for i in range(len(texts))]
+        tops_by_text = [{self.token_text(t): v for t, v in tp} for tp in top]
+        return {"tokens": texts, "token_logprobs": logprobs, "top_logprobs": tops_by_text, "text_offset": offsets}
+
+    # -- whole responses ---------------------------------------------------
+    def response(self, results: list[TextRequestOutput]) -> dict:
+        """The non-streamed body of a finished request."""
+        choices = [self._choice(key, c) for key, r in enumerate(results) for c in r.outputs]
+        return {**self.head(chunk=False), "choices": choices, "usage": usage(results)}
+
+    def _choice(self, key: int, c: TextCompletion) -> dict:
+        logprobs = self.logprobs_block(c.token_ids, c.logprobs, c.top_logprobs)
+        body = {"index": key * self.n + c.index, "logprobs": logprobs, "finish_reason": c.finish_reason}
+        if self.kind == "chat":
+            body["message"] = {"role": "assistant", "content": c.text}
+        else:
+            body["text"] = c.text
+        if c.stop_reason is not None:
+            body["stop_reason"] = c.stop_reason
+        return body
+
+    # -- streamed responses ------------------------------------------------
+    def chunk(self, key: int, d: SampleDelta, include_usage: bool) -> dict:
+        """A streamed chunk carrying one sample's delta."""
+        logprobs = self.logprobs_block(d.token_ids, d.logprobs, d.top_logprobs)
+        choice = {"index": key * self.n + d.index, "logprobs": logprobs, "finish_reason": d.finish_reason}
+        if self.kind == "chat":
+            choice["delta"] = {"content": d.text} if d.text else {}
+        else:
+            choice["text"] = d.text
+        return self._with_usage({**self.head(chunk=True), "choices": [choice]}, include_usage)
+
+    def role_chunk(self, index: int, include_usage: bool) -> dict:
+        """The first chunk of a streamed chat choice: the assistant role."""
+        delta = {"role": "assistant", "content": ""}
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+        return self._with_usage({**self.head(chunk=True), "choices": [choice]}, include_usage)
+
+    def usage_chunk(self, results: list[TextRequestOutput]) -> dict:
+        """The last chunk of a stream with ``stream_options.include_usage``."""
+        return {**self.head(chunk=True), "choices": [], "usage": usage(results)}
+
+    @staticmethod
+    def _with_usage(body: dict, include_usage: bool) -> dict:
+        if include_usage:
+            body["usage"] = None  # OpenAI sends null usage on every chunk but the last
+        return body
+
+
+def wants_chunk(d: SampleDelta, with_logprobs: bool) -> bool:
+    """Whether a delta is worth a chunk: new text, a finish, or tokens whose log-probabilities were asked for."""
+    return bool(d.text or d.finish_reason or (with_logprobs and d.token_ids))
+
+
+def usage(results: list[TextRequestOutput]) -> dict:
+    """OpenAI's usage block: prompt tokens counted once per prompt, every sample's tokens."""
+    prompt = sum(len(r.prompt_token_ids) for r in results)
+    completion = sum(len(c.token_ids) for r in results for c in r.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def sse(body: dict | str) -> str:
+    """One server-sent event."""
+    return f"data: {body if isinstance(body, str) else json.dumps(body)}\n\n"
+
+
+def _chat_logprob(text: str, logprob: float) -> dict:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+
+def _top(top: dict[int, float], k: int) -> list[tuple[int, float]]:
+    return sorted(top.items(), key=lambda kv: -kv[1])[:k]

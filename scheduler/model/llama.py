@@ -1,0 +1,231 @@
+"""A compact Llama-family decoder over packed variable-length batches and a paged KV cache.
+
+One forward runs every new token of a mixed prefill + decode batch: tokens are
+packed ``[T]``; each layer writes its K/V to the slots of the step and then
+attends through the block tables (causal within the new tokens, full over the
+cached prefix). Only the rows in ``logits_indices`` go through the LM head.
+Weights load from a transformers ``LlamaForCausalLM`` or its state dict
+(:mod:`scheduler.model.weights`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.attention_metadata import AttentionMetadata
+from kernels.chunk_attention import best_chunk_backend
+from paged_kv.errors import InvalidArgumentError, check_bool, check_int, check_real, check_type, describe
+from paged_kv.kv_cache import KVCacheSpec, PagedKVCache
+from scheduler.distributed.parallel_state import TPShard
+from scheduler.model.attention import AttentionPlan
+from scheduler.model.parallel_layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from scheduler.model.rope import RotaryEmbedding
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Shapes and constants of a Llama-family decoder."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: Mapping[str, object] | None = field(default=None, hash=False)
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "head_dim"):
+            check_int(name, getattr(self, name), low=1)
+        check_int("num_kv_heads", self.num_kv_heads, low=1, high=self.num_heads)
+        check_int("max_position_embeddings", self.max_position_embeddings, low=1)
+        check_real("rms_norm_eps", self.rms_norm_eps, low=0.0, open_low=True)
+        check_real("rope_theta", self.rope_theta, low=0.0, open_low=True)
+        check_bool("tie_word_embeddings", self.tie_word_embeddings)
+        check_bool("attention_bias", self.attention_bias)
+        if self.rope_scaling is not None:
+            check_type("rope_scaling", self.rope_scaling, Mapping, "a mapping (transformers' rope_scaling) or None")
+        if self.num_heads % self.num_kv_heads:
+            raise InvalidArgumentError(describe("num_kv_heads", self.num_kv_heads, f"a divisor of {self.num_heads}"))
+
+    @classmethod
+    def from_hf(cls, hf_config: object) -> ModelConfig:
+        """Read a transformers ``LlamaConfig`` (v4 ``rope_scaling`` or v5 ``rope_parameters``)."""
+        c = hf_config
+        if not all(hasattr(c, a) for a in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")):
+            raise InvalidArgumentError(describe("hf_config", type(c).__name__, "a transformers LlamaConfig"))
+        rope = dict(getattr(c, "rope_scaling", None) or getattr(c, "rope_parameters", None) or {})
+        theta = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        return cls(
+            vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+            num_layers=c.num_hidden_layers, num_heads=c.num_attention_heads,
+            num_kv_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads, head_dim=head_dim,
+            rms_norm_eps=c.rms_norm_eps, rope_theta=float(theta), rope_scaling=rope or None,
+            max_position_embeddings=c.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+            attention_bias=bool(getattr(c, "attention_bias", False)),
+        )  # fmt: skip
+
+
+def local_kv_heads(cfg: ModelConfig, shard: TPShard) -> int:
+    """KV heads one rank holds: ``num_kv_heads / size``, or one replicated head when there are fewer than ranks."""
+    start, end = shard.kv_heads(cfg.num_kv_heads, cfg.num_heads)
+    return end - start
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm, computed in float32."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, H] -> [T, H] in x's dtype."""
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """GQA self-attention reading and writing the paged KV cache of its layer (this rank's heads)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding, shard: TPShard) -> None:
+        super().__init__()
+        self.layer, self.rope = layer, rope
+        self.num_heads = cfg.num_heads // shard.size
+        self.num_kv_heads, self.head_dim = local_kv_heads(cfg, shard), cfg.head_dim
+        q_size, kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
+        self.split = (q_size, kv_size, kv_size)
+        self.qkv = ColumnParallelLinear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
+        self.o = RowParallelLinear(q_size, cfg.hidden_size, shard=shard)
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache, plan: AttentionPlan):
+        """x: [T, hidden] -> [T, hidden]."""
+        q, k, v = self.qkv(x).split(self.split, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rope(positions, q, k)
+        kv = cache.layers[self.layer]
+        v = v.contiguous()
+        plan.write(kv, k, v)
+        out = plan.attend(q.contiguous(), k, v, kv, self.scale)  # [T, Hq, D]
+        return self.o(out.reshape(out.shape[0], -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), over this rank's intermediate rows."""
+
+    def __init__(self, cfg: ModelConfig, shard: TPShard) -> None:
+        super().__init__()
+        inter = cfg.intermediate_size // shard.size
+        self.gate_up = ColumnParallelLinear(cfg.hidden_size, 2 * inter, bias=False)
+        self.down = RowParallelLinear(inter, cfg.hidden_size, shard=shard)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden]."""
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP blocks with residuals."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding, shard: TPShard) -> None:
+        super().__init__()
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, layer, rope, shard)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, shard)
+
+    def forward(self, x, positions, cache, plan) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden]."""
+        x = x + self.attn(self.input_norm(x), positions, cache, plan)
+        return x + self.mlp(self.post_attn_norm(x))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers, final norm and LM head over packed tokens.
+
+    With ``shard=TPShard(rank, size)`` the model holds one tensor-parallel shard (its heads,
+    intermediate rows and vocabulary rows; see :mod:`scheduler.model.parallel_layers`) and every
+    rank of the group must run each forward together. ``config`` stays the whole model's.
+    """
+
+    def __init__(self, cfg: ModelConfig, shard: TPShard | None = None) -> None:
+        check_type("cfg", cfg, ModelConfig, "a ModelConfig")
+        check_type("shard", shard, (TPShard, type(None)), "a TPShard or None")
+        super().__init__()
+        shard = shard or TPShard()
+        self.config, self.shard = cfg, shard
+        shard.split(cfg.intermediate_size, "intermediate_size")
+        shard.kv_heads(cfg.num_kv_heads, cfg.num_heads)  # checks the heads split evenly
+        rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, shard=shard)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope, shard) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, shard=shard)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.chunk_backend: str | None = None  # dense kernel of fresh prefill chunks; None: paged kernels only
+
+    def enable_chunk_attention(self, enabled: bool = True) -> str | None:
+        """Probe (once per geometry; reads device values) the dense kernel fresh prefill chunks use, or turn it off."""
+        check_bool("enabled", enabled)
+        attn, weight = self.layers[0].attn, self.embed.weight
+        geometry = (weight.device, weight.dtype, attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        self.chunk_backend = best_chunk_backend(*geometry) if enabled else None
+        return self.chunk_backend
+
+    def kv_cache_spec(self, block_size: int, dtype: torch.dtype | None = None) -> KVCacheSpec:
+        """The paged cache geometry this model (this shard: its KV heads only) writes."""
+        cfg = self.config
+        return KVCacheSpec(
+            num_layers=cfg.num_layers, num_kv_heads=local_kv_heads(cfg, self.shard), head_dim=cfg.head_dim,
+            block_size=block_size, dtype=dtype or self.embed.weight.dtype,
+        )  # fmt: skip
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids, positions, cache: PagedKVCache, meta: AttentionMetadata, logits_indices=None
+    ) -> torch.Tensor:
+        """input_ids, positions: [T]; logits_indices: [R] rows to score (None: all) -> logits [R, vocab] float32."""
+        x = self.hidden_states(input_ids, positions, cache, meta)  # [T, hidden]
+        return self.compute_logits(x if logits_indices is None else x[logits_indices])
+
+    @torch.inference_mode()
+    def hidden_states(self, input_ids, positions, cache: PagedKVCache, meta: AttentionMetadata) -> torch.Tensor:
+        """The decoder layers over packed tokens: input_ids, positions [T] -> [T, hidden].
+
+        Reads no device value on the host, so a decode step's call can be captured in a CUDA graph.
+        """
+        x = self.embed(input_ids)  # [T, hidden]
+        plan = AttentionPlan(meta, self.chunk_backend)
+        for layer in self.layers:
+            x = layer(x, positions, cache, plan)
+        return x
+
+    @torch.inference_mode()
+    def compute_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head: hidden states [R, hidden] -> logits [R, vocab] float32."""
+        return self.lm_head(self.norm(x)).float()

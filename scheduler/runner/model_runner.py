@@ -1,0 +1,70 @@
+"""The model runner: block moves, then one forward of a prepared step (replayed from a CUDA graph when it can).
+
+A step arrives as a :class:`~scheduler.runner.step_input.StepInput` of device tensors and
+(src, dst) block lists, the only thing a worker needs: a tensor-parallel runner would
+receive exactly this. :class:`ModelRunner` applies the block moves owed before the
+step's writes, in the order swap-out, swap-in, copy-on-write, then runs the model once
+over the whole mixed prefill + decode batch and returns the sampled rows' logits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from paged_kv.block_manager import CopyOp
+from paged_kv.kv_cache import PagedKVCache
+from scheduler.model.llama import LlamaModel
+from scheduler.runner.cuda_graphs import DecodeGraphs
+from scheduler.runner.step_input import StepInput
+
+
+def order_free_batches(pairs: list[CopyOp]) -> list[list[CopyOp]]:
+    """Split copies into batches that can each run in any order and, run in turn, equal the list run in order."""
+    batches: list[list[CopyOp]] = []
+    srcs: set[int] = set()
+    dsts: set[int] = set()
+    for src, dst in pairs:
+        if not batches or src in dsts or dst in srcs or dst in dsts:
+            batches.append([])
+            srcs, dsts = set(), set()
+        batches[-1].append((src, dst))
+        srcs.add(src)
+        dsts.add(dst)
+    return batches
+
+
+class ModelRunner:
+    """Owns the model and its GPU (and CPU swap) KV pools; runs prepared steps."""
+
+    def __init__(
+        self, model: LlamaModel, gpu_cache: PagedKVCache, cpu_cache: PagedKVCache | None = None, *, chunk_attention=True
+    ) -> None:
+        model.enable_chunk_attention(chunk_attention)  # probes once, before any step (the hot path reads nothing)
+        self.model = model
+        self.gpu_cache = gpu_cache
+        self.cpu_cache = cpu_cache
+        self.graphs: DecodeGraphs | None = None
+
+    def capture_graphs(self, max_num_seqs: int, width: int) -> DecodeGraphs:
+        """Capture decode graphs for batches up to ``max_num_seqs`` and block tables up to ``width`` (CUDA only)."""
+        self.graphs = DecodeGraphs(self.model, self.gpu_cache, max_num_seqs, width)
+        self.graphs.capture()
+        return self.graphs
+
+    def execute(self, step: StepInput) -> torch.Tensor:
+        """Apply the step's block moves, run the model, return logits ``[R, vocab]`` float32."""
+        self.move_blocks(step.swap_out, step.swap_in, step.copies)
+        if step.num_tokens == 0:
+            return torch.empty(0, self.model.config.vocab_size, device=self.gpu_cache.device)
+        if self.graphs is not None and self.graphs.can_run(step):
+            return self.graphs.run(step)
+        return self.model(step.input_ids, step.positions, self.gpu_cache, step.meta, step.logits_indices)
+
+    def move_blocks(self, swap_out: list[CopyOp], swap_in: list[CopyOp], copies: list[CopyOp]) -> None:
+        """Run swaps and copy-on-write copies, in that order (each reads blocks before they are reused)."""
+        if swap_out:
+            self.cpu_cache.swap_from(self.gpu_cache, swap_out)
+        if swap_in:
+            self.gpu_cache.swap_from(self.cpu_cache, swap_in)
+        for batch in order_free_batches(copies):
+            self.gpu_cache.copy_blocks(batch)

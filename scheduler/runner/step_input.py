@@ -1,0 +1,189 @@
+"""A scheduled step as device inputs: built on the host from Python ints, one host->device copy.
+
+:class:`StepInputBuilder` runs in the driver. It reads the block manager's tables into
+persistent rows (:mod:`scheduler.runner.block_tables`), computes positions, slots and lengths
+with numpy, and uploads them in one pinned, non-blocking copy. A decode step whose request
+sequences share long prefixes (forks of one request, or requests whose prompts hit the same
+cached blocks) also gets a cascade plan (:mod:`scheduler.runner.cascade_plan`), planned from the host
+mirror of the tables; its index arrays travel in the same copy. The result, a
+:class:`StepInput`, carries prepared attention metadata: nothing downstream reads a
+device value back (the model's forward can be captured in a CUDA graph).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from kernels.attention_metadata import AttentionMetadata, host_positions, host_slot_mapping, offsets
+from kernels.cascade_attention import CascadeArrays, build_cascade_metadata, cascade_host_arrays
+from paged_kv.block_manager import BlockManager, CopyOp
+from scheduler.core.scheduler_output import SchedulerOutput
+from scheduler.runner.block_tables import BlockTables, DeviceRows
+from scheduler.runner.cascade_plan import may_share, plan_cascade
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class StepInput:
+    """Everything a worker needs for one step: device tensors, prepared metadata and block moves."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata  # block tables, seq lens, cu_seqlens_q, slot mapping + host sizes
+    logits_indices: torch.Tensor  # [R] int64 rows of the packed batch whose logits are sampled
+    swap_out: list[CopyOp]
+    swap_in: list[CopyOp]
+    copies: list[CopyOp]
+
+    @property
+    def num_tokens(self) -> int:
+        """Packed new tokens."""
+        return self.input_ids.shape[0]
+
+    @property
+    def num_sampled(self) -> int:
+        """Rows of logits the step returns."""
+        return self.logits_indices.shape[0]
+
+
+class Uploader:
+    """Host->device copies through a reused pinned buffer (plain tensors when the device is the CPU)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._pinned = torch.empty(0, dtype=torch.int64)
+        self._done: torch.cuda.Event | None = None
+
+    def upload(self, values: np.ndarray) -> torch.Tensor:
+        """An int64 device copy of ``values`` (non-blocking on CUDA)."""
+        host = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        if self._done is not None and not self._done.query():
+            self._done.synchronize()  # the last copy out of the buffer must finish (the step's sync made it so)
+        if self._pinned.numel() < host.numel():
+            self._pinned = torch.empty(max(host.numel(), 2 * self._pinned.numel()), dtype=torch.int64).pin_memory()
+        staged = self._pinned[: host.numel()]
+        staged.copy_(host)
+        out = staged.to(self.device, non_blocking=True)
+        self._done = torch.cuda.Event()
+        self._done.record()
+        return out
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class StepPayload:
+    """A step on the host: what any rank needs to rebuild the same :class:`StepInput` on its own device.
+
+    ``flat`` holds, one after the other (lengths in ``sizes``): token ids, positions, slots,
+    sequence lengths, cu_seqlens_q, table rows, logits rows, and the block-table updates
+    (rows, columns, ids), then a cascade step's index arrays (``cascade.parts()``).
+    Tensor-parallel workers receive it by broadcast.
+    """
+
+    flat: np.ndarray  # [sum(sizes)] int64
+    sizes: tuple[int, ...]
+    host_seq_lens: np.ndarray  # [S] int64
+    host_query_lens: np.ndarray  # [S] int64
+    max_seq_len: int
+    num_blocks: int  # blocks of the GPU pool (the kernels' bound on block ids)
+    table_rows: int  # rows of the persistent block tables (a worker grows its copy to match)
+    swap_out: list[CopyOp]
+    swap_in: list[CopyOp]
+    copies: list[CopyOp]
+    cascade: CascadeArrays | None = None  # a decode step attended as cascade (shared prefixes once per group)
+
+
+class StepMaterializer:
+    """Uploads a :class:`StepPayload` and gathers its block tables from persistent device rows."""
+
+    def __init__(self, rows: DeviceRows, device: torch.device, block_size: int) -> None:
+        self.rows, self.device, self.block_size = rows, device, block_size
+        self._uploader = Uploader(device)
+
+    def materialize(self, p: StepPayload) -> StepInput:
+        """The step's device tensors and prepared metadata (one host->device copy)."""
+        bs = self.block_size
+        self.rows.grow_to(p.table_rows)
+        flat = self._uploader.upload(p.flat)
+        ids_t, pos_t, slots_t, lens_t, cu_t, rows_t, logits_t, u_rows, u_cols, u_ids, *cascade_t = flat.split(p.sizes)
+        self.rows.apply_updates(u_rows, u_cols, u_ids)
+        width = max(1, -(-p.max_seq_len // bs))
+        meta = AttentionMetadata(
+            block_tables=self.rows.table[:, :width].index_select(0, rows_t), seq_lens=lens_t.to(torch.int32),
+            cu_seqlens_q=cu_t.to(torch.int32), slot_mapping=slots_t, host_seq_lens=p.host_seq_lens,
+            host_query_lens=p.host_query_lens, block_size=bs, num_blocks=p.num_blocks,
+            max_seq_len=p.max_seq_len, max_query_len=int(p.host_query_lens.max(initial=0)),
+        )  # fmt: skip
+        if p.cascade is not None:
+            meta = replace(meta, cascade=build_cascade_metadata(p.cascade, cascade_t, meta))
+        return StepInput(
+            input_ids=ids_t, positions=pos_t, meta=meta, logits_indices=logits_t,
+            swap_out=p.swap_out, swap_in=p.swap_in, copies=p.copies,
+        )  # fmt: skip
+
+
+class StepInputBuilder:
+    """Builds each step's :class:`StepInput` from the scheduler's decisions and the block manager."""
+
+    def __init__(
+        self, bm: BlockManager, device: torch.device, max_blocks_per_seq: int, cascade: bool = False,
+        min_saved_tokens: int = 0,
+    ) -> None:  # fmt: skip
+        self.bm, self.device, self.cascade = bm, device, cascade
+        self.min_saved_tokens = min_saved_tokens  # K/V tokens a cascade step must save (see scheduler.runner.cascade_plan)
+        self.tables = BlockTables(bm, max_blocks_per_seq, device)
+        self.materializer = StepMaterializer(self.tables.device_rows, device, bm.block_size)
+
+    def release(self, seq_id: int) -> None:
+        """Forget a sequence's table row (call when its blocks are freed or moved)."""
+        self.tables.release(seq_id)
+
+    def build(self, out: SchedulerOutput) -> StepInput:
+        """Sync the step's table rows, compute its tensors on the host, upload them in one copy."""
+        return self.materializer.materialize(self.build_payload(out))
+
+    def build_payload(self, out: SchedulerOutput) -> StepPayload:
+        """Sync the step's table rows and compute everything the step needs on the host."""
+        for group in out.preempted:
+            for seq in group.seqs:
+                self.tables.release(seq.seq_id)
+        items = out.scheduled
+        n = len(items)
+        computed = np.fromiter((s.start for s in items), np.int64, n)
+        new = np.fromiter((s.num_tokens for s in items), np.int64, n)
+        seq_lens = computed + new  # [S]
+        samples = seq_lens == np.fromiter((s.seq.num_tokens for s in items), np.int64, n)
+        rows = self.tables.sync_all([s.seq.seq_id for s in items], seq_lens, force=bool(out.copies))
+        ids = [t for s in items for t in s.seq.token_ids[s.start : s.start + s.num_tokens]]
+        cascade = self._plan_cascade(rows, new, seq_lens)
+        return self._pack(out, rows, computed, new, seq_lens, samples, ids, cascade)
+
+    def _plan_cascade(self, rows, new, seq_lens) -> CascadeArrays | None:
+        """The step's cascade arrays when it is a decode step whose sequences share enough blocks, else None."""
+        if not self.cascade or len(new) < 2 or (new != 1).any():
+            return None
+        bs = self.bm.block_size
+        if not may_share(self.tables.host, rows, seq_lens, bs, min_saved_tokens=self.min_saved_tokens):
+            return None  # one column of the mirror and the lengths: no sharing, or too little to pay
+        tables = self.tables.host[rows, : -(-int(seq_lens.max()) // bs)]  # [S, W] host mirror, current for the step
+        plan = plan_cascade(tables, seq_lens, bs, min_saved_tokens=self.min_saved_tokens)
+        if not plan.pays:
+            return None
+        return cascade_host_arrays(tables, seq_lens, plan.seq_groups, plan.prefix_lens, bs)
+
+    def _pack(self, out, rows, computed, new, seq_lens, samples, ids, cascade: CascadeArrays | None) -> StepPayload:
+        cu = offsets(new)
+        seq_of_token, positions = host_positions(computed, new, cu)  # [T], [T]
+        slots = host_slot_mapping(self.tables.host, rows, seq_of_token, positions, self.bm.block_size)
+        upd_rows, upd_cols, upd_ids = self.tables.take_updates()
+        parts = [np.asarray(ids, dtype=np.int64), positions, slots, seq_lens, cu, rows, cu[1:][samples] - 1,
+                 upd_rows, upd_cols, upd_ids, *(cascade.parts() if cascade else [])]  # fmt: skip
+        return StepPayload(
+            flat=np.concatenate(parts), sizes=tuple(len(p) for p in parts), host_seq_lens=seq_lens,
+            host_query_lens=new, max_seq_len=int(seq_lens.max(initial=0)), num_blocks=self.bm.gpu.num_blocks,
+            table_rows=self.tables.host.shape[0],
+            swap_out=out.swap_out, swap_in=out.swap_in, copies=out.copies, cascade=cascade,
+        )  # fmt: skip

@@ -1,6 +1,0 @@
-"""The OpenAI-compatible HTTP server: FastAPI app, async engine loop, Prometheus metrics."""
-
-from scheduler.server.app import build_app
-from scheduler.server.async_engine import AsyncEngine
-
-__all__ = ["AsyncEngine", "build_app"]
