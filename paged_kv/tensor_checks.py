@@ -9,12 +9,12 @@ index arrays (numpy, lists of ints) are checked here too (``check_host_ints``).
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
 
-from paged_kv.errors import InvalidArgumentError, OutOfRangeError, describe
+from paged_kv.errors import InvalidArgumentError, OutOfRangeError, PagedKVError, describe
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
@@ -44,10 +44,18 @@ def check_tensor(
     return t
 
 
-def check_shape(name: str, t: torch.Tensor, expected: tuple[int, ...]) -> None:
-    """Check an exact shape."""
-    if tuple(t.shape) != tuple(expected):
-        raise InvalidArgumentError(describe(f"{name}.shape", tuple(t.shape), f"{tuple(expected)}"))
+def check_shape(
+    name: str, t: torch.Tensor, expected: Sequence[int | None], *, error: type[PagedKVError] = InvalidArgumentError
+) -> None:
+    """Check a shape: exact, or with None matching any size (shown as ``*``); ``error`` is the class raised."""
+    got = tuple(t.shape)
+    if got == tuple(expected):
+        return
+    if None not in expected:
+        raise error(describe(f"{name}.shape", got, f"{tuple(expected)}"))
+    if len(got) != len(expected) or any(w is not None and g != w for g, w in zip(got, expected)):
+        pattern = ", ".join("*" if w is None else str(w) for w in expected)
+        raise error(describe(f"{name}.shape", list(got), f"shape [{pattern}]"))
 
 
 def check_range(name: str, t: torch.Tensor, low: int, high: int) -> None:

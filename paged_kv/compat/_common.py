@@ -18,12 +18,12 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from paged_kv.tensor_checks import check_device
+from paged_kv.tensor_checks import check_device, check_shape
 from paged_kv.compat.pool import KVPool, PagedSeq
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError, PagedKVError, check_int, describe
 
 ErrorType = type[PagedKVError]
-Shape = Sequence[int | None]  # None matches any size
+Shape = Sequence[int | None]  # None matches any size (tensor_checks.check_shape)
 
 _NUMPY_NUMERIC = "fiu"  # float, signed int, unsigned int
 
@@ -75,15 +75,6 @@ def _to_torch(name: str, x: object, error: ErrorType) -> torch.Tensor:
     return torch.from_numpy(np.array(arr, dtype=arr.dtype if native else np.float64, order="C", copy=True))
 
 
-def check_shape(name: str, t: torch.Tensor, shape: Shape, *, error: ErrorType = InvalidArgumentError) -> None:
-    """Raise unless ``t`` has ``len(shape)`` dims matching ``shape`` (None matches any size)."""
-    got = tuple(t.shape)
-    ok = len(got) == len(shape) and all(want is None or g == want for g, want in zip(got, shape))
-    if not ok:
-        pretty = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-        raise error(describe(f"{name}.shape", list(got), f"shape {pretty}"))
-
-
 def check_finite(name: str, t: torch.Tensor, *, error: ErrorType = InvalidArgumentError) -> None:
     """Raise unless every element of ``t`` is finite (no NaN, no infinity)."""
     if t.is_floating_point() and not bool(torch.isfinite(t).all()):
@@ -106,11 +97,6 @@ def check_index(
         raise error(describe(name, value, f"an integer in [0, {size})")) from None
     except InvalidArgumentError as exc:  # not an integer at all
         raise type_error(str(exc)) from None
-
-
-def check_count(name: str, value: object, *, low: int = 0) -> int:
-    """Return ``value`` if it is an int ``>= low`` (sizes, lengths, amounts), else raise."""
-    return check_int(name, value, low=low)
 
 
 def check_between(name: str, value: object, low: int, high: int) -> int:

@@ -18,10 +18,11 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from paged_kv.compat._common import as_tensor, check_between, check_finite, check_shape, make_pool, to_numpy
+from paged_kv.compat._common import as_tensor, check_between, check_finite, make_pool, to_numpy
 from paged_kv.compat.pool import KVPool, PagedSeq
 from paged_kv.compat.turboquant import SEED_MODULUS, KvCacheConfig, TurboQuantizer
 from paged_kv.errors import InvalidArgumentError, check_bool, check_int, describe
+from paged_kv.tensor_checks import check_shape
 
 MAX_HEADS = 4096  # head h of a multi-head cache is seeded (seed + h) mod 2**64
 

@@ -26,10 +26,10 @@ import safetensors.numpy
 import torch
 
 from paged_kv.compat._common import (
-    as_vector, check_count, check_index, extend_zeroed, make_pool, readonly, to_numpy,
+    as_vector, check_index, extend_zeroed, make_pool, readonly, to_numpy,
 )
 from paged_kv.compat.pool import KVPool, PagedSeq
-from paged_kv.errors import InvalidArgumentError, OutOfRangeError, describe
+from paged_kv.errors import InvalidArgumentError, OutOfRangeError, check_int, describe
 
 __all__ = ["KvCache", "KvCacheAccess", "KvCacheSnapshot", "KvStatePayload"]
 
@@ -104,9 +104,9 @@ class KvStatePayload:
     values: Sequence[np.ndarray]
 
     def __post_init__(self) -> None:
-        check_count("num_layers", self.num_layers, low=1)
-        check_count("kv_dim", self.kv_dim, low=1)
-        check_count("seq_len", self.seq_len)
+        check_int("num_layers", self.num_layers, low=1)
+        check_int("kv_dim", self.kv_dim, low=1)
+        check_int("seq_len", self.seq_len)
         size = self.seq_len * self.kv_dim
         for name in ("keys", "values"):
             rows = _layer_list(name, getattr(self, name), self.num_layers)
@@ -168,11 +168,11 @@ class KvCache(KvCacheAccess):
         block_size: int | None = None,
         device: str | torch.device | None = None,
     ) -> None:
-        self._max_seq_len = check_count("max_seq_len", max_seq_len)
-        self._kv_dim = check_count("kv_dim", kv_dim, low=1)
+        self._max_seq_len = check_int("max_seq_len", max_seq_len)
+        self._kv_dim = check_int("kv_dim", kv_dim, low=1)
         pool_heads = pool.spec.num_kv_heads if isinstance(pool, KVPool) else 1
         heads = num_kv_heads if num_kv_heads is not None else pool_heads
-        heads = check_count("num_kv_heads", heads, low=1)
+        heads = check_int("num_kv_heads", heads, low=1)
         if kv_dim % heads:
             raise InvalidArgumentError(describe("num_kv_heads", heads, f"a divisor of kv_dim={kv_dim}"))
         self._pool = make_pool(pool, num_layers=num_layers, num_kv_heads=heads, head_dim=kv_dim // heads,
@@ -238,7 +238,7 @@ class KvCache(KvCacheAccess):
 
     def truncate(self, n: int) -> None:
         """Keep the first ``min(n, seq_len())`` tokens (never extends); whole pages past them go back."""
-        n = check_count("n", n)
+        n = check_int("n", n)
         if n < self._len:
             self._seq.truncate(n)
             self._len = n
@@ -309,7 +309,7 @@ class KvCache(KvCacheAccess):
 
     def _restore(self, keys: object, values: object, seq_len: object, prefix: str) -> None:
         """Check everything, write it into a fresh sequence, then swap it in (all or nothing)."""
-        seq_len = check_count(f"{prefix}seq_len", seq_len)
+        seq_len = check_int(f"{prefix}seq_len", seq_len)
         if seq_len > self._max_seq_len:
             raise OutOfRangeError(describe(f"{prefix}seq_len", seq_len, f"at most max_seq_len={self._max_seq_len}"))
         rows = {}

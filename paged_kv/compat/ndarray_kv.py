@@ -13,9 +13,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from paged_kv.compat._common import as_tensor, check_count, check_index, make_pool, readonly, to_numpy
+from paged_kv.compat._common import as_tensor, check_index, make_pool, readonly, to_numpy
 from paged_kv.compat.pool import KVPool
-from paged_kv.errors import InvalidArgumentError, OutOfRangeError, PagedKVError, describe
+from paged_kv.errors import InvalidArgumentError, OutOfRangeError, PagedKVError, check_int, describe
 
 __all__ = ["KvCache", "KvCacheError", "InvalidArgument", "ShapeMismatch", "LayerOutOfBounds", "CapacityExceeded"]
 
@@ -54,8 +54,8 @@ class KvCache:
         block_size: int | None = None,
         device: str | torch.device | None = None,
     ) -> None:
-        self._max_seq_len = check_count("max_seq_len", max_seq_len)
-        check_count("num_heads", num_heads, low=1)  # the pool would name it num_kv_heads
+        self._max_seq_len = check_int("max_seq_len", max_seq_len)
+        check_int("num_heads", num_heads, low=1)  # the pool would name it num_kv_heads
         self._pool = make_pool(
             pool, num_layers=num_layers, num_kv_heads=num_heads, head_dim=head_dim,
             dtype=torch.float64, block_size=block_size, device=device,

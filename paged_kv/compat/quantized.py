@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from paged_kv.compat._common import (
-    as_vector, check_count, check_finite, check_index, extend_zeroed, make_pool, readonly, to_numpy,
+    as_vector, check_finite, check_index, extend_zeroed, make_pool, readonly, to_numpy,
 )
 from paged_kv.compat.pool import KVPool
 from paged_kv.errors import InvalidArgumentError, check_int, describe
@@ -90,7 +90,7 @@ class QuantizedKVCache:
         device: str | torch.device | None = None,
     ) -> None:
         self._format = _as_format(format)
-        self._max_seq_len = check_count("max_seq_len", max_seq_len)
+        self._max_seq_len = check_int("max_seq_len", max_seq_len)
         self._pool = make_pool(pool, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                dtype=self._format.dtype, block_size=block_size, device=device)
         self._num_layers = num_layers
@@ -222,7 +222,7 @@ class QuantizedKVCache:
 
     def truncate(self, new_len: int) -> None:
         """Keep positions ``[0, min(new_len, seq_len))`` (never extends); whole pages past them go back."""
-        new_len = check_count("new_len", new_len)
+        new_len = check_int("new_len", new_len)
         if new_len < self._len:
             self._keep(new_len)
             self._dirty = min(max(self._dirty, self._len), self._capacity)
@@ -234,7 +234,7 @@ class QuantizedKVCache:
         Whole leading pages go back to the pool and no data moves. ``amount >= seq_len``
         empties the cache; ``amount == 0`` changes nothing.
         """
-        amount = check_count("amount", amount)
+        amount = check_int("amount", amount)
         if amount >= self._len:
             self.reset()
         elif amount:  # whole pages of dead slots go back; fewer than one page stay as the offset
