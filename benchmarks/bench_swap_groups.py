@@ -3,7 +3,7 @@
 A tiny random Llama (ours; 2 layers, hidden 64; the block traffic does not depend on the weights) serves,
 under a GPU pool too small for all requests at once and ``preemption_mode="swap"``:
 beam search of width 4, and sampling with ``n = 4``. Each workload runs twice in the same process:
-with the scheduler's group swap (``swap_out_group`` / ``swap_in_group``: each block a group shares
+with the scheduler's group swap (``swap_out`` / ``swap_in`` of the group: each block a group shares
 moves once and stays shared) and with the earlier behaviour (one ``swap_out`` / ``swap_in`` per
 sequence, shared blocks counted and copied per sequence), restored by patching the manager. The
 outputs must be identical; printed are the engine steps, the swap preemptions, the blocks copied
@@ -66,18 +66,18 @@ def make_engine(model: LlamaModel) -> LLMEngine:
 def per_sequence(bm: BlockManager) -> None:
     """Make the group calls behave as the scheduler's swaps did before: one sequence at a time."""
     tables = lambda ids: sum(len(bm.block_table(i)) for i in ids)  # noqa: E731  (shared blocks counted per sequence)
-    bm.can_swap_out_group = lambda ids: tables(ids) <= bm.cpu.num_free
-    bm.can_swap_in_group = lambda ids: bm.gpu.num_free - tables(ids) >= bm.config.watermark_blocks
-    bm.swap_out_group = lambda ids: [c for i in ids for c in BlockManager.swap_out_group(bm, [i])]
-    bm.swap_in_group = lambda ids: [c for i in ids for c in BlockManager.swap_in_group(bm, [i])]
+    bm.can_swap_out = lambda ids: tables(ids) <= bm.cpu.num_free
+    bm.can_swap_in = lambda ids: bm.gpu.num_free - tables(ids) >= bm.config.watermark_blocks
+    bm.swap_out = lambda ids: [c for i in ids for c in BlockManager.swap_out(bm, [i])]
+    bm.swap_in = lambda ids: [c for i in ids for c in BlockManager.swap_in(bm, [i])]
 
 
 def logged(bm: BlockManager) -> SwapLog:
     """Record every swap the scheduler makes through ``bm``'s group calls."""
-    log, swap_out, swap_in = SwapLog(), bm.swap_out_group, bm.swap_in_group
+    log, swap_out, swap_in = SwapLog(), bm.swap_out, bm.swap_in
 
     def out(ids):
-        log.held_before.append(bm.num_distinct_blocks(ids))
+        log.held_before.append(distinct_blocks(bm, ids))
         copies = swap_out(ids)
         log.out_blocks += len(copies)
         return copies
@@ -85,11 +85,16 @@ def logged(bm: BlockManager) -> SwapLog:
     def back(ids):
         copies = swap_in(ids)
         log.in_blocks += len(copies)
-        log.held_after.append(bm.num_distinct_blocks(ids))
+        log.held_after.append(distinct_blocks(bm, ids))
         return copies
 
-    bm.swap_out_group, bm.swap_in_group = out, back
+    bm.swap_out, bm.swap_in = out, back
     return log
+
+
+def distinct_blocks(bm: BlockManager, ids: list[int]) -> int:
+    """Blocks the sequences hold together, each shared block counted once."""
+    return len({b for i in ids for b in bm.block_table(i)})
 
 
 def prompts() -> list[list[int]]:
@@ -108,8 +113,8 @@ def shared_group_example(grouped: bool) -> tuple[int, int, int]:
     if not grouped:
         per_sequence(bm)
     ids = list(range(WIDTH))
-    out, back = len(bm.swap_out_group(ids)), len(bm.swap_in_group(ids))
-    return out, back, BlockManager.num_distinct_blocks(bm, ids)
+    out, back = len(bm.swap_out(ids)), len(bm.swap_in(ids))
+    return out, back, distinct_blocks(bm, ids)
 
 
 def run(model: LlamaModel, workload: str, grouped: bool) -> tuple[list, SwapLog, int, int]:

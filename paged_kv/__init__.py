@@ -1,6 +1,7 @@
 """paged-kv: a paged KV-cache manager for LLM inference."""
 
-from paged_kv.block_manager import BlockManager, CopyOp, SeqId
+from paged_kv.block_hash import BlockHashes
+from paged_kv.block_manager import RELEASED, Admission, BlockManager, CopyOp, SeqId, TableEntry
 from paged_kv.config import BlockManagerConfig
 from paged_kv.errors import (
     DuplicateSequenceError,
@@ -15,7 +16,8 @@ from paged_kv.errors import (
 from paged_kv.stats import BlockManagerStats
 
 __all__ = [
-    "BlockManager", "BlockManagerConfig", "BlockManagerStats", "CopyOp", "SeqId",
+    "BlockManager", "BlockManagerConfig", "BlockManagerStats", "BlockHashes", "Admission", "CopyOp", "SeqId",
+    "TableEntry", "RELEASED",
     "PagedKVError", "InvalidArgumentError", "OutOfRangeError", "OutOfBlocksError",
     "UnknownSequenceError", "DuplicateSequenceError", "SequenceStateError", "WorkerError",
 ]

@@ -2,63 +2,98 @@
 
 A sequence's block table maps its logical blocks to physical blocks of the GPU
 pool (or, while swapped out, of the CPU pool). Full blocks are content-hashed
-and shared through the prefix cache; ``fork`` shares every block of a parent.
+and shared through the prefix cache; ``fork`` shares the blocks of a parent's prefix.
 A write into a block whose refcount is > 1 gets a fresh block and returns the
 (src, dst) copy it owes, which the caller runs on the device before the write.
+The engine's interface is here; the facades' edits by position are the
+:class:`~paged_kv.positional_edits.PositionalEdits` mixin.
 
 Every method that raises leaves the manager exactly as it was: each one first
 computes what it needs, checks it, and only then mutates.
+
+The table journal (``track_changes=True``) records, in order, every block-table entry an
+operation sets as ``(seq_id, index, block)``, and ``(seq_id, RELEASED, RELEASED)`` when a
+sequence's table is gone (freed or swapped out). Entries a truncation drops are not
+recorded: a reader never reads a table past the sequence's blocks. So replaying the journal
+from the start onto empty rows gives every resident sequence's table as a prefix of its row.
 """
 
 from __future__ import annotations
 
-import functools
 from array import array
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
-from paged_kv.block_hash import BlockHash, block_bytes, hash_blocks, root_hash
+from paged_kv.block_hash import BlockHash, BlockHashes, salt_root
 from paged_kv.block_pool import BlockId, BlockPool, InvariantError
-from paged_kv.config import MAX_BLOCKS, BlockManagerConfig
+from paged_kv.config import BlockManagerConfig
 from paged_kv.errors import (
     DuplicateSequenceError,
     InvalidArgumentError,
     OutOfBlocksError,
     SequenceStateError,
     UnknownSequenceError,
+    check_bool,
     check_int,
     check_type,
     describe,
 )
+from paged_kv.positional_edits import PositionalEdits
 from paged_kv.stats import BlockManagerStats, HitCounter
 from paged_kv.tokens import Tokens, as_token_array
 
 SeqId = Hashable
 CopyOp = tuple[BlockId, BlockId]  # (src, dst)
-TableChange = tuple[Hashable, int, BlockId]  # (seq_id, logical index, new physical block)
-ROOT_CACHE_SIZE = 1024  # root hashes kept for recently used cache salts
+TableEntry = tuple[SeqId, int, BlockId]  # (seq_id, logical index, physical block), or a release
+RELEASED = -1  # index and block of the journal entry that says a sequence's table is gone
 
 
 @dataclass(slots=True)
 class _Seq:
-    """Per-sequence state. While ``cacheable``: ``full`` holds the int64 token bytes of each full
-    block, ``hashes`` their chained hashes and ``tail`` the ids past the last full block.
-    ``root`` is the parent hash of ``hashes[0]``: the salt's root until ``drop_front``."""
+    """Per-sequence state.
+
+    ``hashes`` describes the ids of a cacheable sequence (every slot holds the KV of the id it
+    was given) and may cover more (a caller's object, ahead of the sequence); None otherwise.
+    ``frozen``: once a sequence stops being cacheable, a private copy of the records of the
+    full blocks it had, cut by later edits, that ``swap_in`` offers to the prefix cache again.
+    """
 
     blocks: list[BlockId]
     num_tokens: int
-    root: BlockHash
-    cacheable: bool
-    full: list[bytes] = field(default_factory=list)
-    hashes: list[BlockHash] = field(default_factory=list)
-    tail: array = field(default_factory=lambda: array("q"))
+    hashes: BlockHashes | None
+    frozen: BlockHashes | None = None
     swapped: bool = False
 
 
-class BlockManager:
+@dataclass(frozen=True, kw_only=True)
+class Admission:
+    """A group's prefix hits at one state of a manager (``cached[i]``: leading tokens of request i found).
+
+    Only valid until the manager next changes: ``fits`` then raises SequenceStateError.
+    """
+
+    cached: tuple[int, ...]
+    _manager: BlockManager = field(repr=False, compare=False)
+    _version: int = field(repr=False)
+    _hits: tuple[tuple[BlockId, ...], ...] = field(repr=False)
+    _lengths: tuple[int, ...] = field(repr=False)
+
+    def fits(self, num_tokens: Iterable[int]) -> bool:
+        """Whether allocating ``num_tokens[i]`` tokens of each request (``cached[i] <= num_tokens[i] <=`` its length)
+        leaves the watermark of free blocks intact.
+
+        Exact for one request (as ``can_allocate``). For several, a bound that never says yes
+        wrongly: a request's hits count only as far as they are blocks in use now or hits of
+        the first request (which takes them before any block is taken); blocks past that, and
+        blocks an earlier request of the group registers, count as new.
+        """
+        return self._manager._fits(self, num_tokens)
+
+
+class BlockManager(PositionalEdits):
     """Allocates, grows, forks, swaps and frees the block tables of sequences."""
 
-    def __init__(self, config: BlockManagerConfig) -> None:
+    def __init__(self, config: BlockManagerConfig, *, track_changes: bool = False) -> None:
         check_type("config", config, BlockManagerConfig, "a BlockManagerConfig")
         self.config = config
         self.block_size = config.block_size
@@ -67,6 +102,8 @@ class BlockManager:
         self._seqs: dict[SeqId, _Seq] = {}
         self._hits = HitCounter()
         self.num_cow_copies = 0
+        self._journal: list[TableEntry] | None = [] if check_bool("track_changes", track_changes) else None
+        self._version = 0  # bumped by every change: an Admission of another version is stale
 
     # -- queries ----------------------------------------------------------
     def __contains__(self, seq_id: SeqId) -> bool:
@@ -93,70 +130,167 @@ class BlockManager:
         """Every sequence the manager holds."""
         return list(self._seqs)
 
-    # -- allocate ---------------------------------------------------------
-    def num_cached_tokens(self, token_ids: Tokens, *, cache_salt: str | None = None) -> int:
-        """Leading tokens a fresh allocation of ``token_ids`` would find in the prefix cache."""
-        ids = as_token_array("token_ids", token_ids)
-        return len(self._lookup(ids, self._root(cache_salt))) * self.block_size
+    @property
+    def num_free_blocks(self) -> int:
+        """GPU blocks that can be handed out now (free, or cached and evictable)."""
+        return self.gpu.num_free
 
-    def can_allocate(self, token_ids: Tokens, *, cache_salt: str | None = None, num_lookahead_slots: int = 0) -> bool:
+    @property
+    def usage(self) -> float:
+        """Fraction of the GPU pool's blocks in use by some sequence."""
+        return self.gpu.num_used / self.gpu.num_blocks
+
+    def take_table_changes(self) -> list[TableEntry]:
+        """The journal of table entries set since the last call (see the module docstring), and clear it."""
+        if self._journal is None:
+            raise InvalidArgumentError(describe("track_changes", False, "a manager built with track_changes=True"))
+        changes, self._journal = self._journal, []
+        return changes
+
+    # -- admission and allocate -------------------------------------------
+    def num_cached_tokens(
+        self, token_ids: Tokens, *, cache_salt: str | None = None, hashes: BlockHashes | None = None
+    ) -> int:
+        """Leading tokens a new allocation of ``token_ids`` would find in the prefix cache (``hashes``: as allocate)."""
+        ids = as_token_array("token_ids", token_ids)
+        return len(self._hits_of(self._stream(ids, cache_salt, hashes), _count(ids, token_ids))) * self.block_size
+
+    def admission(
+        self, requests: Iterable[tuple[Tokens, BlockHashes | None]], *, cache_salt: str | None = None
+    ) -> Admission:
+        """The prefix hits of one group's ``(token_ids, hashes or None)`` requests, to ask ``fits`` of.
+
+        Hashes only the blocks the kept objects lack (see ``allocate``); the manager does not change.
+        """
+        salt_root(cache_salt)  # checked even for no request
+        hits, lengths = [], []
+        for token_ids, hashes in _pairs(requests, "(token_ids, hashes) pairs"):
+            ids = as_token_array("token_ids", token_ids)
+            lengths.append(_count(ids, token_ids))
+            hits.append(tuple(self._hits_of(self._stream(ids, cache_salt, hashes), lengths[-1])))
+        return Admission(cached=tuple(len(h) * self.block_size for h in hits), _manager=self,
+                         _version=self._version, _hits=tuple(hits), _lengths=tuple(lengths))  # fmt: skip
+
+    def can_allocate(
+        self, token_ids: Tokens, *, cache_salt: str | None = None, hashes: BlockHashes | None = None,
+        num_lookahead_slots: int = 0,
+    ) -> bool:
         """Whether ``allocate`` would succeed and leave the watermark of free blocks intact."""
         check_int("num_lookahead_slots", num_lookahead_slots, low=0, high=1 << 20)
         ids = as_token_array("token_ids", token_ids)
-        hits = self._lookup(ids, self._root(cache_salt))
-        need = self._blocks_for(len_of(token_ids) + num_lookahead_slots) - len(hits)
-        need += self.gpu.count_evictable(hits)
+        n = _count(ids, token_ids)
+        hits = self._hits_of(self._stream(ids, cache_salt, hashes), n)
+        need = self._blocks_for(n + num_lookahead_slots) - len(hits) + self.gpu.count_evictable(hits)
+        return self.gpu.num_free - need >= self.config.watermark_blocks
+
+    def _fits(self, admission: Admission, num_tokens: Iterable[int]) -> bool:
+        """``Admission.fits``: checked against the manager's current version."""
+        if admission._version != self._version:
+            raise SequenceStateError(describe(
+                "admission", f"<made at version {admission._version}>",
+                f"an Admission of the manager as it is now (version {self._version}): ask admission() again"))
+        counts = _items(num_tokens, "token counts", "num_tokens")
+        if len(counts) != len(admission._lengths):
+            expected = f"{len(admission._lengths)} counts, one a request"
+            raise InvalidArgumentError(describe("num_tokens", counts, expected))
+        refs, need, first = self.gpu.ref_counts, 0, set()
+        for i, (hits, cached, n) in enumerate(zip(admission._hits, admission.cached, admission._lengths)):
+            k = check_int(f"num_tokens[{i}]", counts[i], low=cached, high=n)
+            hits = hits[: self._max_hit_blocks(k)]
+            if i == 0:  # a hit with no reference is evictable: taking it back uses a free block
+                first, need = set(hits), need + sum(refs[b] == 0 for b in hits)
+            else:  # an earlier request's new blocks may evict it: count it and the rest of the chain as new
+                hits = hits[: next((j for j, b in enumerate(hits) if not refs[b] and b not in first), len(hits))]
+            need += self._blocks_for(k) - len(hits)
         return self.gpu.num_free - need >= self.config.watermark_blocks
 
     def allocate(
-        self, seq_id: SeqId, token_ids: Tokens, *, cache_salt: str | None = None, num_lookahead_slots: int = 0
+        self, seq_id: SeqId, token_ids: Tokens, *, cache_salt: str | None = None, hashes: BlockHashes | None = None,
+        num_lookahead_slots: int = 0,
     ) -> int:
         """Give a new sequence blocks for its prompt; return how many leading tokens were cached.
 
-        ``token_ids`` is a list of ids (hashed for prefix caching) or a count of
-        anonymous tokens (never cached). A hit never covers the last token, so
-        at least one token is always left to compute. Raises OutOfBlocksError
-        (nothing changed) when the blocks do not fit.
+        ``token_ids`` is a list of ids (hashed for prefix caching) or a count of anonymous
+        tokens (never cached). A hit never covers the last token, so at least one token is
+        always left to compute. ``hashes``: a BlockHashes the caller keeps for this token
+        stream (the manager's block size, the salt's root; precondition: it describes these
+        ids, and may cover more). It is extended only where it does not cover them, and the
+        manager keeps it, extending it as the sequence grows: kept across preemption, no block
+        is hashed twice. Raises OutOfBlocksError (nothing changed) when the blocks do not fit.
         """
         self._check_new_id("seq_id", seq_id)
         check_int("num_lookahead_slots", num_lookahead_slots, low=0, high=1 << 20)
         ids = as_token_array("token_ids", token_ids)
-        root = self._root(cache_salt)
-        n = len(ids) if ids is not None else token_ids
-        cacheable = ids is not None and self.config.enable_prefix_caching
-        gpu = self.gpu
-        hashes, contents = self._block_keys(ids, root) if cacheable else ([], [])
-        hits = gpu.lookup_chain(root, hashes, contents, self._max_hit_blocks(n)) if hashes else []
+        n, h, gpu = _count(ids, token_ids), self._stream(ids, cache_salt, hashes), self.gpu
+        hits = self._hits_of(h, n)
         num_new = self._blocks_for(n + num_lookahead_slots) - len(hits)
         num_revived = gpu.count_evictable(hits)
         if num_new + num_revived > gpu.num_free:
             raise OutOfBlocksError(
-                f"token_ids (len {n}): needs {num_new + num_revived} blocks, "
-                f"expected at most {gpu.num_free} free"
+                f"token_ids (len {n}): needs {num_new + num_revived} blocks, expected at most {gpu.num_free} free"
             )
+        self._version += 1
         gpu.touch_all(hits)
-        seq = _Seq(hits + gpu.take(num_new), n, root, cacheable, [], [], _NO_IDS)
-        if cacheable:
-            self._register_new(seq, hashes, contents, len(hits))
-            seq.tail = ids[len(hashes) * self.block_size :]
-        self._seqs[seq_id] = seq
+        seq = self._seqs[seq_id] = _Seq(hits + gpu.take(num_new), n, h)
+        self._log(seq_id, seq.blocks)
+        if h is not None:
+            self._grow(seq, ids, len(hits))
         if ids is not None:
             self._hits.record(n, len(hits) * self.block_size)
         return len(hits) * self.block_size
 
-    def _block_keys(self, ids: array, root: BlockHash) -> tuple[list[BlockHash], list[bytes]]:
-        """Chained hashes and int64 token bytes of every full block of ``ids``."""
-        return hash_blocks(root, ids, self.block_size), block_bytes(ids, self.block_size)
+    def _stream(self, ids: array | None, cache_salt: str | None, hashes: BlockHashes | None) -> BlockHashes | None:
+        """The hashes of a new stream of ``ids`` (None if it is not cached): ``hashes``, checked and extended where
+        it does not cover them, or a new object."""
+        root = salt_root(cache_salt)
+        if hashes is not None:
+            self._check_hashes("hashes", hashes, root)
+        if ids is None or not self.config.enable_prefix_caching:
+            return None
+        if hashes is None:
+            hashes = BlockHashes._of(self.block_size, root)
+        hashes._cover(len(ids), ids)
+        return hashes
 
-    def _register_new(self, seq: _Seq, hashes: list[BlockHash], contents: list[bytes], first: int) -> None:
-        """Append full blocks ``first..`` to a sequence's cache records and offer them to the prefix cache."""
-        parent = seq.hashes[-1] if seq.hashes else seq.root
-        if first:  # blocks before ``first`` were hits: already registered under these hashes
-            parent = hashes[first - 1]
-        start = len(seq.hashes) + first
-        self.gpu.register_chain(seq.blocks[start:], hashes[first:], parent, contents[first:])
-        seq.hashes += hashes
-        seq.full += contents
+    def _check_hashes(self, name: str, hashes: object, root: BlockHash | None) -> None:
+        """Raise unless ``hashes`` is a BlockHashes of the manager's block size chained from ``root`` (if given)."""
+        check_type(name, hashes, BlockHashes, "a BlockHashes or None")
+        if hashes.block_size != self.block_size:
+            expected = f"{self.block_size}, the manager's block size"
+            raise InvalidArgumentError(describe(f"{name}.block_size", hashes.block_size, expected))
+        if root is not None and hashes.root != root:
+            raise InvalidArgumentError(describe(f"{name}.root", hashes.root.hex()[:16], "the root of this cache_salt"))
+
+    def _hits_of(self, hashes: BlockHashes | None, num_tokens: int) -> list[BlockId]:
+        """Cached blocks matching the longest prefix of full blocks of a stream of ``num_tokens``, never its last."""
+        if hashes is None:
+            return []
+        return self.gpu.lookup_chain(hashes.root, hashes.hashes, hashes.contents, self._max_hit_blocks(num_tokens))
+
+    def _grow(self, seq: _Seq, ids: array, first: int) -> None:
+        """A cacheable sequence's last ids (at least those its hashes lack) are ``ids``: extend its hashes where
+        they do not cover them, then offer its blocks from ``first`` on that are now full to the prefix cache.
+
+        The path by which a sequence's hashes grow (allocate, append, swap_in; append_all's fast
+        path makes the same two calls inline): ``BlockHashes._cover`` then ``_offer``.
+        """
+        seq.hashes._cover(seq.num_tokens, ids)
+        if seq.num_tokens // self.block_size > first:
+            self._offer(seq, seq.hashes, first)
+
+    def _offer(self, seq: _Seq, h: BlockHashes, first: int) -> None:
+        """Register full blocks ``first..`` of ``seq`` under their hashes in ``h`` (as far as ``h`` has them)."""
+        last = min(seq.num_tokens // self.block_size, len(h.hashes))
+        if last > first:
+            parent = h.hashes[first - 1] if first else h.root
+            self.gpu.register_chain(seq.blocks[first:last], h.hashes[first:last], parent, h.contents[first:last])
+
+    def _freeze(self, seq: _Seq, num_tokens: int) -> None:
+        """Stop caching ``seq``; keep private records of its full blocks below position ``num_tokens`` (for swap_in)."""
+        records = seq.hashes if seq.hashes is not None else seq.frozen
+        seq.hashes = None
+        if records is not None:
+            seq.frozen = records.copy(min(num_tokens // self.block_size, len(records.hashes)) * self.block_size)
 
     # -- append -----------------------------------------------------------
     def can_append(self, seq_id: SeqId, num_new_tokens: int = 1, *, num_lookahead_slots: int = 0) -> bool:
@@ -172,23 +306,19 @@ class BlockManager:
         cow, new = self._append_cost(seq, num_new_tokens, num_lookahead_slots)
         return len(cow) + new
 
-    def num_blocks_to_append_all(self, requests: Iterable[tuple[SeqId, int]]) -> int:
-        """Free blocks that ``append`` of each ``(seq_id, num_new_tokens)`` in turn takes, copies included."""
+    def can_append_all(self, requests: Iterable[tuple[SeqId, int]]) -> bool:
+        """Whether ``append_all`` of ``num_new_tokens`` for each ``(seq_id, num_new_tokens)`` would find the blocks.
+
+        The blocks counted are those ``append`` of each in turn takes, copy-on-write copies included.
+        """
         spans = []
         for seq_id, n in _pairs(requests, "(seq_id, num_new_tokens) pairs"):
             start = self._get_resident(seq_id).num_tokens
             spans.append((seq_id, start, start + check_int("num_new_tokens", n, low=0)))
-        return self.num_blocks_to_write_all(spans)
+        return self._blocks_to_write(spans) <= self.gpu.num_free
 
-    def num_blocks_to_write_all(self, requests: Iterable[tuple[SeqId, int, int]]) -> int:
-        """Free blocks that readying positions ``[start, end)`` of each ``(seq_id, start, end)`` in turn takes.
-
-        Per sequence, as ``append`` up to ``end`` followed by ``prepare_write(start,
-        end)`` does: new blocks past its table, plus a private copy of each shared
-        block in the range. Copy-on-write gives up the shared block, so when ``k``
-        listed sequences share a block and all write it, ``k - 1`` copies are
-        made: the last writer holds it alone. Each sequence may appear once.
-        """
+    def _blocks_to_write(self, requests: Iterable[tuple[SeqId, int, int]]) -> int:
+        """``num_blocks_to_write_all``: new blocks past each table plus the copies of shared blocks written."""
         holders: dict[BlockId, int] = {}  # shared block -> refcount left after the copies counted so far
         return sum(self._write_cost(seq, start, end, holders) for seq, start, end in self._write_spans(requests))
 
@@ -224,84 +354,70 @@ class BlockManager:
         seq = self._get_resident(seq_id)
         check_int("num_lookahead_slots", num_lookahead_slots, low=0, high=1 << 20)
         ids = as_token_array("token_ids", token_ids)
-        n = len(ids) if ids is not None else len_of(token_ids)
+        n = _count(ids, token_ids)
         cow, num_new = self._append_cost(seq, n, num_lookahead_slots)
         if len(cow) + num_new > self.gpu.num_free:
             raise _append_out_of_blocks(seq_id, n, len(cow) + num_new, self.gpu.num_free)
-        return self._append_now(seq, ids, n, cow, num_new)
+        self._version += 1
+        return self._append_now(seq_id, seq, ids, n, cow, num_new)
 
-    def _append_now(self, seq: _Seq, ids: array | None, n: int, cow: list[int], num_new: int) -> list[CopyOp]:
+    def _append_now(
+        self, seq_id: SeqId, seq: _Seq, ids: array | None, n: int, cow: list[int], num_new: int
+    ) -> list[CopyOp]:
         """The mutation of ``append``, its cost ``(cow, num_new)`` checked."""
-        copies = self._copy_on_write(seq, cow)
+        copies = self._copy_on_write(seq_id, seq, cow)
+        old = len(seq.blocks)
         seq.blocks += self.gpu.take(num_new)
-        if ids is None:
-            seq.cacheable = False
-        self._extend(seq, ids, n)
+        self._log(seq_id, seq.blocks[old:], old)
+        start = seq.num_tokens
+        self._unhash_written(seq, start // self.block_size, n)
+        seq.num_tokens += n
+        if ids is None:  # anonymous tokens: the slots from ``start`` hold no ids we know
+            self._freeze(seq, start)
+        elif seq.hashes is not None:
+            self._grow(seq, ids, start // self.block_size)
         return copies
 
-    def can_append_all(self, requests: Iterable[tuple[SeqId, int]]) -> bool:
-        """Whether ``append_all`` of ``num_new_tokens`` for each ``(seq_id, num_new_tokens)`` would find the blocks."""
-        return self.num_blocks_to_append_all(requests) <= self.gpu.num_free
-
-    def append_all(
-        self, requests: Iterable[tuple[SeqId, Tokens]], *, changed: list[TableChange] | None = None
-    ) -> list[CopyOp]:
+    def append_all(self, requests: Iterable[tuple[SeqId, Tokens]]) -> list[CopyOp]:
         """``append`` each ``(seq_id, token_ids)`` in turn, all or nothing; return every copy owed, in order.
 
-        The result (tables, copies, prefix-cache registrations, stats) is exactly
-        that of a loop of ``append`` without lookahead. Each sequence may appear
-        once. If any request is invalid or the pool cannot hold them all, it
-        raises what the first failing ``append`` of that loop would and nothing
-        changes. One token per sequence landing in a private block is the fast
-        path (a decode step). If ``changed`` is a list, every block-table entry the
-        call sets is appended to it as ``(seq_id, index, block)``: copy-on-write
-        replacements, then new blocks past the old end, in the order made; all
-        other entries are as before, so a persistent device table needs only these.
+        The result (tables, copies, prefix-cache registrations, journal, stats) is exactly
+        that of a loop of ``append`` without lookahead. Each sequence may appear once. If
+        any request is invalid or the pool cannot hold them all, it raises what the first
+        failing ``append`` of that loop would and nothing changes. One token per sequence
+        landing in a private block is the fast path (a decode step).
         """
-        if changed is not None and not isinstance(changed, list):
-            raise InvalidArgumentError(describe("changed", type(changed).__name__, "a list to extend, or None"))
         plan = self._plan_append_all(requests)
+        if plan:
+            self._version += 1
         copies: list[CopyOp] = []
-        bs, gpu, one = self.block_size, self.gpu, array("q", (0,))
-        for seq_id, seq, token in plan:  # in order: blocks are taken and hashes registered as the loop would
-            if type(token) is not int:
-                copies += self._append_changes(seq_id, seq, *token, changed)
+        bs, gpu, journal, hash_of = self.block_size, self.gpu, self._journal, self.gpu.hash_of
+        for seq_id, seq, ids, n in plan:  # in order: blocks are taken and hashes registered as the loop would
+            if n is not None:
+                copies += self._append_now(seq_id, seq, ids, n, *self._append_cost(seq, n, 0))
                 continue
             nt = seq.num_tokens  # fast: the token's block is private, or new (checked by the plan)
-            seq.num_tokens = nt + 1
+            seq.num_tokens = n = nt + 1
             if nt % bs:
-                gpu.unregister(seq.blocks[nt // bs])  # as _unhash_written: written in place
+                if hash_of[seq.blocks[nt // bs]] is not None:  # as _unhash_written: written in place
+                    gpu.unregister(seq.blocks[nt // bs])
             elif nt // bs == len(seq.blocks):  # the first token of a new block
                 seq.blocks += gpu.take(1)
-                if changed is not None:
-                    changed.append((seq_id, nt // bs, seq.blocks[-1]))
-            if seq.cacheable:
-                one[0] = token
-                pending = seq.tail + one
-                if len(pending) < bs:
-                    seq.tail = pending
-                else:
-                    self._set_tail(seq, pending)
-        return copies
-
-    def _append_changes(
-        self, seq_id: SeqId, seq: _Seq, ids: array | None, n: int, changed: list[TableChange] | None
-    ) -> list[CopyOp]:
-        """``append`` of a checked request, its cost taken now; log the table entries it sets into ``changed``."""
-        cow, num_new = self._append_cost(seq, n, 0)
-        old_len = len(seq.blocks)
-        copies = self._append_now(seq, ids, n, cow, num_new)
-        if changed is not None:
-            changed += [(seq_id, i, seq.blocks[i]) for i in cow]
-            changed += [(seq_id, i, seq.blocks[i]) for i in range(old_len, len(seq.blocks))]
+                if journal is not None:
+                    journal.append((seq_id, nt // bs, seq.blocks[-1]))
+            h = seq.hashes
+            if h is not None:  # _grow, inline: the same two steps
+                h._cover(n, ids)
+                if not n % bs:
+                    self._offer(seq, h, nt // bs)
         return copies
 
     def _plan_append_all(self, requests: Iterable[tuple[SeqId, Tokens]]) -> list[tuple]:
-        """Checked ``(seq_id, seq, token)`` per request, in order: an int ``token`` is the one id of a
-        fast append (into a private block, or the first slot of a new one), else ``token`` is ``(ids, n)``.
+        """Checked ``(seq_id, seq, ids, n)`` per request, in order; ``n`` None marks a fast append of the
+        one id in the list ``ids`` (into a private block, or the first slot of a new one).
 
         Raises as a loop of ``append`` would at its first failure; the blocks
-        needed are counted as ``num_blocks_to_append_all`` counts them.
+        needed are counted as ``can_append_all`` counts them.
         """
         seqs, refs, bs, free = self._seqs, self.gpu.ref_counts, self.block_size, self.gpu.num_free
         plan, seen, holders, need = [], set(), {}, 0
@@ -322,21 +438,21 @@ class BlockManager:
             if type(tokens) is list and len(tokens) == 1 and type(token := tokens[0]) is int and 0 <= token <= _MAX_ID:
                 i = seq.num_tokens // bs
                 if i < len(seq.blocks) and refs[seq.blocks[i]] == 1:  # into a private block: no cost
-                    add_plan((seq_id, seq, token))
+                    add_plan((seq_id, seq, tokens, None))
                     continue
                 if i == len(seq.blocks):  # into a new block (nothing shared is written)
                     need += 1
                     if need > free:
                         raise _append_out_of_blocks(seq_id, 1, 1, free - need + 1)
-                    add_plan((seq_id, seq, token))
+                    add_plan((seq_id, seq, tokens, None))
                     continue
             ids = as_token_array("token_ids", tokens)
-            n = len(ids) if ids is not None else len_of(tokens)
+            n = _count(ids, tokens)
             cost = self._write_cost(seq, seq.num_tokens, seq.num_tokens + n, holders)
             need += cost
             if need > free:
                 raise _append_out_of_blocks(seq_id, n, cost, free - need + cost)
-            add_plan((seq_id, seq, (ids, n)))
+            add_plan((seq_id, seq, ids, n))
         return plan
 
     def _append_cost(self, seq: _Seq, n: int, lookahead: int) -> tuple[list[int], int]:
@@ -347,8 +463,8 @@ class BlockManager:
         new = max(0, self._blocks_for(seq.num_tokens + n + lookahead) - len(seq.blocks))
         return cow, new
 
-    def _copy_on_write(self, seq: _Seq, cow: list[int]) -> list[CopyOp]:
-        """Swap each shared block at the given logical indices for a private copy."""
+    def _copy_on_write(self, seq_id: SeqId, seq: _Seq, cow: list[int]) -> list[CopyOp]:
+        """Swap each shared block at the given logical indices for a private copy (journaled)."""
         fresh = self.gpu.take(len(cow))
         copies = []
         for i, dst in zip(cow, fresh):
@@ -357,180 +473,95 @@ class BlockManager:
             seq.blocks[i] = dst
             copies.append((src, dst))
         self.num_cow_copies += len(copies)
+        if self._journal is not None:
+            self._journal += [(seq_id, i, seq.blocks[i]) for i in cow]
         return copies
-
-    def _extend(self, seq: _Seq, ids: array | None, n: int) -> None:
-        """Record ``n`` new tokens (``ids``, None if anonymous); register blocks they fill.
-
-        Pre: the blocks exist and are private.
-        """
-        self._unhash_written(seq, seq.num_tokens // self.block_size, n)
-        seq.num_tokens += n
-        if ids is not None and seq.cacheable:
-            self._set_tail(seq, seq.tail + ids)
-
-    def _set_tail(self, seq: _Seq, pending: array) -> None:
-        """The ids past the last full block are ``pending``: register each block they fill, keep the rest."""
-        if len(pending) >= self.block_size:  # a block fills up
-            hashes, contents = self._block_keys(pending, seq.hashes[-1] if seq.hashes else seq.root)
-            self._register_new(seq, hashes, contents, 0)
-            pending = pending[len(hashes) * self.block_size :]
-        seq.tail = pending
 
     def _unhash_written(self, seq: _Seq, first: int, n: int) -> None:
         """A private block about to be written in place loses its cached identity."""
         if n and first < len(seq.blocks) and seq.num_tokens % self.block_size:
             self.gpu.unregister(seq.blocks[first])
 
-    def can_prepare_write(self, seq_id: SeqId, start: int, end: int) -> bool:
-        """Whether ``prepare_write`` over ``[start, end)`` would find enough free blocks."""
-        return len(self._shared_in(self._get_resident(seq_id), start, end)) <= self.gpu.num_free
+    # -- fork / free ------------------------------------------------------
+    def fork(
+        self, parent_id: SeqId, child_id: SeqId, *, num_tokens: int | None = None, hashes: BlockHashes | None = None
+    ) -> None:
+        """Make ``child_id`` share the blocks of ``parent_id``'s first ``num_tokens`` tokens (default: every block).
 
-    def prepare_write(self, seq_id: SeqId, start: int, end: int) -> list[CopyOp]:
-        """Make the blocks holding positions ``[start, end)`` private before an in-place overwrite.
-
-        Shared blocks are copied (the returned (src, dst) pairs are owed to the
-        device); private cached blocks leave the prefix cache, since their
-        content is about to change.
+        O(blocks), no data copied: a shared partial last block is copied on the first write
+        into it. ``hashes``: the child's own BlockHashes (covering at least ``num_tokens``,
+        possibly its own continuation), kept and extended as in ``allocate``; by default a
+        copy of the parent's, cut at ``num_tokens``. Ignored if the parent is not cacheable.
         """
-        seq = self._get_resident(seq_id)
-        cow = self._shared_in(seq, start, end)
-        if len(cow) > self.gpu.num_free:
-            raise OutOfBlocksError(f"end={end}: needs {len(cow)} blocks, expected at most {self.gpu.num_free} free")
-        if end == start:  # an empty range writes nothing: nothing to copy, unhash or forget
-            return []
-        copies = self._copy_on_write(seq, cow)
-        for i in range(start // self.block_size, self._blocks_for(end)):
-            self.gpu.unregister(seq.blocks[i])
-        if start < min(end, seq.num_tokens):
-            seq.cacheable = False  # the slots from ``start`` no longer hold the ids they were given
-        # hashes of the rewritten blocks are stale (swap_in would re-register them)
-        del seq.full[start // self.block_size :], seq.hashes[start // self.block_size :]
-        return copies
-
-    def _shared_in(self, seq: _Seq, start: int, end: int) -> list[int]:
-        check_int("end", end, low=0, high=len(seq.blocks) * self.block_size)
-        check_int("start", start, low=0, high=end)
-        blocks = range(start // self.block_size, self._blocks_for(end)) if end > start else range(0)
-        return [i for i in blocks if self.gpu.ref_counts[seq.blocks[i]] > 1]
-
-    def add_blocks(self, num_blocks: int) -> None:
-        """Grow the GPU pool by ``num_blocks`` free blocks (the storage must grow alike)."""
-        check_int("num_blocks", num_blocks, low=0, high=MAX_BLOCKS - self.gpu.num_blocks)
-        self.gpu.grow(num_blocks)
-
-    # -- fork / free / truncate -------------------------------------------
-    def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
-        """Make ``child_id`` share every block of ``parent_id`` (O(blocks), no data copied)."""
         parent = self._get_resident(parent_id)
         self._check_new_id("child_id", child_id)
-        for b in parent.blocks:
-            self.gpu.touch(b)
-        self._seqs[child_id] = _Seq(
-            list(parent.blocks), parent.num_tokens, parent.root, parent.cacheable,
-            list(parent.full), list(parent.hashes), parent.tail[:],
-        )
+        n = parent.num_tokens if num_tokens is None else check_int("num_tokens", num_tokens, high=parent.num_tokens)
+        blocks = parent.blocks if num_tokens is None else parent.blocks[: self._blocks_for(n)]
+        h = parent.hashes
+        if hashes is not None:
+            self._check_hashes("hashes", hashes, None if h is None else h.root)
+            if h is not None and hashes.num_tokens < n:
+                raise InvalidArgumentError(describe("hashes", hashes, f"a BlockHashes covering at least {n} tokens"))
+        self._version += 1
+        self.gpu.touch_all(blocks)
+        if h is not None and hashes is None:
+            hashes = h.copy(n)
+        child = self._seqs[child_id] = _Seq(list(blocks), n, None if h is None else hashes)
+        if parent.frozen is not None:
+            child.frozen = parent.frozen.copy(min(n // self.block_size, len(parent.frozen.hashes)) * self.block_size)
+        self._log(child_id, child.blocks)
 
     def free(self, seq_id: SeqId) -> None:
         """Release every block of a sequence; cached full blocks stay reusable until evicted."""
         seq = self._get(seq_id)
+        self._version += 1
         pool = self.cpu if seq.swapped else self.gpu
         pool.release(reversed(seq.blocks))  # tail blocks become the first to evict
         del self._seqs[seq_id]
-
-    def truncate(self, seq_id: SeqId, num_tokens: int) -> None:
-        """Shrink a sequence to its first ``num_tokens`` tokens; whole blocks past them are freed."""
-        seq = self._get_resident(seq_id)
-        check_int("num_tokens", num_tokens, low=0, high=seq.num_tokens)
-        keep = self._blocks_for(num_tokens)
-        self.gpu.release(reversed(seq.blocks[keep:]))
-        del seq.blocks[keep:]
-        nfull, rest = divmod(num_tokens, self.block_size)
-        if seq.cacheable:
-            partial = seq.tail if nfull >= len(seq.full) else _ids_of(seq.full[nfull])
-            seq.tail = partial[:rest]
-        del seq.full[nfull:], seq.hashes[nfull:]  # even uncacheable: swap_in re-registers them
-        seq.num_tokens = num_tokens
-
-    def drop_front(self, seq_id: SeqId, num_blocks: int) -> None:
-        """Release the first ``num_blocks`` blocks of a sequence (a sliding window); later positions shift down.
-
-        Position ``p`` becomes ``p - num_blocks * block_size`` and ``num_tokens``
-        shrinks alike (to 0 at least). Full blocks computed before the drop stay
-        in the prefix cache under their hashes, but the sequence registers no new
-        ones: what is computed from now on has not seen the dropped tokens.
-        """
-        seq = self._get_resident(seq_id)
-        check_int("num_blocks", num_blocks, low=0, high=len(seq.blocks))
-        if not num_blocks:
-            return
-        self.gpu.release(reversed(seq.blocks[:num_blocks]))  # like free: the head is evicted last
-        del seq.blocks[:num_blocks]
-        seq.num_tokens = max(0, seq.num_tokens - num_blocks * self.block_size)
-        self._drop_front_hashes(seq, num_blocks)
-
-    def _drop_front_hashes(self, seq: _Seq, num_blocks: int) -> None:
-        """Keep the hash records of the blocks left, chained from the last dropped hash; stop caching."""
-        if num_blocks <= len(seq.hashes):  # swap_in re-registers the rest with their true parent
-            seq.root = seq.hashes[num_blocks - 1]
-            del seq.hashes[:num_blocks], seq.full[:num_blocks]
-        else:
-            seq.hashes, seq.full = [], []
-        seq.cacheable, seq.tail = False, _NO_IDS
+        if self._journal is not None:
+            self._journal.append((seq_id, RELEASED, RELEASED))
 
     # -- swap -------------------------------------------------------------
     # Swapping moves a set of sequences together: each distinct block they hold is copied
     # once and referenced in the other pool as often as in this one, so blocks shared within
     # the set stay shared there and back. A block also held by a sequence outside the set
     # stays where it is for that sequence (the set gets its own copy). One sequence is the
-    # one-element set.
-    def can_swap_out(self, seq_id: SeqId) -> bool:
-        """Whether the CPU pool has room for the sequence's blocks."""
-        return self.can_swap_out_group((seq_id,))
-
-    def swap_out(self, seq_id: SeqId) -> list[CopyOp]:
-        """Move a sequence to the CPU pool; return the (gpu, cpu) block copies to run first."""
-        return self.swap_out_group((seq_id,))
-
-    def can_swap_in(self, seq_id: SeqId) -> bool:
-        """Whether the GPU pool has room (above the watermark) for a swapped-out sequence."""
-        return self.can_swap_in_group((seq_id,))
-
-    def swap_in(self, seq_id: SeqId) -> list[CopyOp]:
-        """Bring a swapped-out sequence back; return the (cpu, gpu) block copies to run first."""
-        return self.swap_in_group((seq_id,))
-
-    def num_distinct_blocks(self, seq_ids: Iterable[SeqId]) -> int:
-        """Blocks the sequences hold together, each shared block counted once (what swapping them moves)."""
-        return len(_distinct_blocks(self._group(seq_ids)[1]))
-
-    def can_swap_out_group(self, seq_ids: Iterable[SeqId]) -> bool:
+    # one-element set; a str is refused (it would be a set of characters).
+    def can_swap_out(self, seq_ids: Iterable[SeqId]) -> bool:
         """Whether the CPU pool has room for the resident sequences' distinct blocks."""
         seqs = self._group(seq_ids, swapped=False)[1]
         return len(_distinct_blocks(seqs)) <= self.cpu.num_free
 
-    def swap_out_group(self, seq_ids: Iterable[SeqId]) -> list[CopyOp]:
+    def swap_out(self, seq_ids: Iterable[SeqId]) -> list[CopyOp]:
         """Move resident sequences to the CPU pool together, sharing kept; return the (gpu, cpu) copies to run first.
 
         Each distinct block moves once, whatever the number of sequences sharing it.
         """
-        return self._swap(*self._group(seq_ids, swapped=False), self.gpu, self.cpu, to_cpu=True)
+        ids, seqs = self._group(seq_ids, swapped=False)
+        mapping = self._swap(ids, seqs, self.gpu, self.cpu, to_cpu=True)
+        if self._journal is not None:
+            self._journal += [(seq_id, RELEASED, RELEASED) for seq_id in ids]
+        return mapping
 
-    def can_swap_in_group(self, seq_ids: Iterable[SeqId]) -> bool:
+    def can_swap_in(self, seq_ids: Iterable[SeqId]) -> bool:
         """Whether all are swapped out and the GPU pool has room (above the watermark) for their distinct blocks."""
         seqs = self._group(seq_ids)[1]
         need = len(_distinct_blocks(seqs))
         return all(s.swapped for s in seqs) and self.gpu.num_free - need >= self.config.watermark_blocks
 
-    def swap_in_group(self, seq_ids: Iterable[SeqId]) -> list[CopyOp]:
+    def swap_in(self, seq_ids: Iterable[SeqId]) -> list[CopyOp]:
         """Bring swapped-out sequences back together, sharing kept; return the (cpu, gpu) copies to run first.
 
         Their full blocks are offered to the prefix cache again.
         """
         ids, seqs = self._group(seq_ids, swapped=True)
         mapping = self._swap(ids, seqs, self.cpu, self.gpu, to_cpu=False)
-        for seq in seqs:
-            self._register_full(seq)
+        for seq_id, seq in zip(ids, seqs):
+            self._log(seq_id, seq.blocks)
+            if seq.hashes is not None:
+                self._grow(seq, _NO_IDS, 0)
+            elif seq.frozen is not None:
+                self._offer(seq, seq.frozen, 0)
         return mapping
 
     def _group(self, seq_ids: Iterable[SeqId], *, swapped: bool | None = None) -> tuple[list[SeqId], list[_Seq]]:
@@ -561,6 +592,7 @@ class BlockManager:
             raise OutOfBlocksError(
                 f"seq_ids={ids!r} hold blocks={len(blocks)}: expected at most {dst.num_free} free {dst.name} blocks"
             )
+        self._version += 1
         new = dict(zip(blocks, dst.take(len(blocks))))  # each with refcount 1
         dst.touch_all(new[b] for b, refs in blocks.items() for _ in range(refs - 1))  # the other sharers in the set
         for seq in seqs:
@@ -568,32 +600,16 @@ class BlockManager:
             seq.blocks, seq.swapped = [new[b] for b in seq.blocks], to_cpu
         return list(new.items())
 
-    def _register_full(self, seq: _Seq) -> None:
-        """Offer a swapped-in sequence's full blocks to the prefix cache again."""
-        self.gpu.register_chain(seq.blocks, seq.hashes, seq.root, seq.full)
-
     # -- prefix cache -----------------------------------------------------
     def reset_prefix_cache(self) -> None:
         """Forget every cached block hash and restart the since-reset hit rate."""
+        self._version += 1
         self.gpu.reset_cache()
         self._hits.reset()
-
-    def _root(self, cache_salt: str | None) -> BlockHash:
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise InvalidArgumentError(describe("cache_salt", cache_salt, "a str or None"))
-        return _root_cached(cache_salt)
 
     def _max_hit_blocks(self, num_tokens: int) -> int:
         """A hit never covers the last token: at least one is always left to compute."""
         return max(0, (num_tokens - 1) // self.block_size)
-
-    def _lookup(self, ids: array | None, root: BlockHash) -> list[BlockId]:
-        """Cached blocks matching the longest prefix of full blocks, never covering the last token."""
-        if ids is None or not self.config.enable_prefix_caching:
-            return []
-        head = ids[: self._max_hit_blocks(len(ids)) * self.block_size]
-        hashes, contents = self._block_keys(head, root)
-        return self.gpu.lookup_chain(root, hashes, contents, len(hashes))
 
     # -- introspection ----------------------------------------------------
     def stats(self) -> BlockManagerStats:
@@ -629,14 +645,23 @@ class BlockManager:
                 table[b] += 1
             if len(seq.blocks) < self._blocks_for(seq.num_tokens):
                 raise InvariantError(f"seq {seq_id!r}: {len(seq.blocks)} blocks for {seq.num_tokens} tokens")
-            if seq.cacheable and len(seq.hashes) != seq.num_tokens // self.block_size:
-                raise InvariantError(f"seq {seq_id!r}: {len(seq.hashes)} hashes for {seq.num_tokens} tokens")
+            h = seq.hashes
+            if h is not None and not (
+                len(h.hashes) == len(h.contents) and len(h.tail) < self.block_size
+                and h.num_tokens == len(h.hashes) * self.block_size + len(h.tail) >= seq.num_tokens
+            ):  # fmt: skip
+                raise InvariantError(f"seq {seq_id!r}: {len(h.hashes)} hashes for {seq.num_tokens} tokens")
         self.gpu.check(refs["gpu"])
         self.cpu.check(refs["cpu"])
 
     # -- helpers ----------------------------------------------------------
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def _log(self, seq_id: SeqId, blocks: list[BlockId], start: int = 0) -> None:
+        """Journal ``blocks`` as the entries of ``seq_id``'s table from index ``start`` on."""
+        if self._journal is not None:
+            self._journal += [(seq_id, i, b) for i, b in enumerate(blocks, start)]
 
     def _check_new_id(self, name: str, seq_id: SeqId) -> None:
         try:
@@ -660,14 +685,12 @@ class BlockManager:
 
 
 _MAX_ID = (1 << 63) - 1  # token ids are int64
-_NO_IDS = array("q")  # the empty tail; never mutated in place (tails are replaced, not extended)
+_NO_IDS = array("q")  # no ids; never mutated
 
 
-def _ids_of(data: bytes) -> array:
-    """Token ids back from their int64 bytes."""
-    ids = array("q")
-    ids.frombytes(data)
-    return ids
+def _count(ids: array | None, token_ids: Tokens) -> int:
+    """Number of tokens of a validated token spec: its ids, or the anonymous count."""
+    return len(ids) if ids is not None else token_ids
 
 
 def _pairs(requests: Iterable[tuple], expected: str, size: int = 2) -> list[tuple]:
@@ -678,14 +701,14 @@ def _pairs(requests: Iterable[tuple], expected: str, size: int = 2) -> list[tupl
     return items
 
 
-def _items(requests: Iterable[tuple], expected: str) -> list[tuple]:
+def _items(requests: Iterable, expected: str, name: str = "requests") -> list:
     """``requests`` as a list (the same list if it is one), or InvalidArgumentError."""
     if type(requests) is list:
         return requests
     try:
         return list(requests)
     except TypeError:
-        raise InvalidArgumentError(describe("requests", requests, f"an iterable of {expected}")) from None
+        raise InvalidArgumentError(describe(name, requests, f"an iterable of {expected}")) from None
 
 
 def _check_item(item: object, expected: str, size: int) -> None:
@@ -708,14 +731,3 @@ def _distinct_blocks(seqs: list[_Seq]) -> dict[BlockId, int]:
         for b in seq.blocks:
             blocks[b] = blocks.get(b, 0) + 1
     return blocks
-
-
-def len_of(token_ids: Tokens) -> int:
-    """Number of tokens in a token spec (a list of ids or a count)."""
-    return token_ids if isinstance(token_ids, int) else len(token_ids)
-
-
-@functools.lru_cache(maxsize=ROOT_CACHE_SIZE)
-def _root_cached(cache_salt: str | None) -> BlockHash:
-    """``root_hash(cache_salt)``, remembered for the most recently used salts (bounded: salts are per tenant)."""
-    return root_hash(cache_salt)

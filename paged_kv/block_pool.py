@@ -3,7 +3,7 @@
 Invariants (verified by :meth:`BlockPool.check`):
 - every block is exactly one of: free (ref 0, no hash), cached-evictable
   (ref 0, has a hash) or in use (ref > 0);
-- ``_cached[h] == b`` if and only if ``_hash[b] == h``.
+- ``_cached[h] == b`` if and only if ``hash_of[b] == h``.
 Every operation is O(1) per block: the free blocks form a stack, the evictable
 ones an ``OrderedDict`` in LRU order (oldest first).
 """
@@ -27,7 +27,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.name = name
         self.ref_counts = [0] * num_blocks
-        self._hash: list[BlockHash | None] = [None] * num_blocks
+        self.hash_of: list[BlockHash | None] = [None] * num_blocks  # each block's cache key; read-only outside
         self._parent: list[BlockHash | None] = [None] * num_blocks
         self._tokens: list[TokenKey | None] = [None] * num_blocks
         self._free: list[BlockId] = list(range(num_blocks - 1, -1, -1))  # pop() yields 0 first
@@ -40,7 +40,7 @@ class BlockPool:
         start = self.num_blocks
         self.num_blocks += n
         self.ref_counts += [0] * n
-        self._hash += [None] * n
+        self.hash_of += [None] * n
         self._parent += [None] * n
         self._tokens += [None] * n
         self._free[:0] = range(start + n - 1, start - 1, -1)  # older free ids still pop first
@@ -66,10 +66,6 @@ class BlockPool:
         """Cached blocks with no reference, kept until their slot is needed."""
         return len(self._evictable)
 
-    def is_evictable(self, block: BlockId) -> bool:
-        """Whether ``block`` is free but still holds cached content."""
-        return block in self._evictable
-
     # -- allocation -------------------------------------------------------
     def take(self, n: int) -> list[BlockId]:
         """Hand out ``n`` blocks with refcount 1: uncached ones first, then evict LRU cached ones."""
@@ -92,7 +88,7 @@ class BlockPool:
     def _evict_oldest_n(self, n: int) -> list[BlockId]:
         """Drop the ``n`` least recently freed cached blocks from the cache and return them."""
         evictable, cached = self._evictable, self._cached
-        hashes, parents, tokens = self._hash, self._parent, self._tokens
+        hashes, parents, tokens = self.hash_of, self._parent, self._tokens
         blocks = []
         for _ in range(n):
             block = evictable.popitem(last=False)[0]
@@ -120,7 +116,7 @@ class BlockPool:
 
     def release(self, blocks: Iterable[BlockId]) -> None:
         """Drop one reference each; at zero a cached block becomes evictable (most recent last)."""
-        refs, hashes, free, evictable = self.ref_counts, self._hash, self._free, self._evictable
+        refs, hashes, free, evictable = self.ref_counts, self.hash_of, self._free, self._evictable
         for b in blocks:
             refs[b] -= 1
             if refs[b] == 0:
@@ -130,15 +126,13 @@ class BlockPool:
                     evictable[b] = None
 
     # -- prefix cache -----------------------------------------------------
-    def lookup(self, h: BlockHash, parent: BlockHash, tokens: TokenKey) -> BlockId | None:
-        """The cached block with this hash, only if its parent hash and token ids match too."""
-        hits = self.lookup_chain(parent, (h,), (tokens,), 1)
-        return hits[0] if hits else None
-
     def lookup_chain(
         self, parent: BlockHash, hashes: Sequence[BlockHash], tokens: Sequence[TokenKey], limit: int
     ) -> list[BlockId]:
-        """The longest run of ``lookup`` hits along a hash chain (block i's parent is hash i-1), at most ``limit``."""
+        """The longest run of cached blocks along a hash chain (block i's parent is hash i-1), at most ``limit``.
+
+        A block is a hit only if its hash, its parent hash and its token ids all match.
+        """
         cached, parents, contents = self._cached, self._parent, self._tokens
         hits: list[BlockId] = []
         for i in range(min(limit, len(hashes))):
@@ -150,15 +144,14 @@ class BlockPool:
             parent = h
         return hits
 
-    def register(self, block: BlockId, h: BlockHash, parent: BlockHash, tokens: TokenKey) -> None:
-        """Record a full in-use block under its hash unless that content is already cached."""
-        self.register_chain((block,), (h,), parent, (tokens,))
-
     def register_chain(
         self, blocks: Iterable[BlockId], hashes: Iterable[BlockHash], parent: BlockHash, tokens: Iterable[TokenKey]
     ) -> None:
-        """``register`` each block of a hash chain in turn; block i's parent is hash i-1 (``parent`` first)."""
-        cached, block_hashes, parents, contents = self._cached, self._hash, self._parent, self._tokens
+        """Record each full in-use block of a hash chain under its hash, unless that content is already cached.
+
+        Block i's parent is hash i-1 (``parent`` for the first).
+        """
+        cached, block_hashes, parents, contents = self._cached, self.hash_of, self._parent, self._tokens
         for block, h, toks in zip(blocks, hashes, tokens):
             if h not in cached and block_hashes[block] is None:
                 cached[h] = block
@@ -167,12 +160,12 @@ class BlockPool:
 
     def unregister(self, block: BlockId) -> None:
         """Forget the content of an in-use block about to be overwritten in place."""
-        if self._hash[block] is not None:
+        if self.hash_of[block] is not None:
             self._drop_hash(block)
 
     def _drop_hash(self, block: BlockId) -> None:
-        del self._cached[self._hash[block]]
-        self._hash[block] = self._parent[block] = self._tokens[block] = None
+        del self._cached[self.hash_of[block]]
+        self.hash_of[block] = self._parent[block] = self._tokens[block] = None
 
     def reset_cache(self) -> None:
         """Forget every cached hash; evictable blocks become plain free blocks."""
@@ -180,10 +173,6 @@ class BlockPool:
             self._drop_hash(block)
         self._free.extend(self._evictable)
         self._evictable.clear()
-
-    def block_hash(self, block: BlockId) -> BlockHash | None:
-        """The hash a block is cached under, or None."""
-        return self._hash[block]
 
     # -- invariants -------------------------------------------------------
     def check(self, expected_refs: list[int]) -> None:
@@ -195,10 +184,10 @@ class BlockPool:
         for b in range(self.num_blocks):
             in_use = self.ref_counts[b] > 0
             _require(in_use + (b in free) + (b in evictable) == 1, f"{self.name}: block {b} state")
-            _require((b in free) == (self._hash[b] is None and not in_use), f"{self.name}: free block {b} hashed")
-            if self._hash[b] is not None:
-                _require(self._cached.get(self._hash[b]) == b, f"{self.name}: hash of block {b} unmapped")
-        _require(len(self._cached) == sum(h is not None for h in self._hash), f"{self.name}: stale hash map")
+            _require((b in free) == (self.hash_of[b] is None and not in_use), f"{self.name}: free block {b} hashed")
+            if self.hash_of[b] is not None:
+                _require(self._cached.get(self.hash_of[b]) == b, f"{self.name}: hash of block {b} unmapped")
+        _require(len(self._cached) == sum(h is not None for h in self.hash_of), f"{self.name}: stale hash map")
         _require(self.num_free + sum(r > 0 for r in self.ref_counts) == self.num_blocks, "free + used != total")
 
 

@@ -82,7 +82,7 @@ class KVPool:
     def ensure_free(self, num_blocks: int) -> None:
         """Make ``num_blocks`` free: grow a private pool (doubling), or raise for a fixed one."""
         check_int("num_blocks", num_blocks, low=0)
-        free = self.manager.gpu.num_free
+        free = self.manager.num_free_blocks
         if num_blocks <= free:
             return
         if not self.growable:

@@ -147,16 +147,16 @@ class Scheduler:
 
     def _make_room(self, group: SequenceGroup, plan: list[tuple[Sequence, int]], step: StepBudget) -> bool:
         """Preempt later groups until ``plan`` fits; preempt ``group`` itself if nothing else can go."""
-        while self._blocks_needed(plan) > self.bm.gpu.num_free:
+        while not self._fits(plan):
             victim = next((g for g in reversed(self.running) if g is not group and g not in step.scheduled), None)
             self._preempt(victim or group, step)
             if victim is None:
                 return False
         return True
 
-    def _blocks_needed(self, plan: list[tuple[Sequence, int]]) -> int:
-        """Exact blocks ``append`` will take for ``plan``: new blocks plus copy-on-write copies."""
-        return self.bm.num_blocks_to_append_all((seq.seq_id, n) for seq, n in plan)
+    def _fits(self, plan: list[tuple[Sequence, int]]) -> bool:
+        """Whether the pool holds the blocks ``append`` will take for ``plan`` (new blocks and copy-on-write copies)."""
+        return self.bm.can_append_all((seq.seq_id, n) for seq, n in plan)
 
     def _commit(self, group: SequenceGroup, plan: list[tuple[Sequence, int]], step: StepBudget) -> None:
         for seq, n in plan:
@@ -172,8 +172,8 @@ class Scheduler:
         group.num_preemptions += 1
         seqs = group.unfinished()
         ids = [seq.seq_id for seq in seqs]
-        if self.config.preemption_mode == "swap" and self.bm.can_swap_out_group(ids):
-            step.swap_out += self.bm.swap_out_group(ids)  # blocks shared within the group move once
+        if self.config.preemption_mode == "swap" and self.bm.can_swap_out(ids):
+            step.swap_out += self.bm.swap_out(ids)  # blocks shared within the group move once
             group.set_status(SequenceStatus.SWAPPED)
             _insert_by_arrival(self.swapped, group)
             self.num_preemptions["swap"] += 1
@@ -189,14 +189,14 @@ class Scheduler:
         while self.swapped:
             group = self.swapped[0]
             ids = [seq.seq_id for seq in group.unfinished()]
-            if not (self.bm.can_swap_in_group(ids) and self._fits_seqs(group)):  # shared blocks counted once
+            if not (self.bm.can_swap_in(ids) and self._fits_seqs(group)):  # shared blocks counted once
                 return
             self.swapped.popleft()
-            step.swap_in += self.bm.swap_in_group(ids)
+            step.swap_in += self.bm.swap_in(ids)
             group.set_status(SequenceStatus.RUNNING)
             self.running.append(group)
             plan = self._plan_running(group, step.tokens_left, step.num_seqs)
-            if plan and self._blocks_needed(plan) <= self.bm.gpu.num_free:
+            if plan and self._fits(plan):
                 self._commit(group, plan, step)
 
     def _schedule_waiting(self, step: StepBudget) -> None:

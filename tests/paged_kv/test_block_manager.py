@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 import random
 
 import pytest
+from bm_helpers import blocks_to_append_all, cached_hash, make, snapshot
 
-import paged_kv.block_manager as bm_mod
+import paged_kv.block_hash as hash_mod
 from paged_kv import BlockManager, BlockManagerConfig
-from paged_kv.block_pool import BlockPool, InvariantError
+from paged_kv.block_pool import InvariantError
 from paged_kv.config import MAX_BLOCKS
 from paged_kv.errors import (
     DuplicateSequenceError,
@@ -23,35 +23,13 @@ from paged_kv.errors import (
 )
 
 
-def make(num_blocks: int = 8, block_size: int = 4, num_cpu_blocks: int = 4, **kw) -> BlockManager:
-    """A small manager; no watermark unless asked."""
-    kw.setdefault("watermark", 0.0)
-    return BlockManager(
-        BlockManagerConfig(num_blocks=num_blocks, block_size=block_size, num_cpu_blocks=num_cpu_blocks, **kw)
-    )
-
-
-def pool_state(pool: BlockPool) -> tuple:
-    """Every field of a pool, copied."""
-    return (
-        pool.num_blocks, list(pool.ref_counts), list(pool._free), list(pool._evictable), dict(pool._cached),
-        list(pool._hash), list(pool._parent), list(pool._tokens), pool.num_evictions,
-    )
-
-
-def snapshot(m: BlockManager) -> tuple:
-    """The whole state of a manager: sequences (all fields), both pools, counters and stats."""
-    seqs = [(sid, dataclasses.astuple(s)) for sid, s in m._seqs.items()]
-    return seqs, pool_state(m.gpu), pool_state(m.cpu), vars(m._hits).copy(), m.num_cow_copies, m.stats()
-
-
 def populated() -> BlockManager:
     """gpu 8 blocks, cpu 3: 'a' = 6 tokens [0,1], 'b' its fork, 's' swapped out (2 cpu blocks)."""
     m = make(num_cpu_blocks=3)
     m.allocate("a", list(range(6)))
     m.fork("a", "b")
     m.allocate("s", list(range(10, 15)))
-    m.swap_out("s")
+    m.swap_out(["s"])
     return m
 
 
@@ -94,26 +72,25 @@ ERROR_CASES = [
     ("drop-neg", lambda m: m.drop_front("a", -1), OutOfRangeError, r"^num_blocks=-1"),
     ("drop-too-many", lambda m: m.drop_front("a", 3), OutOfRangeError, r"^num_blocks=3: .*\[0, 2\]"),
     ("drop-float", lambda m: m.drop_front("a", 1.0), InvalidArgumentError, r"^num_blocks=1.0"),
-    ("swap-out-unknown", lambda m: m.swap_out("zz"), UnknownSequenceError, r"^seq_id='zz'"),
-    ("swap-out-swapped", lambda m: m.swap_out("s"), SequenceStateError, r"^seq_id='s'"),
-    ("swap-out-oob", lambda m: m.swap_out("a"), OutOfBlocksError, r"blocks=2: expected at most 1 free cpu"),
-    ("swap-in-unknown", lambda m: m.swap_in("zz"), UnknownSequenceError, r"^seq_id='zz'"),
-    ("swap-in-resident", lambda m: m.swap_in("a"), SequenceStateError, r"^seq_id='a': expected a swapped-out"),
-    ("swap-out-group-unknown", lambda m: m.swap_out_group(["a", "zz"]), UnknownSequenceError, r"^seq_id='zz'"),
-    ("swap-out-group-swapped", lambda m: m.swap_out_group(["a", "s"]), SequenceStateError, r"^seq_id='s'"),
-    ("swap-out-group-dup", lambda m: m.swap_out_group(["a", "a"]), InvalidArgumentError,
+    ("swap-out-unknown", lambda m: m.swap_out(["zz"]), UnknownSequenceError, r"^seq_id='zz'"),
+    ("swap-out-swapped", lambda m: m.swap_out(["s"]), SequenceStateError, r"^seq_id='s'"),
+    ("swap-out-oob", lambda m: m.swap_out(["a"]), OutOfBlocksError, r"blocks=2: expected at most 1 free cpu"),
+    ("swap-in-unknown", lambda m: m.swap_in(["zz"]), UnknownSequenceError, r"^seq_id='zz'"),
+    ("swap-in-resident", lambda m: m.swap_in(["a"]), SequenceStateError, r"^seq_id='a': expected a swapped-out"),
+    ("swap-out-group-unknown", lambda m: m.swap_out(["a", "zz"]), UnknownSequenceError, r"^seq_id='zz'"),
+    ("swap-out-group-swapped", lambda m: m.swap_out(["a", "s"]), SequenceStateError, r"^seq_id='s'"),
+    ("swap-out-group-dup", lambda m: m.swap_out(["a", "a"]), InvalidArgumentError,
      r"^seq_id='a': expected each sequence at most once"),
-    ("swap-out-group-str", lambda m: m.swap_out_group("ab"), InvalidArgumentError, r"^seq_ids='ab'"),
-    ("swap-out-group-iter", lambda m: m.swap_out_group(3), InvalidArgumentError, r"^seq_ids=3"),
-    ("swap-out-group-oob", lambda m: m.swap_out_group(["a", "b"]), OutOfBlocksError,
+    ("swap-out-group-str", lambda m: m.swap_out("ab"), InvalidArgumentError, r"^seq_ids='ab'"),
+    ("swap-out-group-iter", lambda m: m.swap_out(3), InvalidArgumentError, r"^seq_ids=3"),
+    ("swap-out-group-oob", lambda m: m.swap_out(["a", "b"]), OutOfBlocksError,
      r"^seq_ids=\['a', 'b'\] hold blocks=2: expected at most 1 free cpu blocks"),
-    ("swap-in-group-resident", lambda m: m.swap_in_group(["s", "a"]), SequenceStateError,
+    ("swap-in-group-resident", lambda m: m.swap_in(["s", "a"]), SequenceStateError,
      r"^seq_id='a': expected a swapped-out"),
-    ("swap-in-group-unknown", lambda m: m.swap_in_group(["s", "zz"]), UnknownSequenceError, r"^seq_id='zz'"),
-    ("swap-in-group-dup", lambda m: m.swap_in_group(["s", "s"]), InvalidArgumentError, r"^seq_id='s'"),
-    ("can-swap-out-group-swapped", lambda m: m.can_swap_out_group(["s"]), SequenceStateError, r"^seq_id='s'"),
-    ("can-swap-in-group-unknown", lambda m: m.can_swap_in_group(["zz"]), UnknownSequenceError, r"^seq_id='zz'"),
-    ("distinct-blocks-unknown", lambda m: m.num_distinct_blocks(["zz"]), UnknownSequenceError, r"^seq_id='zz'"),
+    ("swap-in-group-unknown", lambda m: m.swap_in(["s", "zz"]), UnknownSequenceError, r"^seq_id='zz'"),
+    ("swap-in-group-dup", lambda m: m.swap_in(["s", "s"]), InvalidArgumentError, r"^seq_id='s'"),
+    ("can-swap-out-group-swapped", lambda m: m.can_swap_out(["s"]), SequenceStateError, r"^seq_id='s'"),
+    ("can-swap-in-group-unknown", lambda m: m.can_swap_in(["zz"]), UnknownSequenceError, r"^seq_id='zz'"),
     ("can-alloc-bad", lambda m: m.can_allocate("abc"), InvalidArgumentError, r"^token_ids="),
     ("can-alloc-salt", lambda m: m.can_allocate([1], cache_salt=1), InvalidArgumentError, r"^cache_salt=1"),
     ("can-alloc-look", lambda m: m.can_allocate([1], num_lookahead_slots=-1), PagedKVError, r"^num_lookahead_slots"),
@@ -123,14 +100,14 @@ ERROR_CASES = [
     ("can-append-neg", lambda m: m.can_append("a", -1), InvalidArgumentError, r"^num_new_tokens=-1"),
     ("to-append-neg", lambda m: m.num_blocks_to_append("a", -1), InvalidArgumentError, r"^num_new_tokens=-1"),
     ("to-append-swapped", lambda m: m.num_blocks_to_append("s"), SequenceStateError, r"^seq_id='s'"),
-    ("to-append-all-neg", lambda m: m.num_blocks_to_append_all([("a", 1), ("b", -1)]), InvalidArgumentError,
+    ("can-append-all-pairs-neg", lambda m: m.can_append_all([("a", 1), ("b", -1)]), InvalidArgumentError,
      r"^num_new_tokens=-1"),
-    ("to-append-all-unknown", lambda m: m.num_blocks_to_append_all([("zz", 1)]), UnknownSequenceError, r"^seq_id"),
-    ("to-append-all-swapped", lambda m: m.num_blocks_to_append_all([("s", 1)]), SequenceStateError, r"^seq_id='s'"),
-    ("to-append-all-dup", lambda m: m.num_blocks_to_append_all([("a", 1), ("a", 1)]), InvalidArgumentError,
+    ("can-append-all-pairs-unknown", lambda m: m.can_append_all([("zz", 1)]), UnknownSequenceError, r"^seq_id"),
+    ("can-append-all-pairs-swapped", lambda m: m.can_append_all([("s", 1)]), SequenceStateError, r"^seq_id='s'"),
+    ("can-append-all-pairs-dup", lambda m: m.can_append_all([("a", 1), ("a", 1)]), InvalidArgumentError,
      r"^seq_id='a': expected each sequence at most once"),
-    ("to-append-all-shape", lambda m: m.num_blocks_to_append_all(["a"]), InvalidArgumentError, r"^requests='a'"),
-    ("to-append-all-iter", lambda m: m.num_blocks_to_append_all(3), InvalidArgumentError, r"^requests=3"),
+    ("can-append-all-pairs-shape", lambda m: m.can_append_all(["a"]), InvalidArgumentError, r"^requests='a'"),
+    ("can-append-all-pairs-iter", lambda m: m.can_append_all(3), InvalidArgumentError, r"^requests=3"),
     ("to-write-all-gap", lambda m: m.num_blocks_to_write_all([("a", 7, 8)]), OutOfRangeError, r"^start=7: .*\[0, 6\]"),
     ("to-write-all-reversed", lambda m: m.num_blocks_to_write_all([("a", 3, 2)]), InvalidArgumentError, r"^end=2"),
     ("to-write-all-pair", lambda m: m.num_blocks_to_write_all([("a", 3)]), InvalidArgumentError, r"^requests="),
@@ -148,9 +125,9 @@ ERROR_CASES = [
     ("can-append-all-unknown", lambda m: m.can_append_all([("zz", 1)]), UnknownSequenceError, r"^seq_id='zz'"),
     ("can-append-all-neg", lambda m: m.can_append_all([("a", -1)]), InvalidArgumentError, r"^num_new_tokens=-1"),
     ("can-append-look", lambda m: m.can_append("a", 1, num_lookahead_slots=-4), PagedKVError, r"^num_lookahead"),
-    ("can-swap-out-unknown", lambda m: m.can_swap_out("zz"), UnknownSequenceError, r"^seq_id='zz'"),
-    ("can-swap-out-swapped", lambda m: m.can_swap_out("s"), SequenceStateError, r"^seq_id='s'"),
-    ("can-swap-in-unknown", lambda m: m.can_swap_in("zz"), UnknownSequenceError, r"^seq_id='zz'"),
+    ("can-swap-out-unknown", lambda m: m.can_swap_out(["zz"]), UnknownSequenceError, r"^seq_id='zz'"),
+    ("can-swap-out-swapped", lambda m: m.can_swap_out(["s"]), SequenceStateError, r"^seq_id='s'"),
+    ("can-swap-in-unknown", lambda m: m.can_swap_in(["zz"]), UnknownSequenceError, r"^seq_id='zz'"),
     ("cached-bad", lambda m: m.num_cached_tokens([-1]), InvalidArgumentError, r"^token_ids=-1"),
     ("cached-salt", lambda m: m.num_cached_tokens([1], cache_salt=b""), InvalidArgumentError, r"^cache_salt="),
     ("table-unknown", lambda m: m.block_table("zz"), UnknownSequenceError, r"^seq_id='zz'"),
@@ -218,12 +195,12 @@ def test_append_out_of_blocks_for_the_copy_changes_nothing():
 def test_swap_in_out_of_blocks_changes_nothing():
     m = make(num_blocks=4)
     m.allocate("s", list(range(8)))
-    m.swap_out("s")
+    m.swap_out(["s"])
     m.allocate("fill", 12)  # 3 of 4 blocks
     before = snapshot(m)
-    assert not m.can_swap_in("s")
+    assert not m.can_swap_in(["s"])
     with pytest.raises(OutOfBlocksError, match="expected at most 1 free gpu"):
-        m.swap_in("s")
+        m.swap_in(["s"])
     assert snapshot(m) == before
 
 
@@ -305,17 +282,17 @@ def test_num_blocks_to_append_counts_new_blocks_and_copies():
     assert m.gpu.num_free == free - 2
 
 
-def test_num_blocks_to_append_all_counts_k_minus_1_copies_of_a_block_k_sequences_share():
+def test_append_all_cost_counts_k_minus_1_copies_of_a_block_k_sequences_share():
     m = make(num_blocks=16)
     m.allocate("a", [1, 2, 3, 4, 5, 6])  # blocks [0, 1], the last half full
     m.fork("a", "b")
     m.fork("a", "c")
-    assert m.num_blocks_to_append_all([]) == 0
-    assert m.num_blocks_to_append_all([("a", 1)]) == 1
-    assert m.num_blocks_to_append_all([("a", 1), ("b", 1)]) == 2
-    assert m.num_blocks_to_append_all([("a", 1), ("b", 1), ("c", 1)]) == 2  # c finds block 1 its own
-    assert m.num_blocks_to_append_all([("a", 0), ("b", 1), ("c", 1)]) == 2  # a holds it: c copies too
-    assert m.num_blocks_to_append_all([("a", 3), ("b", 1), ("c", 3)]) == 4  # 2 copies + 2 new blocks
+    assert blocks_to_append_all(m, []) == 0
+    assert blocks_to_append_all(m, [("a", 1)]) == 1
+    assert blocks_to_append_all(m, [("a", 1), ("b", 1)]) == 2
+    assert blocks_to_append_all(m, [("a", 1), ("b", 1), ("c", 1)]) == 2  # c finds block 1 its own
+    assert blocks_to_append_all(m, [("a", 0), ("b", 1), ("c", 1)]) == 2  # a holds it: c copies too
+    assert blocks_to_append_all(m, [("a", 3), ("b", 1), ("c", 3)]) == 4  # 2 copies + 2 new blocks
     free = m.gpu.num_free
     for seq_id in "abc":
         m.append(seq_id, [7])
@@ -335,13 +312,13 @@ def _random_shared_manager(rng: random.Random) -> BlockManager:
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_num_blocks_to_append_all_is_what_the_appends_take(seed):
+def test_append_all_cost_is_what_the_appends_take(seed):
     rng = random.Random(seed)
     m = _random_shared_manager(rng)
     ids = m.seq_ids()
     rng.shuffle(ids)
     requests = [(s, rng.randrange(0, 7)) for s in ids[: rng.randrange(1, len(ids) + 1)]]
-    expected = m.num_blocks_to_append_all(requests)
+    expected = blocks_to_append_all(m, requests)
     work = copy.deepcopy(m)
     for seq_id, n in requests:
         work.append(seq_id, [rng.randrange(50) for _ in range(n)])
@@ -369,12 +346,12 @@ def test_num_blocks_to_write_all_is_what_append_then_prepare_write_take(seed):
     work.check()
 
 
-def test_num_blocks_to_append_all_matches_num_blocks_to_append_for_one_sequence():
+def test_append_all_cost_matches_num_blocks_to_append_for_one_sequence():
     m = populated()
     for seq_id in "ab":
         for n in range(10):
-            assert m.num_blocks_to_append_all([(seq_id, n)]) == m.num_blocks_to_append(seq_id, n)
-            assert m.num_blocks_to_append_all(iter([(seq_id, n)])) == m.num_blocks_to_append(seq_id, n)
+            assert blocks_to_append_all(m, [(seq_id, n)]) == m.num_blocks_to_append(seq_id, n)
+            assert blocks_to_append_all(m, iter([(seq_id, n)])) == m.num_blocks_to_append(seq_id, n)
 
 
 def test_can_allocate_watermark():
@@ -389,12 +366,12 @@ def test_can_allocate_watermark():
 def test_can_swap_in_respects_the_watermark():
     m = make(num_blocks=10, watermark=0.2)
     m.allocate("s", 12)
-    m.swap_out("s")
+    m.swap_out(["s"])
     m.allocate("fill", 20)  # 5 free, s needs 3, reserve 2
-    assert m.can_swap_in("s")
+    assert m.can_swap_in(["s"])
     m.append("fill", 1)
-    assert not m.can_swap_in("s")
-    m.swap_in("s")  # the reserve is for running sequences: swap_in may use it
+    assert not m.can_swap_in(["s"])
+    m.swap_in(["s"])  # the reserve is for running sequences: swap_in may use it
     assert m.gpu.num_free == 1
 
 
@@ -452,21 +429,21 @@ def test_cache_salts_never_share():
 def test_root_hashes_of_many_salts_stay_bounded_and_correct():
     m = make(num_blocks=16)
     m.allocate("a", list(range(9)), cache_salt="tenant-0")
-    for i in range(bm_mod.ROOT_CACHE_SIZE + 10):  # more salts than the root cache keeps
+    for i in range(hash_mod.ROOT_CACHE_SIZE + 10):  # more salts than the root cache keeps
         m.num_cached_tokens([1], cache_salt=f"other-{i}")
-    assert bm_mod._root_cached.cache_info().currsize <= bm_mod.ROOT_CACHE_SIZE
+    assert hash_mod._root_cached.cache_info().currsize <= hash_mod.ROOT_CACHE_SIZE
     assert m.num_cached_tokens(list(range(9)), cache_salt="tenant-0") == 8  # its root, recomputed, still hits
     assert m.num_cached_tokens(list(range(9))) == 0
 
 
 def test_a_hash_collision_never_serves_other_tokens(monkeypatch):
-    def colliding(parent, token_ids, block_size):
-        return [b"c" * 32] * (len(token_ids) // block_size)
+    def colliding(parent, contents):
+        return [b"c" * 32] * len(contents)
 
-    monkeypatch.setattr(bm_mod, "hash_blocks", colliding)
+    monkeypatch.setattr(hash_mod, "chain_hashes", colliding)
     m = make(num_blocks=16)
     m.allocate("a", [1, 2, 3, 4, 5])
-    assert m.gpu.block_hash(m.block_table("a")[0]) == b"c" * 32  # the patch is in effect
+    assert cached_hash(m, m.block_table("a")[0]) == b"c" * 32  # the patch is in effect
     assert m.num_cached_tokens([1, 2, 3, 4, 5]) == 4  # same tokens: a real hit
     assert m.num_cached_tokens([9, 9, 9, 9, 5]) == 0  # same hash, other tokens
     assert m.allocate("b", [9, 9, 9, 9, 5]) == 0
@@ -663,8 +640,8 @@ def test_truncate_then_swap_in_does_not_recache_stale_hashes():
     m.append("a", 1)  # anonymous: 'a' is no longer cacheable
     m.truncate("a", 2)  # block 0 now holds [0, 1] only
     m.append("a", [50, 51, 52, 53, 54, 55])  # overwrites slots 2..7 of block 0
-    m.swap_out("a")
-    m.swap_in("a")
+    m.swap_out(["a"])
+    m.swap_in(["a"])
     assert m.num_cached_tokens(list(range(9))) == 0  # block 0 content is [0, 1, 50, 51]
     m.check()
 
@@ -674,14 +651,14 @@ def test_swap_out_and_in_return_block_mappings():
     m = make(num_blocks=8, num_cpu_blocks=4)
     m.allocate("x", 4)
     m.allocate("a", 6)
-    assert m.swap_out("a") == [(1, 0), (2, 1)]
+    assert m.swap_out(["a"]) == [(1, 0), (2, 1)]
     assert m.is_swapped("a") and m.block_table("a") == [0, 1] and m.num_tokens("a") == 6
     s = m.stats()
     assert (s.num_cpu_used, s.num_used) == (2, 1)
     m.allocate("y", 4)
     assert m.block_table("y") == [1]  # the most recently freed block is reused first
-    assert m.can_swap_in("a")
-    assert m.swap_in("a") == [(0, 2), (1, 3)]
+    assert m.can_swap_in(["a"])
+    assert m.swap_in(["a"]) == [(0, 2), (1, 3)]
     assert not m.is_swapped("a") and m.block_table("a") == [2, 3] and m.stats().num_cpu_used == 0
     m.check()
 
@@ -690,10 +667,10 @@ def test_swap_in_re_registers_full_blocks():
     m = make(num_blocks=8, num_cpu_blocks=4)
     prompt = list(range(9))
     m.allocate("a", prompt)
-    m.swap_out("a")
+    m.swap_out(["a"])
     m.reset_prefix_cache()  # the GPU copies are gone from the cache
     assert m.num_cached_tokens(prompt) == 0
-    m.swap_in("a")
+    m.swap_in(["a"])
     assert m.num_cached_tokens(prompt) == 8
     assert m.allocate("b", prompt) == 8 and m.block_table("b")[:2] == m.block_table("a")[:2]
     m.check()
@@ -702,11 +679,11 @@ def test_swap_in_re_registers_full_blocks():
 def test_swap_of_an_empty_sequence_and_free_while_swapped():
     m = make(num_cpu_blocks=0)
     m.allocate("e", [])
-    assert m.can_swap_out("e") and m.swap_out("e") == [] and m.is_swapped("e")
+    assert m.can_swap_out(["e"]) and m.swap_out(["e"]) == [] and m.is_swapped("e")
     m.free("e")
     m2 = make(num_cpu_blocks=2)
     m2.allocate("a", 8)
-    m2.swap_out("a")
+    m2.swap_out(["a"])
     assert m2.stats().num_cpu_used == 2
     m2.free("a")
     assert m2.stats().num_cpu_used == 0 and m2.gpu.num_free == 8
@@ -716,16 +693,16 @@ def test_swap_of_an_empty_sequence_and_free_while_swapped():
 def test_can_swap_out_and_in_match_the_actions():
     m = make(num_blocks=4, num_cpu_blocks=2)
     m.allocate("a", 9)
-    assert not m.can_swap_out("a")
+    assert not m.can_swap_out(["a"])
     m.truncate("a", 8)
-    assert m.can_swap_out("a")
-    m.swap_out("a")
+    assert m.can_swap_out(["a"])
+    m.swap_out(["a"])
     m.allocate("fill", 12)
-    assert not m.can_swap_in("a")
+    assert not m.can_swap_in(["a"])
     m.truncate("fill", 8)
-    assert m.can_swap_in("a")
-    m.swap_in("a")
-    assert not m.can_swap_in("a")  # resident: nothing to swap in
+    assert m.can_swap_in(["a"])
+    m.swap_in(["a"])
+    assert not m.can_swap_in(["a"])  # resident: nothing to swap in
 
 
 # -- prepare_write, add_blocks ----------------------------------------------
@@ -779,7 +756,7 @@ def test_stats_usage_and_fragmentation():
     assert m.stats().usage == 0.25 and m.stats().fragmentation == 3 / 8
     m.allocate("c", 4, num_lookahead_slots=4)  # 1 full + 1 empty reserved block
     assert m.stats().fragmentation == 7 / 16
-    m.swap_out("c")
+    m.swap_out(["c"])
     assert m.stats().fragmentation == 3 / 8 and m.stats().num_cpu_used == 2
 
 
@@ -827,6 +804,6 @@ def test_check_detects_a_corrupted_manager():
     with pytest.raises(InvariantError, match="1 blocks for 6 tokens"):
         m.check()
     m._seqs["a"].blocks[:] = [0, 1]
-    m._seqs["a"].hashes.append(b"x" * 32)
+    m._seqs["a"].hashes.hashes.append(b"x" * 32)
     with pytest.raises(InvariantError, match="2 hashes for 6 tokens"):
         m.check()

@@ -1,4 +1,4 @@
-"""``BlockManager.append_all``: exactly a loop of ``append``, all or nothing, with the table entries it set."""
+"""``BlockManager.append_all``: exactly a loop of ``append``, all or nothing, journaling the table entries it sets."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import itertools
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_block_manager import make, snapshot
-from test_block_manager_stateful import BS, VOCAB, random_op
+from bm_helpers import BS, VOCAB, cached_hash, make, random_op, snapshot
 
 from paged_kv import BlockManager
 from paged_kv.errors import InvalidArgumentError, OutOfBlocksError, PagedKVError
@@ -21,7 +20,7 @@ def managers(draw) -> BlockManager:
     appends, frees (cached blocks left to evict), truncations, in-place writes, windows and swaps."""
     rng = draw(st.randoms(use_true_random=False))
     m = make(num_blocks=draw(st.integers(4, 20)), block_size=BS, num_cpu_blocks=8,
-             enable_prefix_caching=draw(st.booleans()))  # fmt: skip
+             enable_prefix_caching=draw(st.booleans()), track_changes=True)  # fmt: skip
     live: list[int] = []
     ids = itertools.count()
     for _ in range(draw(st.integers(1, 16))):
@@ -32,6 +31,7 @@ def managers(draw) -> BlockManager:
     resident = [s for s in live if not m.is_swapped(s)]
     for sid in draw(st.lists(st.sampled_from(resident), max_size=3)) if resident else []:
         m.truncate(sid, draw(st.integers(0, m.num_tokens(sid))))  # often into a cached block, written again next
+    m.take_table_changes()  # the journal starts empty
     return m
 
 
@@ -87,17 +87,17 @@ def test_append_all_is_a_loop_of_append_or_changes_nothing(data, valid):
     loop, batch = copy.deepcopy(m), copy.deepcopy(m)
     expected, loop_err = run_loop(loop, requests)
     before, tables = snapshot(batch), {s: batch.block_table(s) for s in batch.seq_ids()}
-    changed: list = []
     try:
-        got, err = batch.append_all(requests, changed=changed), None
+        got, err = batch.append_all(requests), None
     except PagedKVError as e:
         got, err = None, e
     if loop_err is not None:
         assert type(err) is type(loop_err) and str(err) == str(loop_err)
-        assert snapshot(batch) == before and changed == []
+        assert snapshot(batch) == before and batch.take_table_changes() == []
         return
     assert err is None and got == expected
-    assert snapshot(batch) == snapshot(loop)  # tables, token records, hashes, pools, counters, stats
+    assert snapshot(batch) == snapshot(loop)  # tables, token records, hashes, pools, counters, journal, stats
+    changed = batch.take_table_changes()
     new_tables = {s: batch.block_table(s) for s in batch.seq_ids()}
     assert apply_changes(tables, changed) == new_tables
     assert {sid for sid, _, _ in changed} <= {sid for sid, _ in requests}
@@ -106,13 +106,13 @@ def test_append_all_is_a_loop_of_append_or_changes_nothing(data, valid):
 
 def test_a_decode_step_reports_only_the_new_blocks():
     """One token each: nothing reported for appends inside a block, the new block for one that crosses."""
-    m = make(num_blocks=16, block_size=BS)
+    m = make(num_blocks=16, block_size=BS, track_changes=True)
     m.allocate("a", [1, 2, 3])  # [0], room for one more
     m.allocate("b", [1, 2, 3, 4])  # [1], full: the next token needs a new block
     m.allocate("c", [5, 6])  # [2]
-    changed: list = []
-    assert m.append_all([("a", [4]), ("b", [5]), ("c", [7])], changed=changed) == []
-    assert changed == [("b", 1, 3)]
+    m.take_table_changes()
+    assert m.append_all([("a", [4]), ("b", [5]), ("c", [7])]) == []
+    assert m.take_table_changes() == [("b", 1, 3)]
     assert [m.block_table(s) for s in "abc"] == [[0], [1, 3], [2]]
     assert m.num_cached_tokens([1, 2, 3, 4, 9]) == BS  # a's block filled and was registered (as b's first)
     m.check()
@@ -120,14 +120,14 @@ def test_a_decode_step_reports_only_the_new_blocks():
 
 def test_a_shared_last_block_is_copied_once_and_reported():
     """Forks sharing a partial block: the first writers copy it, the last writes in place, as the loop does."""
-    m = make(num_blocks=16, block_size=BS)
+    m = make(num_blocks=16, block_size=BS, track_changes=True)
     m.allocate("a", [1, 2, 3, 4, 5, 6])  # [0, 1]
     m.fork("a", "b")
     m.fork("a", "c")
     assert m.can_append_all([("a", 1), ("b", 1), ("c", 1)])
-    changed: list = []
-    assert m.append_all([("a", [7]), ("b", [8]), ("c", [9])], changed=changed) == [(1, 2), (1, 3)]
-    assert changed == [("a", 1, 2), ("b", 1, 3)]
+    m.take_table_changes()
+    assert m.append_all([("a", [7]), ("b", [8]), ("c", [9])]) == [(1, 2), (1, 3)]
+    assert m.take_table_changes() == [("a", 1, 2), ("b", 1, 3)]
     assert [m.block_table(s) for s in "abc"] == [[0, 2], [0, 3], [0, 1]]
     assert m.num_cow_copies == 2
     m.check()
@@ -174,5 +174,5 @@ def test_writing_into_a_cached_block_after_truncate_unregisters_it():
     loop = copy.deepcopy(m)
     loop.append("a", [7])
     assert m.append_all([("a", [7])]) == []
-    assert m.gpu.block_hash(0) is None and m.num_cached_tokens([1, 2, 3, 4, 5]) == 0
+    assert cached_hash(m, 0) is None and m.num_cached_tokens([1, 2, 3, 4, 5]) == 0
     assert snapshot(m) == snapshot(loop)

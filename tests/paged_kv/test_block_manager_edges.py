@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from test_block_manager import snapshot
+from bm_helpers import snapshot
 
 from paged_kv import BlockManager, BlockManagerConfig, InvalidArgumentError
 

@@ -21,12 +21,9 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from test_block_manager import snapshot
+from bm_helpers import BS, VOCAB, random_op, snapshot
 
 from paged_kv import BlockManager, BlockManagerConfig, OutOfBlocksError
-
-BS = 4
-VOCAB = 3  # few distinct ids, so prompts share prefixes and hit the cache often
 
 token_lists = st.lists(st.integers(0, VOCAB - 1), max_size=3 * BS + 2)
 token_specs = st.one_of(token_lists, token_lists, st.integers(0, 2 * BS))  # ids, or an anonymous count
@@ -189,7 +186,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(i=picks)
     def swap_out(self, i):
         sid = self.pick(i, swapped=False)
-        if not self.refused(lambda: self.m.swap_out(sid), self.m.can_swap_out(sid)):
+        if not self.refused(lambda: self.m.swap_out([sid]), self.m.can_swap_out([sid])):
             copy_blocks(self.gpu, self.cpu, self.result)
             self.swapped[sid] = True
 
@@ -197,7 +194,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(i=picks)
     def swap_in(self, i):
         sid = self.pick(i, swapped=True)
-        if not self.refused(lambda: self.m.swap_in(sid), self.m.can_swap_in(sid)):
+        if not self.refused(lambda: self.m.swap_in([sid]), self.m.can_swap_in([sid])):
             copy_blocks(self.cpu, self.gpu, self.result)
             self.swapped[sid] = False
 
@@ -215,7 +212,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(mask=st.integers(0, (1 << 17) - 1))
     def swap_out_group(self, mask):
         group = self.subset(mask, swapped=False)
-        if not self.refused(lambda: self.m.swap_out_group(group), self.m.can_swap_out_group(group)):
+        if not self.refused(lambda: self.m.swap_out(group), self.m.can_swap_out(group)):
             assert len(self.result) == len(self.distinct(group))  # each block moved once
             copy_blocks(self.gpu, self.cpu, self.result)
             self.swapped.update(dict.fromkeys(group, True))
@@ -224,7 +221,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(mask=st.integers(0, (1 << 17) - 1))
     def swap_in_group(self, mask):
         group = self.subset(mask, swapped=True)
-        if not self.refused(lambda: self.m.swap_in_group(group), self.m.can_swap_in_group(group)):
+        if not self.refused(lambda: self.m.swap_in(group), self.m.can_swap_in(group)):
             assert len(self.result) == len(self.distinct(group))
             copy_blocks(self.cpu, self.gpu, self.result)
             self.swapped.update(dict.fromkeys(group, False))
@@ -248,12 +245,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def swap_family(self, group: list[int]) -> None:
         """Swap resident ``group`` out and back in (as far as the pools allow); check its blocks and sharing."""
         tables = {s: self.m.block_table(s) for s in group}
-        if self.refused(lambda: self.m.swap_out_group(group), self.m.can_swap_out_group(group)):
+        if self.refused(lambda: self.m.swap_out(group), self.m.can_swap_out(group)):
             return
         copy_blocks(self.gpu, self.cpu, self.result)
         self.swapped.update(dict.fromkeys(group, True))
         self.every_sequence_reads_back_its_content()
-        if self.refused(lambda: self.m.swap_in_group(group), self.m.can_swap_in_group(group)):
+        if self.refused(lambda: self.m.swap_in(group), self.m.can_swap_in(group)):
             return
         copy_blocks(self.cpu, self.gpu, self.result)
         self.swapped.update(dict.fromkeys(group, False))
@@ -417,41 +414,3 @@ def test_no_block_leaks_after_a_long_random_workload():
     assert m.cpu.num_free == 16 and m.stats().num_cpu_used == 0
     assert m.stats().num_cached == m.stats().num_evictable > 0
     assert m.stats().hit_rate > 0.1  # the workload did exercise the prefix cache
-
-
-PREFIXES = [[1, 2, 3, 0] * 4, [2, 2, 1, 0] * 4, [3, 1, 0, 2] * 4]
-
-
-def random_op(m: BlockManager, rng: random.Random, live: list[int], ids) -> None:
-    """One random operation; OutOfBlocksError may escape (and must leave ``m`` unchanged)."""
-    op = rng.choice(["alloc", "alloc", "append", "append", "fork", "free", "free", "truncate", "swap", "write", "drop"])
-    if rng.random() < 0.01:
-        m.reset_prefix_cache()
-    if op == "alloc" or not live:
-        tail = [rng.randrange(4) for _ in range(rng.randrange(24))]
-        prompt = rng.choice(PREFIXES)[: rng.randrange(17)] + tail if rng.random() < 0.9 else rng.randrange(40)
-        sid = next(ids)
-        m.allocate(sid, prompt, cache_salt=rng.choice([None, "s"]), num_lookahead_slots=rng.randrange(4))
-        live.append(sid)
-        return
-    sid = rng.choice(live)
-    if op == "free":
-        live.remove(sid)
-        m.free(sid)
-    elif op == "swap":
-        m.swap_in(sid) if m.is_swapped(sid) else m.swap_out(sid)
-    elif m.is_swapped(sid):
-        return
-    elif op == "append":
-        m.append(sid, [rng.randrange(4) for _ in range(rng.randrange(10))] if rng.random() < 0.9 else 3)
-    elif op == "fork":
-        child = next(ids)
-        m.fork(sid, child)
-        live.append(child)
-    elif op == "drop":
-        m.drop_front(sid, rng.randrange(len(m.block_table(sid)) + 1))
-    elif op == "write":
-        end = rng.randrange(len(m.block_table(sid)) * BS + 1)
-        m.prepare_write(sid, rng.randrange(end + 1), end)
-    else:
-        m.truncate(sid, rng.randrange(m.num_tokens(sid) + 1))

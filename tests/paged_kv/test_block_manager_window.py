@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from test_block_manager import make, snapshot
+from bm_helpers import cached_hash, make, snapshot
 
 from paged_kv.block_hash import block_bytes, hash_blocks, root_hash
 
@@ -62,7 +62,7 @@ def test_dropped_full_blocks_stay_cached_but_no_new_block_is_registered():
     assert m.stats().num_evictable == 1 and m.num_cached_tokens(prompt) == 8
     m.check()
     m.append("a", [9, 10, 11])  # fills the block of original positions 8..11
-    assert m.gpu.block_hash(m.block_table("a")[-1]) is None  # computed without the dropped tokens
+    assert cached_hash(m, m.block_table("a")[-1]) is None  # computed without the dropped tokens
     assert m.num_cached_tokens(list(range(13))) == 8
     m.check()
 
@@ -73,12 +73,12 @@ def test_swap_in_after_drop_front_re_registers_with_the_true_parent():
     hashes = hash_blocks(root_hash(None), prompt, BS)
     m.allocate("a", prompt)
     m.drop_front("a", 1)
-    m.swap_out("a")
+    m.swap_out(["a"])
     m.reset_prefix_cache()  # forget every hash: only swap_in can register 'a's blocks again
     m.check()
-    m.swap_in("a")
+    m.swap_in(["a"])
     table = m.block_table("a")
-    assert [m.gpu.block_hash(b) for b in table] == [hashes[1], hashes[2], None]
+    assert [cached_hash(m, b) for b in table] == [hashes[1], hashes[2], None]
     assert m.gpu.lookup_chain(hashes[0], hashes[1:], block_bytes(prompt, BS)[1:], 2) == table[:2]
     m.check()
 
@@ -89,9 +89,9 @@ def test_truncate_after_drop_front_forgets_the_hashes_past_the_cut():
     m.drop_front("a", 1)
     m.truncate("a", 6)  # block 1 (original positions 8..11) keeps 2 tokens
     m.append("a", [50, 51])  # overwrites it in place
-    m.swap_out("a")
+    m.swap_out(["a"])
     m.reset_prefix_cache()
-    m.swap_in("a")
+    m.swap_in(["a"])
     table = m.block_table("a")
-    assert m.gpu.block_hash(table[0]) is not None and m.gpu.block_hash(table[1]) is None
+    assert cached_hash(m, table[0]) is not None and cached_hash(m, table[1]) is None
     m.check()

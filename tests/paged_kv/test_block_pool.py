@@ -15,11 +15,32 @@ def h(i: int) -> bytes:
     return i.to_bytes(32, "little")
 
 
+def register(pool: BlockPool, block: int, h: bytes, parent: bytes, tokens: tuple[int, ...]) -> None:
+    """Register one block (a one-block chain)."""
+    pool.register_chain((block,), (h,), parent, (tokens,))
+
+
+def lookup(pool: BlockPool, h: bytes, parent: bytes, tokens: tuple[int, ...]) -> int | None:
+    """The cached block under ``h`` if its parent and tokens match too (a one-block chain), else None."""
+    hits = pool.lookup_chain(parent, (h,), (tokens,), 1)
+    return hits[0] if hits else None
+
+
+def is_evictable(pool: BlockPool, block: int) -> bool:
+    """Whether ``block`` is free but still holds cached content."""
+    return pool.count_evictable((block,)) == 1
+
+
+def block_hash(pool: BlockPool, block: int) -> bytes | None:
+    """The hash a block is cached under, or None."""
+    return pool.hash_of[block]
+
+
 def state(pool: BlockPool) -> tuple:
     """Everything a pool holds, for before/after comparison."""
     return (
         pool.num_blocks, list(pool.ref_counts), list(pool._free), list(pool._evictable), dict(pool._cached),
-        list(pool._hash), list(pool._parent), list(pool._tokens), pool.num_evictions,
+        list(pool.hash_of), list(pool._parent), list(pool._tokens), pool.num_evictions,
     )
 
 
@@ -28,7 +49,7 @@ def cached_pool(n: int, cached: list[int]) -> BlockPool:
     pool = BlockPool(n)
     blocks = pool.take(n)
     for b in cached:
-        pool.register(b, h(b), P, (b,))
+        register(pool, b, h(b), P, (b,))
     pool.release(b for b in blocks if b not in cached)
     pool.release(cached)
     return pool
@@ -63,11 +84,11 @@ def test_take_too_many_raises_and_changes_nothing():
 def test_release_frees_uncached_and_keeps_cached_evictable():
     pool = BlockPool(3)
     a, b, c = pool.take(3)
-    pool.register(b, h(1), P, (7,))
+    register(pool, b, h(1), P, (7,))
     pool.release([a, b])
     assert pool.num_free == 2 and pool.num_evictable == 1 and pool.num_cached == 1
-    assert pool.is_evictable(b) and not pool.is_evictable(a) and not pool.is_evictable(c)
-    assert pool.block_hash(b) == h(1) and pool.block_hash(a) is None
+    assert is_evictable(pool, b) and not is_evictable(pool, a) and not is_evictable(pool, c)
+    assert block_hash(pool, b) == h(1) and block_hash(pool, a) is None
     pool.check([0, 0, 1])
 
 
@@ -92,15 +113,15 @@ def test_take_evicts_least_recently_freed_first():
     assert pool.take(1) == [2]
     assert pool.take(2) == [0, 3]
     assert pool.num_evictions == 3
-    assert pool.num_cached == 1 and pool.block_hash(1) == h(1)
-    assert pool.lookup(h(2), P, (2,)) is None
+    assert pool.num_cached == 1 and block_hash(pool, 1) == h(1)
+    assert lookup(pool, h(2), P, (2,)) is None
     pool.check([1, 0, 1, 1])
 
 
 def test_touch_revives_an_evictable_block_and_renews_its_recency():
     pool = cached_pool(3, [0, 1, 2])
     pool.touch(0)
-    assert not pool.is_evictable(0) and pool.ref_counts[0] == 1 and pool.num_free == 2
+    assert not is_evictable(pool, 0) and pool.ref_counts[0] == 1 and pool.num_free == 2
     pool.release([0])  # now the most recently freed
     assert pool.take(2) == [1, 2]
     assert pool.take(1) == [0]
@@ -109,31 +130,31 @@ def test_touch_revives_an_evictable_block_and_renews_its_recency():
 def test_lookup_requires_hash_parent_and_tokens_to_match():
     pool = BlockPool(2)
     (b,) = pool.take(1)
-    pool.register(b, h(5), P, (1, 2))
-    assert pool.lookup(h(5), P, (1, 2)) == b
-    assert pool.lookup(h(6), P, (1, 2)) is None
-    assert pool.lookup(h(5), b"q" * 32, (1, 2)) is None  # same hash, other parent: a collision
-    assert pool.lookup(h(5), P, (1, 3)) is None  # same hash, other tokens: a collision
+    register(pool, b, h(5), P, (1, 2))
+    assert lookup(pool, h(5), P, (1, 2)) == b
+    assert lookup(pool, h(6), P, (1, 2)) is None
+    assert lookup(pool, h(5), b"q" * 32, (1, 2)) is None  # same hash, other parent: a collision
+    assert lookup(pool, h(5), P, (1, 3)) is None  # same hash, other tokens: a collision
 
 
 def test_register_keeps_the_first_block_for_a_hash_and_one_hash_per_block():
     pool = BlockPool(3)
     a, b, _ = pool.take(3)
-    pool.register(a, h(1), P, (1,))
-    pool.register(b, h(1), P, (1,))
-    assert pool.block_hash(b) is None and pool.lookup(h(1), P, (1,)) == a
-    pool.register(a, h(2), P, (2,))
-    assert pool.block_hash(a) == h(1) and pool.lookup(h(2), P, (2,)) is None
+    register(pool, a, h(1), P, (1,))
+    register(pool, b, h(1), P, (1,))
+    assert block_hash(pool, b) is None and lookup(pool, h(1), P, (1,)) == a
+    register(pool, a, h(2), P, (2,))
+    assert block_hash(pool, a) == h(1) and lookup(pool, h(2), P, (2,)) is None
     assert pool.num_cached == 1
 
 
 def test_unregister_forgets_the_content():
     pool = BlockPool(2)
     a, b = pool.take(2)
-    pool.register(a, h(1), P, (1,))
+    register(pool, a, h(1), P, (1,))
     pool.unregister(a)
     pool.unregister(b)  # no-op on an unhashed block
-    assert pool.lookup(h(1), P, (1,)) is None and pool.num_cached == 0
+    assert lookup(pool, h(1), P, (1,)) is None and pool.num_cached == 0
     pool.release([a, b])
     assert pool.num_evictable == 0 and pool.num_free == 2
     pool.check([0, 0])
@@ -143,11 +164,11 @@ def test_reset_cache_forgets_hashes_of_used_and_evictable_blocks():
     pool = BlockPool(4)
     blocks = pool.take(4)
     for b in blocks:
-        pool.register(b, h(b), P, (b,))
+        register(pool, b, h(b), P, (b,))
     pool.release(blocks[:2])
     pool.reset_cache()
     assert (pool.num_cached, pool.num_evictable, pool.num_free) == (0, 0, 2)
-    assert all(pool.block_hash(b) is None for b in blocks)
+    assert all(block_hash(pool, b) is None for b in blocks)
     pool.release(blocks[2:])
     assert pool.num_free == 4 and pool.num_evictable == 0
     pool.check([0] * 4)
@@ -185,7 +206,7 @@ def test_check_detects_refcount_mismatch():
         lambda p: p._free.append(2),  # 2 twice in the free list
         lambda p: p._free.append(0),  # an in-use block also free
         lambda p: p._evictable.__setitem__(2, None),  # both free and evictable
-        lambda p: p._hash.__setitem__(2, h(9)),  # a free block with a hash
+        lambda p: p.hash_of.__setitem__(2, h(9)),  # a free block with a hash
         lambda p: p._cached.__setitem__(h(9), 0),  # a stale hash map entry
         lambda p: p._cached.__setitem__(h(1), 2),  # hash of block 1 maps elsewhere
     ],
@@ -193,7 +214,7 @@ def test_check_detects_refcount_mismatch():
 def test_check_detects_corrupted_state(corrupt):
     pool = BlockPool(3)
     pool.take(2)
-    pool.register(1, h(1), P, (1,))
+    register(pool, 1, h(1), P, (1,))
     pool.check([1, 1, 0])
     corrupt(pool)
     with pytest.raises(InvariantError) as info:
