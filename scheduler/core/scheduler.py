@@ -1,5 +1,7 @@
-"""The scheduler: waiting / running / swapped queues, per-step budgets, chunked prefill, preemption.
+"""The scheduler: a request's life from admission to its last token, step by step.
 
+:meth:`Scheduler.schedule` decides a step; :meth:`Scheduler.update_from_output` records the
+tokens chosen after it (appends them, applies the stop conditions, frees what finished).
 Each step it fills a token budget and a sequence budget in this order:
 1. running groups: decode groups first, then groups still prefilling (chunked);
    when the pool cannot hold a group's new tokens it preempts the
@@ -10,44 +12,78 @@ Each step it fills a token budget and a sequence budget in this order:
    nothing was preempted and nothing is swapped out, and only while the block
    manager can allocate above its watermark; prefix-cache hits are skipped.
 
-Invariant between steps: for every sequence of a running group the block
-manager holds exactly ``seq.num_computed`` tokens; a sequence scheduled with
-``(start, n)`` has had ``n`` more tokens recorded, whose KV the step writes.
+Invariant: for every sequence of a running group the block manager holds exactly
+``seq.num_computed`` tokens. Scheduling ``(start, n)`` records ``n`` more tokens and
+advances ``num_computed`` to ``start + n`` at once (the step writes their KV); only the
+scheduler writes ``num_computed``. A group admitted with ``n > 1`` samples forks them from
+its first sequence in the step that reaches its last prompt token: they share its blocks and
+sample from its logits row.
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
+from collections.abc import Iterable
 
 from paged_kv.block_manager import BlockManager, CopyOp
-from paged_kv.errors import OutOfBlocksError
+from paged_kv.errors import DuplicateSequenceError, OutOfBlocksError, UnknownSequenceError, describe
 from scheduler.core.config import SchedulerConfig
-from scheduler.core.scheduler_output import ScheduledSeq, SchedulerOutput, StepBudget
+from scheduler.core.params import SamplingParams
+from scheduler.core.scheduler_output import SampledToken, ScheduledSeq, SchedulerOutput, StepBudget
 from scheduler.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
 class Scheduler:
     """Decides, step by step, which tokens of which sequences run through the model."""
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: Iterable[int] = ()
+    ) -> None:
         self.config = config
         self.bm = block_manager
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.requests: dict[str, SequenceGroup] = {}  # every unfinished request
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []  # admission order: the tail is preempted first
         self.swapped: deque[SequenceGroup] = deque()
         self.num_preemptions = {"recompute": 0, "swap": 0}
+        self._released: list[int] = []  # seq ids whose blocks were freed or moved since the last step
         self._ids = itertools.count()
 
-    # -- queue management -------------------------------------------------
-    def new_seq_id(self) -> int:
-        """A fresh block-manager id for a sequence."""
-        return next(self._ids)
+    # -- requests ---------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt: list[int], params: SamplingParams, *, fork_samples: bool = True
+    ) -> SequenceGroup:
+        """Queue a request: one sequence, and ``params.n`` sequence slots reserved for it.
 
-    def add(self, group: SequenceGroup) -> None:
-        """Queue a new request (its sequences hold no blocks yet)."""
+        With ``fork_samples`` the other ``n - 1`` samples are forked from the first when it first
+        samples; without, the caller forks its own sequences (a beam search of width ``n``).
+        """
+        if request_id in self.requests:
+            raise DuplicateSequenceError(describe("request_id", request_id, "an id not already in use"))
+        seq = Sequence(next(self._ids), 0, prompt)
+        unforked = params.n - 1 if fork_samples else 0
+        group = SequenceGroup(request_id, [seq], params, max_seqs=params.n, num_unforked=unforked)
+        self.requests[request_id] = group
         group.set_status(SequenceStatus.WAITING)
         self.waiting.append(group)
+        return group
+
+    def abort(self, request_id: str, now: float | None = None) -> SequenceGroup:
+        """Stop a request now: every unfinished sequence ends with "abort" and frees its blocks."""
+        group = self.requests.pop(request_id, None) if isinstance(request_id, str) else None
+        if group is None:
+            raise UnknownSequenceError(describe("request_id", request_id, "the id of an unfinished request"))
+        for queue in (self.running, self.swapped, self.waiting):
+            if group in queue:
+                queue.remove(group)
+        now = time.perf_counter() if now is None else now
+        for seq in group.unfinished():
+            self.finish(seq, "abort", now)
+        group.finish_time = now
+        return group
 
     def has_unfinished(self) -> bool:
         """Whether any group is queued, running or swapped out."""
@@ -57,31 +93,51 @@ class Scheduler:
         """Every live group, in queue order."""
         return [*self.running, *self.swapped, *self.waiting]
 
-    def remove(self, group: SequenceGroup) -> None:
-        """Drop a group from its queue and free the blocks of every sequence it still holds."""
-        for queue in (self.running, self.swapped, self.waiting):
-            if group in queue:
-                queue.remove(group)
-        for seq in group.seqs:
-            self.free_seq(seq)
-
-    def free_seq(self, seq: Sequence) -> None:
-        """Release a sequence's blocks (finished or pruned); a no-op if it holds none."""
-        if seq.seq_id in self.bm:
-            self.bm.free(seq.seq_id)
-
     def fork(self, group: SequenceGroup, parent: Sequence) -> Sequence:
         """Add to ``group`` a child sharing every block of ``parent`` (no KV copied)."""
-        child = parent.fork(self.new_seq_id(), len(group.seqs))
+        child = parent.fork(next(self._ids), len(group.seqs))
         if parent.seq_id in self.bm:
             self.bm.fork(parent.seq_id, child.seq_id)
         group.seqs.append(child)
         return child
 
-    def drop_finished(self) -> list[SequenceGroup]:
-        """Remove finished groups from the running queue and return them."""
+    def finish(self, seq: Sequence, reason: str, now: float | None = None) -> None:
+        """End a sequence and free its blocks now (its group runs on while others are unfinished)."""
+        seq.finish(reason, time.perf_counter() if now is None else now)
+        self._free(seq)
+
+    def _free(self, seq: Sequence) -> None:
+        """Release a sequence's blocks, if it holds any, and its block-table row."""
+        if seq.seq_id in self.bm:
+            self.bm.free(seq.seq_id)
+        self._released.append(seq.seq_id)
+
+    # -- after a step -----------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, sampled: list[SampledToken]) -> list[SequenceGroup]:
+        """Append the tokens chosen after ``out``, end the samples they stop, retire finished groups; return those."""
+        now = time.perf_counter()
+        for t in sampled:
+            t.seq.append_token(t.token_id, t.logprob, t.top_logprobs)
+            t.group.first_token_time = t.group.first_token_time or now
+            reason = self._stop_reason(t.group.params, t.seq, t.token_id)
+            if reason is not None:
+                self.finish(t.seq, reason, now)
+        return self._retire_finished()
+
+    def _stop_reason(self, params: SamplingParams, seq: Sequence, token_id: int) -> str | None:
+        """"stop" for a stop token (or EOS unless ignored), "length" at ``max_tokens``, else None."""
+        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
+            return "stop"
+        return "length" if seq.num_outputs >= params.max_tokens else None
+
+    def _retire_finished(self) -> list[SequenceGroup]:
+        """Drop the running groups whose every sequence stopped; return them, finish times set."""
         done = [g for g in self.running if g.is_finished()]
-        self.running = [g for g in self.running if not g.is_finished()]
+        if done:
+            self.running = [g for g in self.running if not g.is_finished()]
+        for group in done:
+            group.finish_time = max(s.finish_time or 0.0 for s in group.seqs)
+            del self.requests[group.request_id]
         return done
 
     # -- one step ---------------------------------------------------------
@@ -96,7 +152,8 @@ class Scheduler:
         if not (step.scheduled or step.preempted or self.running) and self.has_unfinished():
             queued = f"{len(self.waiting)} waiting, {len(self.swapped)} swapped"
             raise RuntimeError(f"scheduler stalled: {queued}, none runnable")
-        return step.output()
+        released, self._released = self._released, []
+        return step.output(released)
 
     def _schedule_running(self, step: StepBudget) -> None:
         decode = [g for g in self.running if _is_decode(g)]
@@ -127,7 +184,7 @@ class Scheduler:
             return False
         for group, plan in plans:
             for seq, n in plan:
-                step.add(ScheduledSeq(seq, group, seq.num_computed, n))
+                self._scheduled(step, group, seq, seq.num_computed, n)
         return True
 
     def _plan_running(self, group: SequenceGroup, tokens_left: int, num_seqs: int) -> list[tuple[Sequence, int]]:
@@ -162,7 +219,17 @@ class Scheduler:
         for seq, n in plan:
             start = seq.num_computed
             step.copies += self.bm.append(seq.seq_id, seq.token_ids[start : start + n])
-            step.add(ScheduledSeq(seq, group, start, n))
+            self._scheduled(step, group, seq, start, n)
+
+    def _scheduled(self, step: StepBudget, group: SequenceGroup, seq: Sequence, start: int, n: int) -> None:
+        """Count ``n`` recorded tokens of ``seq`` in the step; at its first sample, fork the group's other samples."""
+        seq.num_computed = start + n
+        group.first_scheduled_time = group.first_scheduled_time or time.perf_counter()
+        forks = ()
+        if group.num_unforked and seq.num_computed == seq.num_tokens:
+            forks = tuple(self.fork(group, seq) for _ in range(group.num_unforked))
+            group.num_unforked = 0
+        step.add(ScheduledSeq(seq, group, start, n, forks))
 
     # -- preemption -------------------------------------------------------
     def _preempt(self, group: SequenceGroup, step: StepBudget) -> None:
@@ -174,13 +241,14 @@ class Scheduler:
         ids = [seq.seq_id for seq in seqs]
         if self.config.preemption_mode == "swap" and self.bm.can_swap_out_group(ids):
             step.swap_out += self.bm.swap_out_group(ids)  # blocks shared within the group move once
+            self._released += ids
             group.set_status(SequenceStatus.SWAPPED)
             _insert_by_arrival(self.swapped, group)
             self.num_preemptions["swap"] += 1
             return
         for seq in seqs:
-            self.bm.free(seq.seq_id)
-            seq.reset_for_recompute()
+            self._free(seq)
+            seq.num_computed, seq.status = 0, SequenceStatus.WAITING
         _insert_by_arrival(self.waiting, group)
         self.num_preemptions["recompute"] += 1
 
@@ -209,8 +277,7 @@ class Scheduler:
             salt = group.params.cache_salt
             for seq, cached, n in plan:
                 start = self.bm.allocate(seq.seq_id, seq.token_ids[: cached + n], cache_salt=salt)  # >= cached
-                seq.num_computed = start
-                step.add(ScheduledSeq(seq, group, start, cached + n - start))
+                self._scheduled(step, group, seq, start, cached + n - start)
             group.set_status(SequenceStatus.RUNNING)
             self.running.append(group)
 

@@ -119,7 +119,7 @@ def test_engine_eos_ends_beams_unless_ignored(tiny_hf, beam_prompts):
     prompt = beam_prompts[2]
     eos = hf_beams(tiny_hf, prompt)[0][0][2]
     engine = make_engine(tiny_hf)
-    engine.eos_token_ids = frozenset([eos])
+    engine.scheduler.eos_token_ids = frozenset([eos])
     search = BeamSearch(engine)
     out = search.generate([prompt], BeamSearchParams(width=WIDTH, max_tokens=NEW))[0]
     assert_same_beams(out, *hf_beams(tiny_hf, prompt, eos=eos))
@@ -171,7 +171,7 @@ def test_beams_share_blocks_and_copy_only_the_last_partial_block(tiny_hf, beam_p
 def test_pruned_and_finished_beams_free_their_blocks_at_once(tiny_hf, beam_prompts):
     """Every beam that leaves the search has no block right after, and usage drops with it."""
     engine = make_engine(tiny_hf)
-    bm, finish = engine.block_manager, engine.finish_sequence
+    bm, finish = engine.block_manager, engine.scheduler.finish
     drops = []
 
     def traced_finish(seq, reason, now=None):
@@ -180,7 +180,7 @@ def test_pruned_and_finished_beams_free_their_blocks_at_once(tiny_hf, beam_promp
         assert seq.seq_id not in bm
         drops.append(before - bm.gpu.num_used)
 
-    engine.finish_sequence = traced_finish
+    engine.scheduler.finish = traced_finish
     BeamSearch(engine).generate(beam_prompts, BeamSearchParams(width=WIDTH, max_tokens=NEW))
     assert len(drops) > WIDTH * len(beam_prompts)  # pruned mid-search, not only at the end
     assert sum(d > 0 for d in drops) >= len(beam_prompts)
@@ -261,7 +261,7 @@ def test_bad_requests_leave_the_engine_unchanged(tiny_hf, beam_prompts):
 def test_error_mid_search_leaves_engine_clean(tiny_hf, beam_prompts):
     """An error raised during a step aborts every search: no request left, every block freed."""
     engine = make_engine(tiny_hf)
-    run_model, calls = engine.run_model, []
+    run_model, calls = engine.runner.run, []
 
     def failing(out):
         calls.append(1)
@@ -269,11 +269,11 @@ def test_error_mid_search_leaves_engine_clean(tiny_hf, beam_prompts):
             raise KeyboardInterrupt
         return run_model(out)
 
-    engine.run_model = failing
+    engine.runner.run = failing
     with pytest.raises(KeyboardInterrupt):
         BeamSearch(engine).generate(beam_prompts, BeamSearchParams(width=WIDTH, max_tokens=NEW))
     assert_all_freed(engine)
-    engine.run_model = run_model
+    engine.runner.run = run_model
     out = BeamSearch(engine).generate(beam_prompts[:1], BeamSearchParams(width=WIDTH, max_tokens=NEW))[0]
     assert_same_beams(out, *hf_beams(tiny_hf, beam_prompts[0]))
 
