@@ -111,8 +111,19 @@ def describe_cycles(cycles: list[list[str]]) -> str:
     return "import cycles:\n" + "\n".join(f"  {len(c)} modules: {', '.join(c)}" for c in cycles)
 
 
-class KnownKernelsCycle(AssertionError):
-    """The failure the xfail below expects: only the kernels cycle that another branch is removing."""
+class KnownOffenders(AssertionError):
+    """What a known-offenders xfail expects: only the offenders that other branches are removing."""
+
+
+def known_offenders_xfail(reason: str) -> pytest.MarkDecorator:
+    """A strict xfail of KnownOffenders only: any other offender fails for real, and so does the test passing."""
+    return pytest.mark.xfail(strict=True, raises=KnownOffenders, reason=reason)
+
+
+def assert_none(offenders: list[object], message: str, *, known: bool) -> None:
+    """No offenders; if there are, fail with ``message`` (as KnownOffenders when ``known``)."""
+    if offenders:
+        raise (KnownOffenders if known else AssertionError)(message)
 
 
 # the cycle as it stands: attention_metadata imports CascadeMetadata under TYPE_CHECKING
@@ -120,18 +131,14 @@ KERNELS_CYCLE = ["kernels.attention_checks", "kernels.attention_metadata", "kern
                  "kernels.decode_attention", "kernels.prefix_attention"]  # fmt: skip
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=KnownKernelsCycle,
-    reason="kernels.attention_metadata -> cascade_attention (TYPE_CHECKING) -> attention_checks / decode_attention / "
-    "prefix_attention -> attention_metadata is a cycle another branch removes; drop this mark and KERNELS_CYCLE then",
+@known_offenders_xfail(
+    "kernels.attention_metadata -> cascade_attention (TYPE_CHECKING) -> attention_checks / decode_attention / "
+    "prefix_attention -> attention_metadata is a cycle another branch removes; drop this mark and KERNELS_CYCLE then"
 )
 def test_no_import_cycle_among_the_product_modules() -> None:
     """No product module imports, directly or through others, a module that imports it back."""
     cycles = import_cycles(*PRODUCT)
-    if cycles == [KERNELS_CYCLE]:
-        raise KnownKernelsCycle(describe_cycles(cycles))
-    assert not cycles, describe_cycles(cycles)
+    assert_none(cycles, describe_cycles(cycles), known=cycles == [KERNELS_CYCLE])
 
 
 def write_package(root: Path, name: str, files: dict[str, str]) -> None:
@@ -215,26 +222,18 @@ def imports_of_test_modules(root: Path) -> list[str]:
     ]
 
 
-class OnlyOtherBranchesImportTestModules(AssertionError):
-    """The failure the xfail below expects: every offender is in tests/paged_kv or tests/kernels (other branches)."""
+OTHER_BRANCHES = ("tests/paged_kv/", "tests/kernels/")  # their test-module imports are being removed there
 
 
-OTHER_BRANCHES = ("tests/paged_kv/", "tests/kernels/")
-
-
-@pytest.mark.xfail(
-    strict=True,
-    raises=OnlyOtherBranchesImportTestModules,
-    reason="tests/paged_kv (test_block_manager*) and tests/kernels (test_attention_torch) still import test modules; "
-    "the branches that own them move those helpers out: drop this mark then (offenders anywhere else fail now)",
+@known_offenders_xfail(
+    "tests/paged_kv (test_block_manager*) and tests/kernels (test_attention_torch) still import test modules; "
+    "the branches that own them move those helpers out: drop this mark then (offenders anywhere else fail now)"
 )
 def test_no_module_imports_a_test_module() -> None:
     """Shared test code lives in helper modules: nothing imports a ``test_*`` module (a test module is no library)."""
     offenders = imports_of_test_modules(ROOT)
     message = "imports of test modules:\n" + "\n".join(offenders)
-    if offenders and all(o.startswith(OTHER_BRANCHES) for o in offenders):
-        raise OnlyOtherBranchesImportTestModules(message)
-    assert not offenders, message
+    assert_none(offenders, message, known=all(o.startswith(OTHER_BRANCHES) for o in offenders))
 
 
 def test_the_test_module_import_scan_finds_every_form(tmp_path) -> None:
