@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from beam_helpers import assert_same_beams, hf_beams
 from no_host_reads import forbid_host_reads
 from sched_helpers import VOCAB
-from test_beam_search import assert_same_beams, hf_beams
 
 import scheduler.model.attention as attention
 import scheduler.runner.step_input as step_input
