@@ -151,6 +151,7 @@ class LLMEngine:
 
         ``fork_samples=False``: the caller forks the request's sequences itself (see :meth:`step`).
         """
+        check_bool("fork_samples", fork_samples)
         prompt, params = self.check_request(request_id, prompt_token_ids, sampling_params)
         return self.scheduler.add_request(request_id, prompt, params, fork_samples=fork_samples)
 
@@ -175,10 +176,11 @@ class LLMEngine:
 
     def stop_samples(self, request_id: str, indices: Iterable[int], reason: str = "stop") -> None:
         """End some samples of a live request now and free their blocks (a text layer matched a stop string)."""
-        group = self.scheduler.requests.get(request_id) if isinstance(request_id, str) else None
-        if group is None:
-            raise UnknownSequenceError(describe("request_id", request_id, "the id of an unfinished request"))
-        indices = set(indices)
+        group = self._live(request_id)
+        indices = set(as_id_list("indices", list(indices) if isinstance(indices, (set, frozenset)) else indices,
+                                 "sample indices"))  # fmt: skip
+        if not (isinstance(reason, str) and reason):
+            raise InvalidArgumentError(describe("reason", reason, "a non-empty str"))
         for seq in group.unfinished():
             if seq.index in indices:
                 self.scheduler.finish(seq, reason)
@@ -195,6 +197,8 @@ class LLMEngine:
         ``out.samples``) it returns the chosen tokens, and may fork and finish sequences through
         the scheduler first (a beam search does).
         """
+        if select is not None and not callable(select):
+            raise InvalidArgumentError(describe("select", select, "None or a callable (out, logits) -> tokens"))
         start = time.perf_counter()
         out = self.scheduler.schedule()
         logits = self.runner.run(out)  # [R, vocab]
@@ -268,10 +272,14 @@ class LLMEngine:
 
     def request_output(self, request_id: str) -> RequestOutput:
         """A snapshot of an unfinished request's samples so far (streaming front ends read it after each step)."""
+        return RequestOutput.from_group(self._live(request_id))
+
+    def _live(self, request_id: str) -> SequenceGroup:
+        """The unfinished request ``request_id``, else UnknownSequenceError."""
         group = self.scheduler.requests.get(request_id) if isinstance(request_id, str) else None
         if group is None:
             raise UnknownSequenceError(describe("request_id", request_id, "the id of an unfinished request"))
-        return RequestOutput.from_group(group)
+        return group
 
 
 def _per_prompt(params: SamplingParams | Seq[SamplingParams] | None, n: int) -> list[SamplingParams]:

@@ -181,7 +181,13 @@ def _rows() -> list[Entry]:
         Entry("scheduler.LLMEngine.add_request", "add_request", {
             "request_id": Arg("obj", "x", bad={WRONG_TYPE: [None, 7, ["x"]], BAD_ID: ["r0"]}),
             "prompt_token_ids": Arg("ids", [1, 2], bad={**TOKENS, WRONG_TYPE: ["ab", 5, None, []]}),
-            "sampling_params": Arg("obj", None, bad={WRONG_TYPE: [{"max_tokens": 3}, "x"]})}, engine),
+            "sampling_params": Arg("obj", None, bad={WRONG_TYPE: [{"max_tokens": 3}, "x"]}),
+            "fork_samples": Arg("bool", True)}, engine),
+        Entry("scheduler.LLMEngine.step", "step", {"select": Arg("obj", None, bad={WRONG_TYPE: ["x", 3]})}, engine),
+        Entry("scheduler.LLMEngine.stop_samples", "stop_samples", {
+            "request_id": Arg("obj", "r0", bad={WRONG_TYPE: [None, 7, ["x"]], BAD_ID: ["zz"]}),
+            "indices": Arg("ids", [0]),
+            "reason": Arg("obj", "stop", bad={WRONG_TYPE: [None, 3, ""]})}, engine),
         Entry("scheduler.LLMEngine.check_request", "check_request", {
             "request_id": Arg("obj", "x", bad={WRONG_TYPE: [None, 7], BAD_ID: ["r0"]}),
             "prompt_token_ids": Arg("ids", [1, 2], bad={**TOKENS, WRONG_TYPE: ["ab", 5, None, []]}),
@@ -275,9 +281,6 @@ EXEMPT: dict[str, str] = {
     "call inside the runner; its kernels are rows of kernels.*)",
     "scheduler.LlamaModel.hidden_states": "the decoder layers of forward (what CUDA graphs capture), same inputs",
     "scheduler.LlamaModel.compute_logits": "the LM head of forward over the model's own hidden states",
-    "scheduler.LLMEngine.add_group": "custom-decoder API over engine-made SequenceGroup objects (engine internals)",
-    "scheduler.LLMEngine.append_token": "custom-decoder API over engine-made Sequence objects (engine internals)",
-    "scheduler.LLMEngine.finish_sequence": "custom-decoder API over engine-made Sequence objects (engine internals)",
-    "scheduler.LLMEngine.fork": "custom-decoder API over engine-made Sequence objects (engine internals)",
-    "scheduler.LLMEngine.run_model": "custom-decoder API over an engine-made SchedulerOutput (engine internals)",
+    "scheduler.LLMEngine.sample": "the default selection hook over an engine-made SchedulerOutput and its logits "
+    "(engine internals)",
 }
