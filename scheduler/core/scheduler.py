@@ -12,12 +12,15 @@ Each step it fills a token budget and a sequence budget in this order:
    nothing was preempted and nothing is swapped out, and only while the block
    manager can allocate above its watermark; prefix-cache hits are skipped.
 
-Invariant: for every sequence of a running group the block manager holds exactly
+Invariant: for every active sequence of a running group the block manager holds exactly
 ``seq.num_computed`` tokens. Scheduling ``(start, n)`` records ``n`` more tokens and
 advances ``num_computed`` to ``start + n`` at once (the step writes their KV); only the
 scheduler writes ``num_computed``. A group admitted with ``n > 1`` samples forks them from
 its first sequence in the step that reaches its last prompt token: they share its blocks and
-sample from its logits row.
+sample from its logits row. A group of several sequences preempted for recompute is
+recomputed as a group: its first sequence alone up to the whole blocks they all start with,
+then the others are forked from it there (``SequenceGroup.parked``), so the shared prefix is
+computed and held once.
 """
 
 from __future__ import annotations
@@ -190,13 +193,14 @@ class Scheduler:
     def _plan_running(self, group: SequenceGroup, tokens_left: int, num_seqs: int) -> list[tuple[Sequence, int]]:
         """New-token counts for a running group's sequences within the budgets left (tokens, sequences)."""
         plan, left = [], tokens_left
-        for seq in group.unfinished():
-            n = min(seq.num_uncomputed, left)
+        for seq in group.active():
+            todo = _num_to_compute(group, seq)
+            n = min(todo, left)
             if n <= 0 or num_seqs + len(plan) >= self.config.max_num_seqs:
                 if left <= 0:
                     break
                 continue
-            if not self.config.enable_chunked_prefill and n < seq.num_uncomputed:
+            if not self.config.enable_chunked_prefill and n < todo:
                 break
             plan.append((seq, n))
             left -= n
@@ -229,7 +233,24 @@ class Scheduler:
         if group.num_unforked and seq.num_computed == seq.num_tokens:
             forks = tuple(self.fork(group, seq) for _ in range(group.num_unforked))
             group.num_unforked = 0
+        if group.parked and seq.num_computed == group.fork_at:
+            self._unpark(group, seq)
         step.add(ScheduledSeq(seq, group, start, n, forks))
+
+    def _unpark(self, group: SequenceGroup, root: Sequence) -> None:
+        """Fork every parked sequence from ``root``, which now holds the ``fork_at`` tokens they start with."""
+        for seq in group.parked:
+            self.bm.fork(root.seq_id, seq.seq_id)  # root holds exactly fork_at tokens: whole blocks, shared
+            seq.num_computed, seq.status = group.fork_at, root.status
+        group.parked, group.fork_at = [], 0
+
+    def _park(self, group: SequenceGroup) -> None:
+        """Before recomputing a group of several sequences: park all but the first until it reaches their shared
+        whole blocks (each sequence keeps at least one token of its own to compute)."""
+        seqs, bs = group.unfinished(), self.bm.block_size
+        shared = min(_common_prefix_len([s.token_ids for s in seqs]), min(s.num_tokens for s in seqs) - 1)
+        group.fork_at = shared // bs * bs if len(seqs) > 1 else 0
+        group.parked = seqs[1:] if group.fork_at else []
 
     # -- preemption -------------------------------------------------------
     def _preempt(self, group: SequenceGroup, step: StepBudget) -> None:
@@ -237,7 +258,7 @@ class Scheduler:
         self.running.remove(group)
         step.preempted.append(group)
         group.num_preemptions += 1
-        seqs = group.unfinished()
+        seqs = group.active()
         ids = [seq.seq_id for seq in seqs]
         if self.config.preemption_mode == "swap" and self.bm.can_swap_out_group(ids):
             step.swap_out += self.bm.swap_out_group(ids)  # blocks shared within the group move once
@@ -249,6 +270,7 @@ class Scheduler:
         for seq in seqs:
             self._free(seq)
             seq.num_computed, seq.status = 0, SequenceStatus.WAITING
+        self._park(group)
         _insert_by_arrival(self.waiting, group)
         self.num_preemptions["recompute"] += 1
 
@@ -256,7 +278,7 @@ class Scheduler:
     def _schedule_swapped(self, step: StepBudget) -> None:
         while self.swapped:
             group = self.swapped[0]
-            ids = [seq.seq_id for seq in group.unfinished()]
+            ids = [seq.seq_id for seq in group.active()]
             if not (self.bm.can_swap_in_group(ids) and self._fits_seqs(group)):  # shared blocks counted once
                 return
             self.swapped.popleft()
@@ -286,11 +308,12 @@ class Scheduler:
 
         Each sequence gets at least one token: the budget keeps one token per later sequence in reserve.
         """
-        seqs, salt = group.unfinished(), group.params.cache_salt
+        seqs, salt = group.active(), group.params.cache_salt
         plan, left = [], step.tokens_left
         for i, seq in enumerate(seqs):
-            cached = self.bm.num_cached_tokens(seq.token_ids, cache_salt=salt)
-            n, mine = seq.num_tokens - cached, left - (len(seqs) - 1 - i)
+            tokens = seq.token_ids[: seq.num_computed + _num_to_compute(group, seq)]  # up to fork_at when parked
+            cached = self.bm.num_cached_tokens(tokens, cache_salt=salt)
+            n, mine = len(tokens) - cached, left - (len(seqs) - 1 - i)
             if n > mine and not self.config.enable_chunked_prefill:
                 return None
             n = min(n, mine)
@@ -319,7 +342,21 @@ def _insert_by_arrival(queue: deque[SequenceGroup], group: SequenceGroup) -> Non
 
 def _is_decode(group: SequenceGroup) -> bool:
     """A group whose every sequence only needs its last sampled token computed."""
-    return all(s.num_uncomputed == 1 and s.num_computed > 0 for s in group.unfinished())
+    return all(s.num_uncomputed == 1 and s.num_computed > 0 for s in group.active())
+
+
+def _num_to_compute(group: SequenceGroup, seq: Sequence) -> int:
+    """Tokens ``seq`` still has to compute before it samples, or, while others are parked on it, before they fork."""
+    end = group.fork_at if group.parked else seq.num_tokens
+    return end - seq.num_computed
+
+
+def _common_prefix_len(token_lists: list[list[int]]) -> int:
+    """Length of the longest prefix every list starts with."""
+    first, n = token_lists[0], min(map(len, token_lists))
+    for other in token_lists[1:]:
+        n = next((i for i in range(n) if other[i] != first[i]), n)
+    return n
 
 
 __all__ = ["CopyOp", "Scheduler", "ScheduledSeq", "SchedulerOutput"]

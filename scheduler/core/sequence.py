@@ -113,6 +113,10 @@ class SequenceGroup:
     num_preemptions: int = 0
     max_seqs: int = 1  # sequences the group may run at once (n samples, beam width)
     num_unforked: int = 0  # samples forked from the first sequence when it first samples (n - 1 at admission)
+    # after a recompute preemption: sequences holding no blocks until the first active one has computed the
+    # ``fork_at`` tokens they all start with; then they are forked from it there (the shared prefix runs once)
+    parked: list[Sequence] = field(default_factory=list)
+    fork_at: int = 0
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -124,6 +128,10 @@ class SequenceGroup:
         """Sequences that still generate."""
         return [s for s in self.seqs if not s.is_finished]
 
+    def active(self) -> list[Sequence]:
+        """Unfinished sequences that are scheduled (hold blocks once admitted): all but the parked ones."""
+        return [s for s in self.seqs if not s.is_finished and s not in self.parked]
+
     def is_finished(self) -> bool:
         """Whether every sequence has stopped."""
         return all(s.is_finished for s in self.seqs)
@@ -134,6 +142,6 @@ class SequenceGroup:
         return max(self.max_seqs - num_finished, len(self.seqs) - num_finished)
 
     def set_status(self, status: SequenceStatus) -> None:
-        """Move every unfinished sequence to ``status``."""
-        for s in self.unfinished():
+        """Move every active sequence to ``status``."""
+        for s in self.active():
             s.status = status

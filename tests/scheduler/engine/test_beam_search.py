@@ -155,7 +155,8 @@ def test_pruned_and_finished_beams_free_their_blocks_at_once(tiny_hf, beam_promp
 
 PREEMPTION = {
     # chunked re-prefill after recompute: some beams of a group reach their last token steps before the others
-    "recompute": dict(num_blocks=36, max_num_batched_tokens=64, max_num_seqs=28),
+    # (a budget of 32 tokens splits the beams' own suffixes after their group's shared prefix is recomputed)
+    "recompute": dict(num_blocks=36, max_num_batched_tokens=32, max_num_seqs=28),
     "swap": dict(
         num_blocks=36, num_cpu_blocks=128, preemption_mode="swap", max_num_batched_tokens=160, max_num_seqs=28
     ),
@@ -184,6 +185,38 @@ def test_same_beams_under_constant_preemption(tiny_hf, mode, monkeypatch):
     assert engine.scheduler.num_preemptions[mode] >= 2
     if mode == "recompute":
         assert any(waits), "no group waited on some of its beams"
+    assert_all_freed(engine)
+
+
+def test_a_group_recomputed_after_preemption_computes_its_shared_prefix_once(tiny_hf):
+    """Without prefix caching, a preempted beam group is recomputed as a group: the prompt once, then the forks.
+
+    Each group's prompt tokens computed over the run are at most one prompt per admission (the first and
+    one per recompute preemption), plus less than a block per beam where its fork point falls in the prompt;
+    recomputing each beam on its own would compute the prompt once per beam each time.
+    """
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, VOCAB, (40,), generator=g).tolist() for _ in range(6)]
+    params = BeamSearchParams(width=WIDTH, max_tokens=NEW, ignore_eos=True)
+    reference = BeamSearch(make_engine(tiny_hf, prefix=False)).generate(prompts, params)
+    engine = make_engine(tiny_hf, prefix=False, num_blocks=56, max_num_batched_tokens=128, max_num_seqs=24)
+    computed, preempted, schedule = {}, {}, engine.scheduler.schedule
+
+    def traced():
+        out = schedule()
+        for group in out.preempted:
+            preempted[group.request_id] = preempted.get(group.request_id, 0) + 1
+        for s in out.scheduled:
+            computed[s.group.request_id] = computed.get(s.group.request_id, 0) + s.num_prompt_tokens
+        return out
+
+    engine.scheduler.schedule = traced
+    outs = BeamSearch(engine).generate(prompts, params)
+    assert [[h.token_ids for h in o.hypotheses] for o in outs] == [[h.token_ids for h in o.hypotheses] for o in reference]
+    assert preempted, "no group was preempted"
+    bs = engine.block_manager.block_size
+    for rid, times in preempted.items():
+        assert computed[rid] <= 40 * (1 + times) + times * WIDTH * (bs - 1), (rid, times, computed[rid])
     assert_all_freed(engine)
 
 
