@@ -44,12 +44,15 @@ class PositionalEdits:
             raise OutOfBlocksError(f"end={end}: needs {len(cow)} blocks, expected at most {self.gpu.num_free} free")
         if end == start:  # an empty range writes nothing: nothing to copy, unhash or forget
             return []
-        self._version += 1
         copies = self._copy_on_write(seq_id, seq, cow)
-        for i in range(start // self.block_size, self._blocks_for(end)):
-            self.gpu.unregister(seq.blocks[i])
-        if start < min(end, seq.num_tokens):
+        cached = [b for b in seq.blocks[start // self.block_size : self._blocks_for(end)] if self.gpu.hash_of[b] is not None]
+        for b in cached:
+            self.gpu.unregister(b)
+        rewritten = start < min(end, seq.num_tokens) and (seq.hashes is not None or seq.frozen is not None)
+        if rewritten:
             self._freeze(seq, start)  # the slots from ``start`` no longer hold the ids they were given
+        if copies or cached or rewritten:  # else nothing changed: private, uncached slots of an uncached sequence
+            self._version += 1
         return copies
 
     def _shared_in(self, seq: _Seq, start: int, end: int) -> list[int]:

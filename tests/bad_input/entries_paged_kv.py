@@ -17,7 +17,7 @@ from bad_input_machinery import (
     Entry,
 )
 
-from paged_kv import BlockManager, BlockManagerConfig
+from paged_kv import BlockHashes, BlockManager, BlockManagerConfig
 from paged_kv.kv_cache import KVCacheSpec, PagedKVCache
 
 
@@ -28,8 +28,19 @@ def manager() -> BlockManager:
     m.allocate("a", list(range(6)))
     m.fork("a", "b")
     m.allocate("s", list(range(10, 15)))
-    m.swap_out("s")
+    m.swap_out(["s"])
     return m
+
+
+def stream(num_tokens: int = 5, cache_salt: str | None = None, block_size: int = 4) -> BlockHashes:
+    """The hashes of ids ``0..num_tokens-1`` (the manager's prompts start so)."""
+    h = BlockHashes(block_size, cache_salt=cache_salt)
+    h.extend(list(range(num_tokens)))
+    return h
+
+
+# a kept hashes argument that is None or a BlockHashes of the manager's block size (4) and the call's salt
+OTHER_STREAMS = {WRONG_TYPE: ["x", 3, [b"h" * 32]], BAD_ID: [BlockHashes(8), BlockHashes(4, cache_salt="other")]}
 
 
 SPEC = dict(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4)
@@ -61,7 +72,8 @@ def entries() -> list[Entry]:
     # fmt: off
     return [
         # ---- paged_kv ----------------------------------------------------------------------------
-        Entry("paged_kv.BlockManager", BlockManager, {"config": Arg("obj", lambda: BlockManagerConfig(num_blocks=4))}),
+        Entry("paged_kv.BlockManager", BlockManager, {"config": Arg("obj", lambda: BlockManagerConfig(num_blocks=4)),
+                                                      "track_changes": Arg("bool", True)}),
         Entry("paged_kv.BlockManagerConfig", BlockManagerConfig, {
             "num_blocks": Arg("int", 8, bad={OUT_OF_RANGE: [0, -1, 1 << 62]}),
             "block_size": Arg("int", 4, bad={OUT_OF_RANGE: [0, 1 << 20]}),
@@ -69,8 +81,9 @@ def entries() -> list[Entry]:
             "enable_prefix_caching": Arg("bool", True)}),
         Entry("paged_kv.BlockManager.add_blocks", "add_blocks", {"num_blocks": Arg("int", 2)}, m),
         Entry("paged_kv.BlockManager.allocate", "allocate", {
-            "seq_id": Arg("new_seq_id", "n", bad={BAD_ID: [["l"], "a", "s"]}), "token_ids": Arg("ids", [1, 2, 3]),
-            "cache_salt": Arg("opt_str", None), "num_lookahead_slots": Arg("int", 0)}, m),
+            "seq_id": Arg("new_seq_id", "n", bad={BAD_ID: [["l"], "a", "s"]}), "token_ids": Arg("ids", [0, 1, 2]),
+            "cache_salt": Arg("opt_str", None), "hashes": Arg("obj", lambda: stream(2), bad=OTHER_STREAMS),
+            "num_lookahead_slots": Arg("int", 0)}, m),
         Entry("paged_kv.BlockManager.append", "append", {
             "seq_id": Arg("seq_id", "a", bad={BAD_ID: [["l"], "zz", "s"]}), "token_ids": Arg("ids", [7]),
             "num_lookahead_slots": Arg("int", 0)}, m),
@@ -79,37 +92,50 @@ def entries() -> list[Entry]:
         Entry("paged_kv.BlockManager.num_tokens", "num_tokens", {"seq_id": seq_id("a")}, m),
         Entry("paged_kv.BlockManager.is_swapped", "is_swapped", {"seq_id": seq_id("s")}, m),
         Entry("paged_kv.BlockManager.free", "free", {"seq_id": seq_id("a")}, m),
-        Entry("paged_kv.BlockManager.can_swap_out", "can_swap_out",
-            {"seq_id": Arg("seq_id", "a", bad={BAD_ID: [["l"], "zz", "s"]})}, m),
-        Entry("paged_kv.BlockManager.swap_out", "swap_out",
-            {"seq_id": Arg("seq_id", "a", bad={BAD_ID: [["l"], "zz", "s"]})}, m),
-        # a query about a sequence in the other state answers False: only unknown ids are bad
-        Entry("paged_kv.BlockManager.can_swap_in", "can_swap_in", {"seq_id": seq_id("s")}, m),
-        Entry("paged_kv.BlockManager.swap_in", "swap_in",
-            {"seq_id": Arg("seq_id", "s", bad={BAD_ID: [["l"], "zz", "a"]})}, m),
         Entry("paged_kv.BlockManager.append_all", "append_all", {
             "requests": Arg("obj", [("a", [7]), ("b", [8])], bad={
                 WRONG_TYPE: [None, "ab", 3, [("a",)]], BAD_ID: [[("zz", [7])], [("s", [7])], [("a", [7]), ("a", [8])]],
-                BOOL_FOR_INT: [[("a", [True])]], NONINTEGRAL: [[("a", [1.5])]], OUT_OF_RANGE: [[("a", [-1])]]}),
-            "changed": Arg("obj", None, bad={WRONG_TYPE: ["x", 3, ()]})}, m,
+                BOOL_FOR_INT: [[("a", [True])]], NONINTEGRAL: [[("a", [1.5])]], OUT_OF_RANGE: [[("a", [-1])]]})}, m,
             named={"requests": ("requests", "seq_id", "token_ids")}),
         Entry("paged_kv.BlockManager.can_append_all", "can_append_all", {
             "requests": Arg("obj", [("a", 1), ("b", 2)], bad={
-                WRONG_TYPE: [None, "ab", 3], BAD_ID: [[("zz", 1)], [("s", 1)]], BOOL_FOR_INT: [[("a", True)]],
+                WRONG_TYPE: [None, "ab", 3, [("a",)], ["a1"]], BOOL_FOR_INT: [[("a", True)]], NAN_INF: [[("a", NAN)]],
+                BAD_ID: [[("zz", 1)], [("s", 1)], [(["l"], 1)], [("a", 1), ("a", 2)]],
                 NONINTEGRAL: [[("a", 1.5)]], OUT_OF_RANGE: [[("a", -1)]]})}, m,
-            named={"requests": ("requests", "seq_id", "num_new_tokens")}),
+            named={"requests": ("requests", "seq_id", "num_new_tokens")}),  # errors name the pair's field
         *[Entry(f"paged_kv.BlockManager.{name}", name, {"seq_ids": Arg("obj", valid, bad={
             WRONG_TYPE: [None, "ab", 3], BAD_ID: [["zz"], [["l"]], *extra]})}, m,
             named={"seq_ids": ("seq_ids", "seq_id")})
           for name, valid, extra in (
-              ("swap_out_group", ["a", "b"], [["s"], ["a", "a"]]), ("swap_in_group", ["s"], [["a"], ["s", "s"]]),
-              ("can_swap_out_group", ["a", "b"], [["s"]]), ("can_swap_in_group", ["s"], []),
-              ("num_distinct_blocks", ["a", "b"], []))],
+              ("swap_out", ["a", "b"], [["s"], ["a", "a"]]), ("swap_in", ["s"], [["a"], ["s", "s"]]),
+              # a query about a sequence in the other state answers False: only unknown ids are bad
+              ("can_swap_out", ["a", "b"], [["s"]]), ("can_swap_in", ["s"], []))],
         Entry("paged_kv.BlockManager.can_allocate", "can_allocate", {
-            "token_ids": Arg("ids", [1, 2]), "cache_salt": Arg("opt_str", None), "num_lookahead_slots": Arg("int", 0)},
-                m),
+            "token_ids": Arg("ids", [0, 1]), "cache_salt": Arg("opt_str", None),
+            "hashes": Arg("obj", lambda: stream(2), bad=OTHER_STREAMS), "num_lookahead_slots": Arg("int", 0)}, m),
         Entry("paged_kv.BlockManager.num_cached_tokens", "num_cached_tokens", {
-            "token_ids": Arg("ids", [0, 1, 2, 3, 4]), "cache_salt": Arg("opt_str", "t")}, m),
+            "token_ids": Arg("ids", [0, 1, 2, 3, 4]), "cache_salt": Arg("opt_str", "t"),
+            "hashes": Arg("obj", lambda: stream(5, "t"), bad={**OTHER_STREAMS, BAD_ID: [BlockHashes(4)]})}, m),
+        Entry("paged_kv.BlockManager.admission", "admission", {
+            "requests": Arg("obj", lambda: [([0, 1, 2, 3, 4], stream(5)), (3, None)], bad={
+                WRONG_TYPE: [None, 3, [([1],)], [("ab", None)], [([1], "x")], [(3.5, None)]],
+                BOOL_FOR_INT: [[([True], None)]], NONINTEGRAL: [[([1.5], None)]], OUT_OF_RANGE: [[([-1], None)]],
+                BAD_ID: [[([1], BlockHashes(8))], [([1], BlockHashes(4, cache_salt="t"))]]}),
+            "cache_salt": Arg("opt_str", None)}, m,
+            named={"requests": ("requests", "token_ids", "hashes")}),  # errors name the pair's field
+        Entry("paged_kv.Admission.fits", "fits", {
+            "num_tokens": Arg("obj", [5, 3], bad={
+                WRONG_TYPE: [None, 3, "ab", [5], [5, 3, 1]], BOOL_FOR_INT: [[True, 3]], NONINTEGRAL: [[5, 2.5]],
+                NAN_INF: [[5, NAN]], OUT_OF_RANGE: [[3, 3], [6, 3], [5, 4], [5, -1]]})},
+              lambda: manager().admission([([0, 1, 2, 3, 4], None), (3, None)])),  # cached: (4, 0)
+        Entry("paged_kv.BlockHashes", BlockHashes, {
+            "block_size": Arg("int", 4, bad={OUT_OF_RANGE: [0, -1, 1 << 62]}), "cache_salt": Arg("opt_str", "t")}),
+        Entry("paged_kv.BlockHashes.extend", "extend", {
+            "token_ids": Arg("ids", [5, 6, 7, 8], bad={WRONG_TYPE: ["ab", {1: 2}, None, 3]})}, stream),
+        Entry("paged_kv.BlockHashes.copy", "copy", {
+            "num_tokens": Arg("opt_int", 3, bad={OUT_OF_RANGE: [-1, 6]})}, stream),
+        Entry("paged_kv.BlockHashes.drop_front", "drop_front", {
+            "num_blocks": Arg("int", 1, bad={OUT_OF_RANGE: [-1, 2]})}, stream),
         # a huge count is a valid question (the answer is "no" / a large number): only a negative one is bad
         Entry("paged_kv.BlockManager.can_append", "can_append", {
             "seq_id": seq_id("a"), "num_new_tokens": Arg("int", 1, bad=NOT_NEGATIVE),
@@ -117,11 +143,6 @@ def entries() -> list[Entry]:
         Entry("paged_kv.BlockManager.num_blocks_to_append", "num_blocks_to_append", {
             "seq_id": seq_id("a"), "num_new_tokens": Arg("int", 1, bad=NOT_NEGATIVE),
             "num_lookahead_slots": Arg("int", 0)}, m),
-        Entry("paged_kv.BlockManager.num_blocks_to_append_all", "num_blocks_to_append_all", {
-            "requests": Arg("obj", [("a", 1), ("b", 2)], bad={
-                WRONG_TYPE: [None, 3, [("a",)], ["a1"]], BOOL_FOR_INT: [[("a", True)]], NONINTEGRAL: [[("a", 1.5)]],
-                NAN_INF: [[("a", NAN)]], OUT_OF_RANGE: [[("a", -1)]], BAD_ID: [[("zz", 1)], [(["l"], 1)]]})}, m,
-              named={"requests": ("requests", "seq_id", "num_new_tokens")}),  # errors name the pair's field
         Entry("paged_kv.BlockManager.num_blocks_to_write_all", "num_blocks_to_write_all", {
             "requests": Arg("obj", [("a", 0, 6)], bad={
                 WRONG_TYPE: [None, 3, [("a", 1)]], BOOL_FOR_INT: [[("a", False, 2)]], NONINTEGRAL: [[("a", 0, 2.5)]],
@@ -137,7 +158,9 @@ def entries() -> list[Entry]:
         Entry("paged_kv.BlockManager.truncate", "truncate", {"seq_id": seq_id("a"), "num_tokens": Arg("int", 2)}, m),
         Entry("paged_kv.BlockManager.fork", "fork", {
             "parent_id": Arg("seq_id", "a", bad={BAD_ID: [["l"], "zz", "s"]}),
-            "child_id": Arg("new_seq_id", "c", bad={BAD_ID: [["l"], "b"]})}, m,
+            "child_id": Arg("new_seq_id", "c", bad={BAD_ID: [["l"], "b"]}),
+            "num_tokens": Arg("opt_int", 5, bad={OUT_OF_RANGE: [-1, 7]}),
+            "hashes": Arg("obj", lambda: stream(6), bad={**OTHER_STREAMS, OUT_OF_RANGE: [stream(4)]})}, m,
               named={"parent_id": ("parent_id", "seq_id")}),  # the manager's lookup names any id it cannot find seq_id
         # ---- paged_kv.kv_cache / batch -------------------------------------------------------------
         Entry("paged_kv.kv_cache.KVCacheSpec", KVCacheSpec, {
@@ -186,5 +209,8 @@ EXEMPT: dict[str, str] = {
     "paged_kv.SeqId": "a type alias (Hashable), not callable",
     "paged_kv.CopyOp": "a type alias (tuple[int, int]), not callable",
     "paged_kv.BlockManagerStats": "a result record the manager builds; never built from user input",
+    "paged_kv.Admission": "a result record BlockManager.admission builds; never built from user input",
+    "paged_kv.TableEntry": "a type alias (tuple[SeqId, int, int]), not callable",
+    "paged_kv.RELEASED": "an int constant (the journal's release marker), not callable",
     "paged_kv.kv_cache.LayerKV": "a NamedTuple of one layer's tensors that PagedKVCache builds",
 }
