@@ -45,7 +45,8 @@ class PositionalEdits:
         if end == start:  # an empty range writes nothing: nothing to copy, unhash or forget
             return []
         copies = self._copy_on_write(seq_id, seq, cow)
-        cached = [b for b in seq.blocks[start // self.block_size : self._blocks_for(end)] if self.gpu.hash_of[b] is not None]
+        written = seq.blocks[start // self.block_size : self._blocks_for(end)]
+        cached = [b for b in written if self.gpu.hash_of[b] is not None]
         for b in cached:
             self.gpu.unregister(b)
         rewritten = start < min(end, seq.num_tokens) and (seq.hashes is not None or seq.frozen is not None)
