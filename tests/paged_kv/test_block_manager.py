@@ -25,7 +25,7 @@ from paged_kv.errors import (
 
 def populated() -> BlockManager:
     """gpu 8 blocks, cpu 3: 'a' = 6 tokens [0,1], 'b' its fork, 's' swapped out (2 cpu blocks)."""
-    m = make(num_cpu_blocks=3)
+    m = make(num_cpu_blocks=3, track_changes=True)  # the journal is in the snapshot: a failed call records nothing
     m.allocate("a", list(range(6)))
     m.fork("a", "b")
     m.allocate("s", list(range(10, 15)))

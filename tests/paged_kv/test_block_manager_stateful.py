@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from bm_helpers import BS, VOCAB, random_op, snapshot
+from bm_helpers import BS, VOCAB, assert_mirror_matches, random_op, replay, snapshot
 
 from paged_kv import BlockManager, BlockManagerConfig, OutOfBlocksError
 
@@ -59,7 +59,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         cfg = BlockManagerConfig(num_blocks=12, block_size=BS, num_cpu_blocks=6, watermark=0.0)
-        self.m = BlockManager(cfg)
+        self.m = BlockManager(cfg, track_changes=True)
+        self.mirror: dict[int, list[int]] = {}  # the table journal replayed from the start
         self.content: dict[int, list[object]] = {}
         self.swapped: dict[int, bool] = {}
         self.gpu, self.cpu = Device(), Device()
@@ -321,6 +322,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert self.gpu.read([block], BS) == ids, f"block {block} is cached under ids it does not hold"
 
     @invariant()
+    def the_journal_replays_to_every_resident_table(self):
+        # taken after every step and replayed onto the rows so far: the same as replaying it all from the start
+        replay(self.m.take_table_changes(), self.mirror)
+        assert_mirror_matches(self.m, self.mirror)
+
+    @invariant()
     def stats_count_distinct_blocks(self):
         tables = {s: self.m.block_table(s) for s in self.content}
         gpu = {b for s, t in tables.items() if not self.swapped[s] for b in t}
@@ -391,6 +398,7 @@ def test_long_random_walks_of_the_machine(seed):
         machine.every_sequence_reads_back_its_content()
         machine.stats_count_distinct_blocks()
         machine.cached_blocks_hold_the_ids_they_are_cached_under()
+        machine.the_journal_replays_to_every_resident_table()
 
 
 def test_no_block_leaks_after_a_long_random_workload():
