@@ -186,9 +186,9 @@ class BlockManager(PositionalEdits):
     def _fits(self, admission: Admission, num_tokens: Iterable[int]) -> bool:
         """``Admission.fits``: checked against the manager's current version."""
         if admission._version != self._version:
-            raise SequenceStateError(describe(
-                "admission", f"<made at version {admission._version}>",
-                f"an Admission of the manager as it is now (version {self._version}): ask admission() again"))
+            raise SequenceStateError(describe("admission", admission, (
+                f"an Admission of the manager as it is now (it was made at version {admission._version}, "
+                f"the manager changed since: version {self._version}); ask admission() again")))
         counts = _items(num_tokens, "token counts", "num_tokens")
         if len(counts) != len(admission._lengths):
             expected = f"{len(admission._lengths)} counts, one a request"
