@@ -365,10 +365,11 @@ class BlockManager(PositionalEdits):
         self, seq_id: SeqId, seq: _Seq, ids: array | None, n: int, cow: list[int], num_new: int
     ) -> list[CopyOp]:
         """The mutation of ``append``, its cost ``(cow, num_new)`` checked."""
-        copies = self._copy_on_write(seq_id, seq, cow)
-        old = len(seq.blocks)
-        seq.blocks += self.gpu.take(num_new)
-        self._log(seq_id, seq.blocks[old:], old)
+        copies = self._copy_on_write(seq_id, seq, cow) if cow else []
+        if num_new:
+            old = len(seq.blocks)
+            seq.blocks += self.gpu.take(num_new)
+            self._log(seq_id, seq.blocks[old:], old)
         start = seq.num_tokens
         self._unhash_written(seq, start // self.block_size, n)
         seq.num_tokens += n
