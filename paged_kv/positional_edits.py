@@ -20,11 +20,12 @@ if TYPE_CHECKING:
 class PositionalEdits:
     """The facades' edits by position of a :class:`~paged_kv.block_manager.BlockManager`, which inherits them.
 
-    Relies on the manager's ``gpu``, ``block_size`` and ``_version`` (bumped by every change) and
-    its private ``_get_resident``, ``_blocks_for``, ``_blocks_to_write``, ``_copy_on_write``,
-    ``_freeze`` (stop caching a sequence, keep records of its full blocks) and ``_log`` (the
-    journal). The manager's rules hold here: a method that raises changes nothing, and every
-    table entry a method sets is journaled.
+    Relies on the manager's ``gpu``, ``block_size`` and ``_version`` (bumped by every change), its
+    private ``_get_resident``, ``_blocks_for``, ``_blocks_to_write``, ``_copy_on_write``, ``_freeze``
+    (stop caching a sequence, keep records of its full blocks) and ``_log`` (the journal), and the
+    fields of its per-sequence ``_Seq`` (``blocks``, ``num_tokens``, ``hashes``, ``frozen``). The
+    manager's rules hold here: a method that raises changes nothing, every table entry a method sets
+    is journaled, and a caller's BlockHashes is never cut (a private copy is).
     """
 
     def can_prepare_write(self, seq_id: SeqId, start: int, end: int) -> bool:
