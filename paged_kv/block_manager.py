@@ -21,11 +21,11 @@ from the start onto empty rows gives every resident sequence's table as a prefix
 from __future__ import annotations
 
 from array import array
-from collections.abc import Hashable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from paged_kv.block_hash import BlockHash, BlockHashes, salt_root
-from paged_kv.block_pool import BlockId, BlockPool, InvariantError
+from paged_kv.block_pool import BlockId, BlockPool, CopyOp, InvariantError, SeqId
 from paged_kv.config import BlockManagerConfig
 from paged_kv.errors import (
     DuplicateSequenceError,
@@ -42,8 +42,6 @@ from paged_kv.positional_edits import PositionalEdits
 from paged_kv.stats import BlockManagerStats, HitCounter
 from paged_kv.tokens import Tokens, as_token_array
 
-SeqId = Hashable
-CopyOp = tuple[BlockId, BlockId]  # (src, dst)
 TableEntry = tuple[SeqId, int, BlockId]  # (seq_id, logical index, physical block), or a release
 RELEASED = -1  # index and block of the journal entry that says a sequence's table is gone
 
@@ -216,7 +214,9 @@ class BlockManager(PositionalEdits):
         stream (the manager's block size, the salt's root; precondition: it describes these
         ids, and may cover more). It is extended only where it does not cover them, and the
         manager keeps it, extending it as the sequence grows: kept across preemption, no block
-        is hashed twice. Raises OutOfBlocksError (nothing changed) when the blocks do not fit.
+        is hashed twice. One object per live sequence: sequences that may diverge (samples of
+        one prompt) each take their own (``copy()`` hashes nothing). Raises OutOfBlocksError
+        (nothing changed) when the blocks do not fit.
         """
         self._check_new_id("seq_id", seq_id)
         check_int("num_lookahead_slots", num_lookahead_slots, low=0, high=1 << 20)

@@ -11,12 +11,14 @@ ones an ``OrderedDict`` in LRU order (oldest first).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 
 from paged_kv.block_hash import BlockHash
 from paged_kv.errors import OutOfBlocksError, PagedKVError
 
 BlockId = int
+CopyOp = tuple[BlockId, BlockId]  # (src, dst): a block copy owed to the device
+SeqId = Hashable  # a block manager's name for a sequence
 TokenKey = tuple[int, ...] | bytes  # a block's token ids, compared on every hit (the manager uses int64 bytes)
 
 

@@ -8,13 +8,10 @@ follow. The facades address slots by position, as the cache APIs they present do
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
+from paged_kv.block_pool import BlockId, CopyOp, SeqId
 from paged_kv.config import MAX_BLOCKS
 from paged_kv.errors import OutOfBlocksError, check_int
-
-if TYPE_CHECKING:
-    from paged_kv.block_manager import CopyOp, SeqId, _Seq
 
 
 class PositionalEdits:
@@ -30,7 +27,7 @@ class PositionalEdits:
 
     def can_prepare_write(self, seq_id: SeqId, start: int, end: int) -> bool:
         """Whether ``prepare_write`` over ``[start, end)`` would find enough free blocks."""
-        return len(self._shared_in(self._get_resident(seq_id), start, end)) <= self.gpu.num_free
+        return len(self._shared_in(self._get_resident(seq_id).blocks, start, end)) <= self.gpu.num_free
 
     def prepare_write(self, seq_id: SeqId, start: int, end: int) -> list[CopyOp]:
         """Make the blocks holding positions ``[start, end)`` private before an in-place overwrite.
@@ -40,7 +37,7 @@ class PositionalEdits:
         content is about to change.
         """
         seq = self._get_resident(seq_id)
-        cow = self._shared_in(seq, start, end)
+        cow = self._shared_in(seq.blocks, start, end)
         if len(cow) > self.gpu.num_free:
             raise OutOfBlocksError(f"end={end}: needs {len(cow)} blocks, expected at most {self.gpu.num_free} free")
         if end == start:  # an empty range writes nothing: nothing to copy, unhash or forget
@@ -57,12 +54,12 @@ class PositionalEdits:
             self._version += 1
         return copies
 
-    def _shared_in(self, seq: _Seq, start: int, end: int) -> list[int]:
-        """Logical indices of the shared blocks holding positions ``[start, end)``, both checked."""
-        check_int("end", end, low=0, high=len(seq.blocks) * self.block_size)
+    def _shared_in(self, table: list[BlockId], start: int, end: int) -> list[int]:
+        """Logical indices of the shared blocks of ``table`` holding positions ``[start, end)``, both checked."""
+        check_int("end", end, low=0, high=len(table) * self.block_size)
         check_int("start", start, low=0, high=end)
-        blocks = range(start // self.block_size, self._blocks_for(end)) if end > start else range(0)
-        return [i for i in blocks if self.gpu.ref_counts[seq.blocks[i]] > 1]
+        indices = range(start // self.block_size, self._blocks_for(end)) if end > start else range(0)
+        return [i for i in indices if self.gpu.ref_counts[table[i]] > 1]
 
     def num_blocks_to_write_all(self, requests: Iterable[tuple[SeqId, int, int]]) -> int:
         """Free blocks that readying positions ``[start, end)`` of each ``(seq_id, start, end)`` in turn takes.

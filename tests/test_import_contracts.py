@@ -222,12 +222,12 @@ def imports_of_test_modules(root: Path) -> list[str]:
     ]
 
 
-OTHER_BRANCHES = ("tests/paged_kv/", "tests/kernels/")  # their test-module imports are being removed there
+OTHER_BRANCHES = ("tests/kernels/",)  # their test-module imports are being removed there
 
 
 @known_offenders_xfail(
-    "tests/paged_kv (test_block_manager*) and tests/kernels (test_attention_torch) still import test modules; "
-    "the branches that own them move those helpers out: drop this mark then (offenders anywhere else fail now)"
+    "tests/kernels (test_attention_torch) still imports test modules; the branch that owns it moves those "
+    "helpers out: drop this mark then (offenders anywhere else fail now)"
 )
 def test_no_module_imports_a_test_module() -> None:
     """Shared test code lives in helper modules: nothing imports a ``test_*`` module (a test module is no library)."""
