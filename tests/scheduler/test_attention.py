@@ -17,7 +17,7 @@ from no_host_reads import forbid_host_reads
 from sched_helpers import NUM_NEW, VOCAB
 
 import scheduler.model.attention as attention
-from kernels.attention_metadata import prepare_attention_metadata
+from kernels.metadata import prepare_attention_metadata
 from paged_kv.kv_cache import KVCacheSpec, PagedKVCache
 from scheduler import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from scheduler.model.attention import CHUNK, DECODE, PAGED, AttentionPlan, step_routes
