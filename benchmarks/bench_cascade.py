@@ -170,8 +170,8 @@ def engine_ab(rounds: int = 2) -> str:
                             enable_cascade_attention=cascade, cascade_min_saved_bytes=floor)  # fmt: skip
         config = EngineConfig(cache=cache, scheduler=SchedulerConfig(max_num_seqs=16), device="cpu")
         engine = LLMEngine.from_hf(hf, config)
-        build, steps = engine.inputs.build, []
-        engine.inputs.build = lambda out: steps.append(build(out)) or steps[-1]  # count the cascade steps
+        build, steps = engine.runner.inputs.build, []
+        engine.runner.inputs.build = lambda out: steps.append(build(out)) or steps[-1]  # count the cascade steps
         start = time.perf_counter()
         outs = engine.generate([r.prompt_token_ids for r in requests], [r.params for r in requests], use_tqdm=False)
         cascade_steps = sum(s.meta.cascade is not None for s in steps)

@@ -39,7 +39,7 @@ import torch  # noqa: E402
 from paged_kv import BlockManager, BlockManagerConfig  # noqa: E402
 from scheduler import CacheConfig, EngineConfig, LLMEngine, SchedulerConfig  # noqa: E402
 from scheduler.core.scheduler import Scheduler  # noqa: E402
-from scheduler.core.sequence import Sequence, SequenceGroup, SequenceStatus  # noqa: E402
+from scheduler.core.scheduler_output import SampledToken  # noqa: E402
 from scheduler.entrypoints.workload import chat_workload  # noqa: E402
 from scheduler.model.loader import load_smollm2  # noqa: E402
 
@@ -77,28 +77,20 @@ def run_static(hf, requests, batch: int, eos: int, pad: int) -> tuple[float, lis
     return time.perf_counter() - start, answers
 
 
-def peak_concurrency(requests, answers: list[list[int]], num_blocks: int) -> int:
+def peak_concurrency(requests, answers: list[list[int]], num_blocks: int, eos: int) -> int:
     """Most sequences running at once when the recorded answers replay through scheduler + block manager."""
     bm = BlockManager(BlockManagerConfig(num_blocks=num_blocks, block_size=BLOCK_SIZE))
-    sched = Scheduler(SchedulerConfig(max_num_seqs=len(requests), max_num_batched_tokens=max(512, len(requests))), bm)
-    replay = {}  # seq_id -> the tokens the sequence is given, in order
+    sched = Scheduler(SchedulerConfig(max_num_seqs=len(requests), max_num_batched_tokens=max(512, len(requests))),
+                      bm, eos_token_ids=[eos])  # fmt: skip
+    replay = {}  # request id -> the tokens its sequence is given, in order
     for i, (r, answer) in enumerate(zip(requests, answers)):
-        seq = Sequence(sched.new_seq_id(), 0, r.prompt_token_ids)
-        sched.add(SequenceGroup(f"{r.request_id}/{i}", [seq], r.params))
-        replay[seq.seq_id] = answer
+        replay[sched.add_request(f"{r.request_id}/{i}", r.prompt_token_ids, r.params).request_id] = answer
     peak = 0
     while sched.has_unfinished():
         out = sched.schedule()
         peak = max(peak, sum(len(g.unfinished()) for g in sched.running))
-        for s in out.scheduled:
-            s.seq.num_computed = s.start + s.num_tokens
-            if s.samples:
-                tokens = replay[s.seq.seq_id]
-                s.seq.append_token(tokens[s.seq.num_outputs], 0.0)
-                if s.seq.num_outputs == len(tokens):
-                    s.seq.status = SequenceStatus.FINISHED
-                    sched.free_seq(s.seq)
-        sched.drop_finished()
+        chosen = [SampledToken(g, s, replay[g.request_id][s.num_outputs], 0.0) for g, s, _ in out.samples]
+        sched.update_from_output(out, chosen)
     return peak
 
 
@@ -127,7 +119,7 @@ def compare(num_requests: int = 64, batch: int = 16, max_tokens: int = 64, seed:
         "engine_s": engine_s, "engine_tokens": engine_tokens, "engine_tok_s": engine_tokens / engine_s,
         "static_s": static_s, "static_tokens": static_tokens, "static_tok_s": static_tokens / static_s,
         "same_answers": sum(a == b for a, b in zip(engine_answers, static_answers)),
-        "engine_concurrency": peak_concurrency(requests * REPLAY_COPIES, engine_answers * REPLAY_COPIES, budget_blocks),
+        "engine_concurrency": peak_concurrency(requests * REPLAY_COPIES, engine_answers * REPLAY_COPIES, budget_blocks, eos),
         "contiguous_concurrency": BUDGET_SEQS,
     }  # fmt: skip
 

@@ -15,7 +15,7 @@ Same prompts, same process, same device (``bench_engine.py --device cuda`` runs 
 
 Reported: generated tok/s of each side and the engine / baseline ratios; for the engine's decode
 steps (every scheduled sequence decodes one token) the mean wall time of ``engine.step``, the GPU
-span of ``engine.run_model`` (CUDA events around it: it includes any GPU idle time inside the
+span of ``engine.runner.run`` (CUDA events around it: it includes any GPU idle time inside the
 call), and the floor of a step: weight bytes + KV bytes read, over the copy bandwidth measured in
 the same run (bytes read + written per second by a large device-to-device copy). A probe at a
 fixed decode batch adds the GPU-busy fraction: kernel time (union of the profiler's GPU
@@ -235,23 +235,23 @@ class DecodeStep:
     """One engine step in which every scheduled sequence decoded a token."""
 
     wall_s: float  # engine.step, host wall clock
-    gpu_s: float  # between CUDA events around engine.run_model (0 on the CPU)
+    gpu_s: float  # between CUDA events around engine.runner.run (0 on the CPU)
     batch: int
     context_tokens: int  # KV tokens the step's attention reads, over all sequences
 
 
 class StepTimer:
-    """Wraps an engine's ``step`` and ``run_model`` (instance attributes) to time its decode steps."""
+    """Wraps an engine's ``step`` and its runner's ``run`` (instance attributes) to time its decode steps."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine, self.cuda = engine, engine.device.type == "cuda"
-        self._step, self._run_model = engine.step, engine.run_model
+        self._step, self._run_model = engine.step, engine.runner.run
         self._pending: list[tuple] = []  # (wall, start event, end event, batch, context) until synchronised
         self._this_step: tuple | None = None
-        engine.step, engine.run_model = self.step, self.run_model
+        engine.step, engine.runner.run = self.step, self.run_model
 
     def run_model(self, out):
-        """The engine's run_model between two CUDA events; remembers whether the step is all decodes."""
+        """The runner's run between two CUDA events; remembers whether the step is all decodes."""
         decode = bool(out.scheduled) and all(s.num_tokens == 1 and s.start >= s.seq.prompt_len for s in out.scheduled)
         events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if self.cuda else [None, None]
         if self.cuda:
@@ -285,7 +285,7 @@ class StepTimer:
 
     def remove(self) -> None:
         """Give the engine its own methods back."""
-        del self.engine.step, self.engine.run_model
+        del self.engine.step, self.engine.runner.run
 
 
 def run_engine(engine: LLMEngine, work: Workload, temperature: float) -> tuple[float, int]:
@@ -521,12 +521,12 @@ def decode_lines(f: dict) -> list[str]:
     """The engine's decode steps in the timed run, and the fixed-batch probe."""
     steps: list[DecodeStep] = f["decode"]
     if not steps:
-        return ["decode steps: none recorded (engine.run_model was not called through the engine's step)"]
+        return ["decode steps: none recorded (engine.runner.run was not called through the engine's step)"]
     n = len(steps)
     wall, gpu = sum(s.wall_s for s in steps) / n, sum(s.gpu_s for s in steps) / n
     batch, context = sum(s.batch for s in steps) / n, sum(s.context_tokens for s in steps) / n
     floor = sum(floor_s(f, s.context_tokens) for s in steps) / n
-    span = f"GPU span of run_model {gpu * 1e3:.2f} ms ({gpu / wall:.0%} of wall), " if gpu else ""
+    span = f"GPU span of runner.run {gpu * 1e3:.2f} ms ({gpu / wall:.0%} of wall), " if gpu else ""
     lines = [
         f"decode steps in the run: {n}, mean batch {batch:.0f}, mean KV read {context:,.0f} tokens; wall "
         f"{wall * 1e3:.2f} ms, {span}floor {floor * 1e3:.2f} ms (wall = {wall / floor:.1f}x floor)",

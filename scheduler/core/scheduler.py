@@ -1,5 +1,7 @@
-"""The scheduler: waiting / running / swapped queues, per-step budgets, chunked prefill, preemption.
+"""The scheduler: a request's life from admission to its last token, step by step.
 
+:meth:`Scheduler.schedule` decides a step; :meth:`Scheduler.update_from_output` records the
+tokens chosen after it (appends them, applies the stop conditions, frees what finished).
 Each step it fills a token budget and a sequence budget in this order:
 1. running groups: decode groups first, then groups still prefilling (chunked);
    when the pool cannot hold a group's new tokens it preempts the
@@ -10,44 +12,81 @@ Each step it fills a token budget and a sequence budget in this order:
    nothing was preempted and nothing is swapped out, and only while the block
    manager can allocate above its watermark; prefix-cache hits are skipped.
 
-Invariant between steps: for every sequence of a running group the block
-manager holds exactly ``seq.num_computed`` tokens; a sequence scheduled with
-``(start, n)`` has had ``n`` more tokens recorded, whose KV the step writes.
+Invariant: for every active sequence of a running group the block manager holds exactly
+``seq.num_computed`` tokens. Scheduling ``(start, n)`` records ``n`` more tokens and
+advances ``num_computed`` to ``start + n`` at once (the step writes their KV); only the
+scheduler writes ``num_computed``. A group admitted with ``n > 1`` samples forks them from
+its first sequence in the step that reaches its last prompt token: they share its blocks and
+sample from its logits row. A group of several sequences preempted for recompute is
+recomputed as a group: its first sequence alone up to the whole blocks they all start with,
+then the others are forked from it there (``SequenceGroup.parked``), so the shared prefix is
+computed and held once.
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
+from collections.abc import Iterable
 
 from paged_kv.block_manager import BlockManager, CopyOp
-from paged_kv.errors import OutOfBlocksError
+from paged_kv.errors import DuplicateSequenceError, OutOfBlocksError, UnknownSequenceError, describe
 from scheduler.core.config import SchedulerConfig
-from scheduler.core.scheduler_output import ScheduledSeq, SchedulerOutput, StepBudget
+from scheduler.core.params import SamplingParams
+from scheduler.core.scheduler_output import SampledToken, ScheduledSeq, SchedulerOutput, StepBudget
 from scheduler.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
 class Scheduler:
     """Decides, step by step, which tokens of which sequences run through the model."""
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: Iterable[int] = ()
+    ) -> None:
         self.config = config
         self.bm = block_manager
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.requests: dict[str, SequenceGroup] = {}  # every unfinished request
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []  # admission order: the tail is preempted first
         self.swapped: deque[SequenceGroup] = deque()
         self.num_preemptions = {"recompute": 0, "swap": 0}
+        self._released: list[int] = []  # seq ids whose blocks were freed or moved since the last step
         self._ids = itertools.count()
 
-    # -- queue management -------------------------------------------------
-    def new_seq_id(self) -> int:
-        """A fresh block-manager id for a sequence."""
-        return next(self._ids)
+    # -- requests ---------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt: list[int], params: SamplingParams, *, fork_samples: bool = True
+    ) -> SequenceGroup:
+        """Queue a request: one sequence, and ``params.n`` sequence slots reserved for it.
 
-    def add(self, group: SequenceGroup) -> None:
-        """Queue a new request (its sequences hold no blocks yet)."""
+        With ``fork_samples`` the other ``n - 1`` samples are forked from the first when it first
+        samples; without, the caller forks its own sequences (a beam search of width ``n``).
+        """
+        if request_id in self.requests:
+            raise DuplicateSequenceError(describe("request_id", request_id, "an id not already in use"))
+        seq = Sequence(next(self._ids), 0, prompt)
+        unforked = params.n - 1 if fork_samples else 0
+        group = SequenceGroup(request_id, [seq], params, max_seqs=params.n, num_unforked=unforked)
+        self.requests[request_id] = group
         group.set_status(SequenceStatus.WAITING)
         self.waiting.append(group)
+        return group
+
+    def abort(self, request_id: str, now: float | None = None) -> SequenceGroup:
+        """Stop a request now: every unfinished sequence ends with "abort" and frees its blocks."""
+        group = self.requests.pop(request_id, None) if isinstance(request_id, str) else None
+        if group is None:
+            raise UnknownSequenceError(describe("request_id", request_id, "the id of an unfinished request"))
+        for queue in (self.running, self.swapped, self.waiting):
+            if group in queue:
+                queue.remove(group)
+        now = time.perf_counter() if now is None else now
+        for seq in group.unfinished():
+            self.finish(seq, "abort", now)
+        group.finish_time = now
+        return group
 
     def has_unfinished(self) -> bool:
         """Whether any group is queued, running or swapped out."""
@@ -57,31 +96,51 @@ class Scheduler:
         """Every live group, in queue order."""
         return [*self.running, *self.swapped, *self.waiting]
 
-    def remove(self, group: SequenceGroup) -> None:
-        """Drop a group from its queue and free the blocks of every sequence it still holds."""
-        for queue in (self.running, self.swapped, self.waiting):
-            if group in queue:
-                queue.remove(group)
-        for seq in group.seqs:
-            self.free_seq(seq)
-
-    def free_seq(self, seq: Sequence) -> None:
-        """Release a sequence's blocks (finished or pruned); a no-op if it holds none."""
-        if seq.seq_id in self.bm:
-            self.bm.free(seq.seq_id)
-
     def fork(self, group: SequenceGroup, parent: Sequence) -> Sequence:
         """Add to ``group`` a child sharing every block of ``parent`` (no KV copied)."""
-        child = parent.fork(self.new_seq_id(), len(group.seqs))
+        child = parent.fork(next(self._ids), len(group.seqs))
         if parent.seq_id in self.bm:
             self.bm.fork(parent.seq_id, child.seq_id)
         group.seqs.append(child)
         return child
 
-    def drop_finished(self) -> list[SequenceGroup]:
-        """Remove finished groups from the running queue and return them."""
+    def finish(self, seq: Sequence, reason: str, now: float | None = None) -> None:
+        """End a sequence and free its blocks now (its group runs on while others are unfinished)."""
+        seq.finish(reason, time.perf_counter() if now is None else now)
+        self._free(seq)
+
+    def _free(self, seq: Sequence) -> None:
+        """Release a sequence's blocks, if it holds any, and its block-table row."""
+        if seq.seq_id in self.bm:
+            self.bm.free(seq.seq_id)
+        self._released.append(seq.seq_id)
+
+    # -- after a step -----------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, sampled: list[SampledToken]) -> list[SequenceGroup]:
+        """Append the tokens chosen after ``out``, end the samples they stop, retire finished groups; return those."""
+        now = time.perf_counter()
+        for t in sampled:
+            t.seq.append_token(t.token_id, t.logprob, t.top_logprobs)
+            t.group.first_token_time = t.group.first_token_time or now
+            reason = self._stop_reason(t.group.params, t.seq, t.token_id)
+            if reason is not None:
+                self.finish(t.seq, reason, now)
+        return self._retire_finished()
+
+    def _stop_reason(self, params: SamplingParams, seq: Sequence, token_id: int) -> str | None:
+        """"stop" for a stop token (or EOS unless ignored), "length" at ``max_tokens``, else None."""
+        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
+            return "stop"
+        return "length" if seq.num_outputs >= params.max_tokens else None
+
+    def _retire_finished(self) -> list[SequenceGroup]:
+        """Drop the running groups whose every sequence stopped; return them, finish times set."""
         done = [g for g in self.running if g.is_finished()]
-        self.running = [g for g in self.running if not g.is_finished()]
+        if done:
+            self.running = [g for g in self.running if not g.is_finished()]
+        for group in done:
+            group.finish_time = max(s.finish_time or 0.0 for s in group.seqs)
+            del self.requests[group.request_id]
         return done
 
     # -- one step ---------------------------------------------------------
@@ -96,7 +155,8 @@ class Scheduler:
         if not (step.scheduled or step.preempted or self.running) and self.has_unfinished():
             queued = f"{len(self.waiting)} waiting, {len(self.swapped)} swapped"
             raise RuntimeError(f"scheduler stalled: {queued}, none runnable")
-        return step.output()
+        released, self._released = self._released, []
+        return step.output(released)
 
     def _schedule_running(self, step: StepBudget) -> None:
         decode = [g for g in self.running if _is_decode(g)]
@@ -127,19 +187,20 @@ class Scheduler:
             return False
         for group, plan in plans:
             for seq, n in plan:
-                step.add(ScheduledSeq(seq, group, seq.num_computed, n))
+                self._scheduled(step, group, seq, seq.num_computed, n)
         return True
 
     def _plan_running(self, group: SequenceGroup, tokens_left: int, num_seqs: int) -> list[tuple[Sequence, int]]:
         """New-token counts for a running group's sequences within the budgets left (tokens, sequences)."""
         plan, left = [], tokens_left
-        for seq in group.unfinished():
-            n = min(seq.num_uncomputed, left)
+        for seq in group.active():
+            todo = _num_to_compute(group, seq)
+            n = min(todo, left)
             if n <= 0 or num_seqs + len(plan) >= self.config.max_num_seqs:
                 if left <= 0:
                     break
                 continue
-            if not self.config.enable_chunked_prefill and n < seq.num_uncomputed:
+            if not self.config.enable_chunked_prefill and n < todo:
                 break
             plan.append((seq, n))
             left -= n
@@ -162,7 +223,34 @@ class Scheduler:
         for seq, n in plan:
             start = seq.num_computed
             step.copies += self.bm.append(seq.seq_id, seq.token_ids[start : start + n])
-            step.add(ScheduledSeq(seq, group, start, n))
+            self._scheduled(step, group, seq, start, n)
+
+    def _scheduled(self, step: StepBudget, group: SequenceGroup, seq: Sequence, start: int, n: int) -> None:
+        """Count ``n`` recorded tokens of ``seq`` in the step; at its first sample, fork the group's other samples."""
+        seq.num_computed = start + n
+        group.first_scheduled_time = group.first_scheduled_time or time.perf_counter()
+        forks = ()
+        if group.num_unforked and seq.num_computed == seq.num_tokens:
+            forks = tuple(self.fork(group, seq) for _ in range(group.num_unforked))
+            group.num_unforked = 0
+        if group.parked and seq.num_computed == group.fork_at:
+            self._unpark(group, seq)
+        step.add(ScheduledSeq(seq, group, start, n, forks))
+
+    def _unpark(self, group: SequenceGroup, root: Sequence) -> None:
+        """Fork every parked sequence from ``root``, which now holds the ``fork_at`` tokens they start with."""
+        for seq in group.parked:
+            self.bm.fork(root.seq_id, seq.seq_id)  # root holds exactly fork_at tokens: whole blocks, shared
+            seq.num_computed, seq.status = group.fork_at, root.status
+        group.parked, group.fork_at = [], 0
+
+    def _park(self, group: SequenceGroup) -> None:
+        """Before recomputing a group of several sequences: park all but the first until it reaches their shared
+        whole blocks (each sequence keeps at least one token of its own to compute)."""
+        seqs, bs = group.unfinished(), self.bm.block_size
+        shared = min(_common_prefix_len([s.token_ids for s in seqs]), min(s.num_tokens for s in seqs) - 1)
+        group.fork_at = shared // bs * bs if len(seqs) > 1 else 0
+        group.parked = seqs[1:] if group.fork_at else []
 
     # -- preemption -------------------------------------------------------
     def _preempt(self, group: SequenceGroup, step: StepBudget) -> None:
@@ -170,17 +258,19 @@ class Scheduler:
         self.running.remove(group)
         step.preempted.append(group)
         group.num_preemptions += 1
-        seqs = group.unfinished()
+        seqs = group.active()
         ids = [seq.seq_id for seq in seqs]
         if self.config.preemption_mode == "swap" and self.bm.can_swap_out_group(ids):
             step.swap_out += self.bm.swap_out_group(ids)  # blocks shared within the group move once
+            self._released += ids
             group.set_status(SequenceStatus.SWAPPED)
             _insert_by_arrival(self.swapped, group)
             self.num_preemptions["swap"] += 1
             return
         for seq in seqs:
-            self.bm.free(seq.seq_id)
-            seq.reset_for_recompute()
+            self._free(seq)
+            seq.num_computed, seq.status = 0, SequenceStatus.WAITING
+        self._park(group)
         _insert_by_arrival(self.waiting, group)
         self.num_preemptions["recompute"] += 1
 
@@ -188,7 +278,7 @@ class Scheduler:
     def _schedule_swapped(self, step: StepBudget) -> None:
         while self.swapped:
             group = self.swapped[0]
-            ids = [seq.seq_id for seq in group.unfinished()]
+            ids = [seq.seq_id for seq in group.active()]
             if not (self.bm.can_swap_in_group(ids) and self._fits_seqs(group)):  # shared blocks counted once
                 return
             self.swapped.popleft()
@@ -209,8 +299,7 @@ class Scheduler:
             salt = group.params.cache_salt
             for seq, cached, n in plan:
                 start = self.bm.allocate(seq.seq_id, seq.token_ids[: cached + n], cache_salt=salt)  # >= cached
-                seq.num_computed = start
-                step.add(ScheduledSeq(seq, group, start, cached + n - start))
+                self._scheduled(step, group, seq, start, cached + n - start)
             group.set_status(SequenceStatus.RUNNING)
             self.running.append(group)
 
@@ -219,11 +308,12 @@ class Scheduler:
 
         Each sequence gets at least one token: the budget keeps one token per later sequence in reserve.
         """
-        seqs, salt = group.unfinished(), group.params.cache_salt
+        seqs, salt = group.active(), group.params.cache_salt
         plan, left = [], step.tokens_left
         for i, seq in enumerate(seqs):
-            cached = self.bm.num_cached_tokens(seq.token_ids, cache_salt=salt)
-            n, mine = seq.num_tokens - cached, left - (len(seqs) - 1 - i)
+            tokens = seq.token_ids[: seq.num_computed + _num_to_compute(group, seq)]  # up to fork_at when parked
+            cached = self.bm.num_cached_tokens(tokens, cache_salt=salt)
+            n, mine = len(tokens) - cached, left - (len(seqs) - 1 - i)
             if n > mine and not self.config.enable_chunked_prefill:
                 return None
             n = min(n, mine)
@@ -252,7 +342,21 @@ def _insert_by_arrival(queue: deque[SequenceGroup], group: SequenceGroup) -> Non
 
 def _is_decode(group: SequenceGroup) -> bool:
     """A group whose every sequence only needs its last sampled token computed."""
-    return all(s.num_uncomputed == 1 and s.num_computed > 0 for s in group.unfinished())
+    return all(s.num_uncomputed == 1 and s.num_computed > 0 for s in group.active())
+
+
+def _num_to_compute(group: SequenceGroup, seq: Sequence) -> int:
+    """Tokens ``seq`` still has to compute before it samples, or, while others are parked on it, before they fork."""
+    end = group.fork_at if group.parked else seq.num_tokens
+    return end - seq.num_computed
+
+
+def _common_prefix_len(token_lists: list[list[int]]) -> int:
+    """Length of the longest prefix every list starts with."""
+    first, n = token_lists[0], min(map(len, token_lists))
+    for other in token_lists[1:]:
+        n = next((i for i in range(n) if other[i] != first[i]), n)
+    return n
 
 
 __all__ = ["CopyOp", "Scheduler", "ScheduledSeq", "SchedulerOutput"]

@@ -1,4 +1,4 @@
-"""What one scheduler step decided: the tokens to run and the block copies owed before them."""
+"""A step as the scheduler decided it (:class:`SchedulerOutput`) and the tokens chosen after it (:class:`SampledToken`)."""
 
 from __future__ import annotations
 
@@ -16,11 +16,28 @@ class ScheduledSeq:
     group: SequenceGroup
     start: int  # tokens already in the cache before this step
     num_tokens: int
+    forks: tuple[Sequence, ...] = ()  # samples forked from ``seq`` this step: they sample from its logits too
 
     @property
     def samples(self) -> bool:
         """Whether the step reaches the sequence's last token, so its logits are sampled."""
         return self.start + self.num_tokens == self.seq.num_tokens
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt tokens among the step's new tokens (prefix-cache hits excluded)."""
+        return max(0, min(self.start + self.num_tokens, self.seq.prompt_len) - self.start)
+
+
+@dataclass(frozen=True, eq=False)
+class SampledToken:
+    """A token chosen for ``seq`` after a step, with its log-probability (and the top ones, when asked for)."""
+
+    group: SequenceGroup
+    seq: Sequence
+    token_id: int
+    logprob: float
+    top_logprobs: dict[int, float] | None = None
 
 
 @dataclass(eq=False)
@@ -32,11 +49,25 @@ class SchedulerOutput:
     swap_in: list[CopyOp]  # (cpu, gpu)
     copies: list[CopyOp]  # copy-on-write (src, dst) in the GPU pool, in the order they were made
     preempted: list[SequenceGroup]
+    released: list[int] = field(default_factory=list)  # seq ids whose block tables went away since the last step
+
+    @property
+    def samples(self) -> list[tuple[SequenceGroup, Sequence, int]]:
+        """Every sequence sampled after the step with its logits row (one row per scheduled sequence that samples)."""
+        out = []
+        for row, s in enumerate(s for s in self.scheduled if s.samples):
+            out += [(s.group, seq, row) for seq in (s.seq, *s.forks)]
+        return out
 
     @property
     def num_batched_tokens(self) -> int:
         """New tokens the step runs through the model."""
         return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt tokens the step computes (prefix-cache hits excluded)."""
+        return sum(s.num_prompt_tokens for s in self.scheduled)
 
     @property
     def is_empty(self) -> bool:
@@ -74,6 +105,8 @@ class StepBudget:
         self.scheduled.add(item.group)
         self.num_tokens += item.num_tokens
 
-    def output(self) -> SchedulerOutput:
-        """Freeze the step."""
-        return SchedulerOutput(self.scheduled_seqs, self.swap_out, self.swap_in, self.copies, self.preempted)
+    def output(self, released: list[int]) -> SchedulerOutput:
+        """Freeze the step, with the sequences released since the last one."""
+        return SchedulerOutput(
+            self.scheduled_seqs, self.swap_out, self.swap_in, self.copies, self.preempted, released
+        )

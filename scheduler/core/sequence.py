@@ -1,9 +1,10 @@
 """Sequences and sequence groups: the token state the scheduler moves between queues.
 
 A :class:`Sequence` is one stream of tokens (prompt + output). Its first
-``num_computed`` tokens have KV in the cache; between steps the block manager
-holds exactly those tokens' slots. A :class:`SequenceGroup` is one request:
-its prompt and every sample (``n`` parallel samples, or beams) forked from it.
+``num_computed`` tokens have KV in the cache (or get it in the step just
+scheduled): the block manager holds exactly those tokens' slots, and only the
+scheduler changes the count. A :class:`SequenceGroup` is one request: its
+prompt and every sample (``n`` parallel samples, or beams) forked from it.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class Sequence:
         self.index = index  # sample index inside its group
         self.prompt_len = len(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)  # prompt followed by outputs
-        self.num_computed = 0  # leading tokens whose KV is in the cache
+        self.num_computed = 0  # leading tokens whose KV is in the cache (written by the scheduler only)
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.finish_time: float | None = None
@@ -89,10 +90,9 @@ class Sequence:
         child.top_logprobs = list(self.top_logprobs)
         return child
 
-    def reset_for_recompute(self) -> None:
-        """Forget the cached KV: every token is recomputed on readmission."""
-        self.num_computed = 0
-        self.status = SequenceStatus.WAITING
+    def finish(self, reason: str, now: float) -> None:
+        """Mark the sequence done (its blocks are the scheduler's to free)."""
+        self.status, self.finish_reason, self.finish_time = SequenceStatus.FINISHED, reason, now
 
     def __repr__(self) -> str:
         state = f"tokens={self.num_tokens}, computed={self.num_computed}, {self.status.value}"
@@ -112,6 +112,11 @@ class SequenceGroup:
     finish_time: float | None = None
     num_preemptions: int = 0
     max_seqs: int = 1  # sequences the group may run at once (n samples, beam width)
+    num_unforked: int = 0  # samples forked from the first sequence when it first samples (n - 1 at admission)
+    # after a recompute preemption: sequences holding no blocks until the first active one has computed the
+    # ``fork_at`` tokens they all start with; then they are forked from it there (the shared prefix runs once)
+    parked: list[Sequence] = field(default_factory=list)
+    fork_at: int = 0
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -123,6 +128,10 @@ class SequenceGroup:
         """Sequences that still generate."""
         return [s for s in self.seqs if not s.is_finished]
 
+    def active(self) -> list[Sequence]:
+        """Unfinished sequences that are scheduled (hold blocks once admitted): all but the parked ones."""
+        return [s for s in self.seqs if not s.is_finished and s not in self.parked]
+
     def is_finished(self) -> bool:
         """Whether every sequence has stopped."""
         return all(s.is_finished for s in self.seqs)
@@ -133,6 +142,6 @@ class SequenceGroup:
         return max(self.max_seqs - num_finished, len(self.seqs) - num_finished)
 
     def set_status(self, status: SequenceStatus) -> None:
-        """Move every unfinished sequence to ``status``."""
-        for s in self.unfinished():
+        """Move every active sequence to ``status``."""
+        for s in self.active():
             s.status = status

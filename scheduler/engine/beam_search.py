@@ -16,14 +16,16 @@ each of them a private copy of the shared last partial block only, and the
 model runner applies those copies before writing. A beam chosen by no
 candidate is freed at once, as is every beam of a request that stopped.
 
-Every live beam of every request runs in the same engine step.
+Every live beam of every request runs in the same engine step: the search drives the
+engine's own :meth:`~scheduler.engine.llm_engine.LLMEngine.step` with a selection hook in place
+of sampling (it forks, prunes and picks every beam's token), so scheduling, preemption,
+stop bookkeeping and metrics are the engine's.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -40,7 +42,7 @@ from paged_kv.errors import (
     describe,
 )
 from scheduler.core.params import MAX_SAMPLES, SamplingParams
-from scheduler.core.scheduler_output import SchedulerOutput
+from scheduler.core.scheduler_output import SampledToken, SchedulerOutput
 from scheduler.core.sequence import Sequence, SequenceGroup
 from scheduler.engine.llm_engine import LLMEngine
 
@@ -230,11 +232,12 @@ class BeamSearch:
         check_bool("use_tqdm", use_tqdm)
         requests = self._add_all(prompts, params)
         total = _Meter()
+        select = lambda out, logits: self._select(requests, total, out, logits)  # noqa: E731
         try:
             with tqdm(total=len(requests), desc="beam search", unit="req", disable=not use_tqdm) as bar:
                 while not all(r.done for r in requests):
                     before = sum(r.done for r in requests)
-                    self._step(requests, total)
+                    self.engine.step(select)
                     bar.update(sum(r.done for r in requests) - before)
         except BaseException:
             self._abort(requests)
@@ -259,7 +262,7 @@ class BeamSearch:
             raise SequenceStateError(describe("engine", "busy", "an engine with no unfinished request"))
         per_prompt = _per_prompt(params, len(prompts))
         no_eos = frozenset()
-        eos = [frozenset(p.stop_token_ids) | (no_eos if p.ignore_eos else engine.eos_token_ids) for p in per_prompt]
+        eos = [frozenset(p.stop_token_ids) | (no_eos if p.ignore_eos else engine.scheduler.eos_token_ids) for p in per_prompt]
         checked = []
         for prompt, p, stops in zip(prompts, per_prompt, eos):
             request_id = f"beam-search-{next(self._ids)}"
@@ -269,31 +272,27 @@ class BeamSearch:
                 raise InvalidArgumentError(describe("width", p.width, f"at most vocab_size / {k // p.width}"))
         requests = []
         for (request_id, prompt, sp), p, stops in zip(checked, per_prompt, eos):
-            seq = Sequence(engine.scheduler.new_seq_id(), 0, prompt)
-            group = SequenceGroup(request_id, [seq], sp, max_seqs=p.width)
-            engine.add_group(group)
+            group = engine.add_request(request_id, prompt, sp, fork_samples=False)  # the search forks its beams
             requests.append(_Request(group, p, stops))
         return requests
 
-    # -- one engine step ------------------------------------------------------
-    def _step(self, requests: list[_Request], total: _Meter) -> None:
-        """Schedule and run every live beam once; advance each request whose beams are all computed."""
-        engine, start = self.engine, time.perf_counter()
-        out = engine.schedule()
+    # -- the selection hook of one engine step ----------------------------------
+    def _select(
+        self, requests: list[_Request], total: _Meter, out: SchedulerOutput, logits: torch.Tensor
+    ) -> list[SampledToken]:
+        """Collect the step's beam logits; advance each request whose beams are all computed; return their tokens."""
         if out.is_empty and not out.preempted:
             raise SequenceStateError(describe("scheduler", "no progress", "a step that runs or moves something"))
         live = [r for r in requests if not r.done]
         self._measure(live, total)
-        logits = engine.run_model(out)  # [R, V]
         by_id = {r.group.request_id: r for r in live}
-        for row, s in enumerate(x for x in out.scheduled if x.samples):
-            by_id[s.group.request_id].ready[s.seq.seq_id] = logits[row]
+        for group, seq, row in out.samples:
+            by_id[group.request_id].ready[seq.seq_id] = logits[row]
         ready = [r for r in live if r.all_ready()]  # after a chunked re-prefill some beams wait for the others
-        generated = sum(len(r.beams) for r in ready)
+        tokens: list[SampledToken] = []
         for req, cands in zip(ready, self._candidates(ready)):
-            self._advance(req, cands)
-        engine.collect_finished()
-        _record_step(engine, out, start, generated)
+            tokens += self._advance(req, cands)
+        return tokens
 
     def _measure(self, live: list[_Request], total: _Meter) -> None:
         """Record the GPU blocks each request's beams hold, shared and as if unshared."""
@@ -318,8 +317,8 @@ class BeamSearch:
             batch.append((logits, req.scores, req.num_candidates))
         return top_candidates_batch(batch)
 
-    def _advance(self, req: _Request, cands: Candidates) -> None:
-        """Pick the request's next beams and hypotheses from its candidates; stop it when it is done."""
+    def _advance(self, req: _Request, cands: Candidates) -> list[SampledToken]:
+        """Pick the request's next beams and hypotheses from its candidates (their tokens); stop it when it is done."""
         p = req.params
         req.num_steps += 1
         length = req.beams[0].num_outputs + 1  # output tokens of every candidate
@@ -329,9 +328,9 @@ class BeamSearch:
         scores = cands.scores[keep]  # [W] float32, best first
         if _should_stop(req, scores, length):
             self._finish(req)
-            return
-        self._continue(req, cands, keep)
+            return []
         req.scores = scores
+        return self._continue(req, cands, keep)
 
     def _add_hypotheses(self, req: _Request, cands: Candidates, ends: list[bool], length: int) -> None:
         """Candidates among the first ``width`` that end join the hypotheses; the best ``width`` stay."""
@@ -348,27 +347,26 @@ class BeamSearch:
                 ))  # fmt: skip
         req.finished = sorted(req.finished + new, key=lambda h: -h.score)[: p.width]
 
-    def _continue(self, req: _Request, cands: Candidates, keep: list[int]) -> None:
-        """Make the kept candidates the live beams: prune unchosen beams, fork the others, append tokens."""
-        engine, children = self.engine, {}
+    def _continue(self, req: _Request, cands: Candidates, keep: list[int]) -> list[SampledToken]:
+        """Make the kept candidates the live beams: prune unchosen beams, fork the others; return their tokens."""
+        scheduler, children = self.engine.scheduler, {}
         for r in keep:
             children.setdefault(cands.parents[r], []).append(r)
         for i, beam in enumerate(req.beams):
             if i not in children:
-                engine.finish_sequence(beam, "pruned")  # its blocks are free from now
+                scheduler.finish(beam, "pruned")  # its blocks are free from now
         chosen = {}
         for i, ranks in children.items():
             parent = req.beams[i]
-            seqs = [parent] + [engine.fork(req.group, parent) for _ in ranks[1:]]  # forked before parent grows
-            for r, seq in zip(ranks, seqs):
-                engine.append_token(req.group, seq, cands.tokens[r], cands.logprobs[r])
-                chosen[r] = seq
+            seqs = [parent] + [scheduler.fork(req.group, parent) for _ in ranks[1:]]  # forked before parent grows
+            chosen.update(zip(ranks, seqs))
         req.beams = [chosen[r] for r in keep]
+        return [SampledToken(req.group, chosen[r], cands.tokens[r], cands.logprobs[r]) for r in keep]
 
     def _finish(self, req: _Request) -> None:
         """End a request: free every live beam now."""
         for beam in req.beams:
-            self.engine.finish_sequence(beam, "pruned")
+            self.engine.scheduler.finish(beam, "pruned")
         req.beams, req.done = [], True
 
     def _output(self, req: _Request, block_size: int, bytes_per_block: int) -> BeamSearchOutput:
@@ -391,13 +389,6 @@ def _should_stop(req: _Request, running: torch.Tensor, length: int) -> bool:
     best_length = p.max_tokens if p.early_stopping == "never" and p.length_penalty > 0 else length
     best_possible = running[0] / (best_length**p.length_penalty)  # float32
     return not bool(best_possible > req.finished[-1].score)
-
-
-def _record_step(engine: LLMEngine, out: SchedulerOutput, start: float, generated: int) -> None:
-    """Add the step to the engine's metrics, as the engine's own step does."""
-    prompt = sum(max(0, min(s.start + s.num_tokens, s.seq.prompt_len) - s.start) for s in out.scheduled)
-    usage = engine.block_manager.gpu.num_used / engine.block_manager.gpu.num_blocks
-    engine.metrics.record_step(start, prompt, generated, len(out.scheduled), usage)
 
 
 def _per_prompt(params: BeamSearchParams | Seq[BeamSearchParams] | None, n: int) -> list[BeamSearchParams]:

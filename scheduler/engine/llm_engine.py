@@ -1,23 +1,22 @@
 """LLMEngine: continuous batching of requests over a paged KV cache and a Llama-family model.
 
-The driver loop is ``schedule -> build inputs -> run -> sample -> append``. The
-scheduler and block manager live here, in the driver; the model runner gets a
-:class:`~scheduler.runner.step_input.StepInput` of device tensors built on the host, and
-the only device->host transfer of a step is the sampled tokens. On CUDA, decode
-steps replay captured graphs (:mod:`scheduler.runner.cuda_graphs`) unless
-``EngineConfig.enforce_eager``.
+One step is four calls, each owned by one module::
+
+    out = scheduler.schedule()                          # core/scheduler.py: which tokens run, blocks recorded
+    logits = runner.run(out)                            # runner/model_runner.py: inputs, block moves, forward
+    sampled = select(out, logits)                       # runner/sampler.py (or a beam search's own selection)
+    finished = scheduler.update_from_output(out, sampled)  # append, stop, free, retire
+
+The scheduler and the block manager live here, in the driver; the runner gets the step's
+decisions, builds device inputs on the host, and the only device->host transfer of a step is
+the sampled tokens. On CUDA, decode steps replay captured graphs
+(:mod:`scheduler.runner.cuda_graphs`) unless ``EngineConfig.enforce_eager``.
 
 With ``EngineConfig.tensor_parallel_size = N > 1`` the engine is rank 0 of a tensor-parallel
-group (:mod:`scheduler.distributed`): it keeps the scheduler, the block manager and the
-sampler, holds its shard of the model and a pool of its KV heads, and broadcasts each step's
-payload to the workers before running its forward with them. Call :meth:`shutdown` (or use
-the engine as a context manager) to stop the workers.
-
-Beyond ``add_request`` / ``step`` / ``generate``, the engine exposes the
-pieces a custom decoder (beam search) drives by itself: :meth:`schedule`,
-:meth:`run_model` (logits of the sequences that reached their last token),
-:meth:`fork` (a child sharing every block of its parent), :meth:`append_token`
-and :meth:`finish_sequence` (frees the sequence's blocks at once).
+group (:mod:`scheduler.runner.tp_executor`): it keeps the scheduler, the block manager and the
+sampler, holds its shard of the model and a pool of its KV heads, and the runner broadcasts
+each step's payload to the workers before running its forward with them. Call
+:meth:`shutdown` (or use the engine as a context manager) to stop the workers.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 
 import torch
@@ -41,14 +40,14 @@ from paged_kv.errors import (
     check_type,
     describe,
 )
-from paged_kv.kv_cache import PagedKVCache
+from paged_kv.kv_cache import KVCacheSpec, PagedKVCache
 from paged_kv.tokens import as_id_list
 from scheduler.core.config import EngineConfig
 from scheduler.core.outputs import RequestOutput
 from scheduler.core.params import SamplingParams
 from scheduler.core.scheduler import Scheduler
-from scheduler.core.scheduler_output import ScheduledSeq, SchedulerOutput
-from scheduler.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from scheduler.core.scheduler_output import SampledToken, SchedulerOutput
+from scheduler.core.sequence import Sequence, SequenceGroup
 from scheduler.distributed.parallel_state import TPShard
 from scheduler.engine.metrics import EngineMetrics, MetricsSummary
 from scheduler.engine.request_checks import check_prompt, check_request_fits
@@ -62,6 +61,8 @@ from scheduler.runner.tp_executor import TPExecutor
 from scheduler.runner.tp_worker import WorkerSetup
 
 logger = logging.getLogger(__name__)
+
+Selector = Callable[[SchedulerOutput, torch.Tensor], list[SampledToken]]  # (step, logits [R, vocab]) -> tokens
 
 
 class LLMEngine:
@@ -80,7 +81,7 @@ class LLMEngine:
             self.executor, model = TPExecutor.launch(model, tp, self.device, config.distributed_timeout_s)
             self.device = model.embed.weight.device
         self.model = model.to(self.device).eval()
-        cc, sc = config.cache, config.scheduler
+        cc = config.cache
         spec = model.kv_cache_spec(cc.block_size, cc.dtype)
         graphs = self.device.type == "cuda" and not config.enforce_eager and tp == 1
         num_blocks = self._num_gpu_blocks(spec, graphs)
@@ -88,29 +89,12 @@ class LLMEngine:
             num_blocks=num_blocks, block_size=cc.block_size, num_cpu_blocks=cc.num_cpu_blocks,
             watermark=cc.watermark, enable_prefix_caching=cc.enable_prefix_caching,
         ))  # fmt: skip
-        cpu_cache = PagedKVCache(spec, cc.num_cpu_blocks, "cpu") if cc.num_cpu_blocks else None
-        gpu_cache = PagedKVCache(spec, num_blocks, self.device)
-        self.runner = ModelRunner(self.model, gpu_cache, cpu_cache, chunk_attention=cc.enable_chunk_attention)
-        width = min(-(-model.config.max_position_embeddings // cc.block_size), num_blocks)
-        per_token = spec.bytes_per_block // (spec.num_layers * spec.block_size)  # K+V bytes of a token in a layer
-        floor = min_saved_tokens(per_token, self.device.type, cc.cascade_min_saved_bytes)
-        self.inputs = StepInputBuilder(self.block_manager, self.device, width, cascade=cc.enable_cascade_attention,
-                                       min_saved_tokens=floor)  # fmt: skip
-        if self.executor is not None:
-            self.executor.attach_caches(self.runner.gpu_cache, cpu_cache)
-            chunk = cc.enable_chunk_attention
-            self.executor.setup(WorkerSetup(num_blocks, cc.num_cpu_blocks, cc.block_size, cc.dtype, width, chunk))
-        if graphs:
-            captured = self.runner.capture_graphs(sc.max_num_seqs, width)
-            logger.info("captured %d decode CUDA graphs (batch 1..%d) in %.1f s, %.2f GiB",
-                        len(captured.sizes), captured.sizes[-1], captured.capture_seconds, captured.pool_bytes / 2**30)
-        self.scheduler = Scheduler(sc, self.block_manager)
-        self.eos_token_ids = eos_ids
+        self.runner = self._make_runner(spec, num_blocks, graphs)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, eos_ids)
         self.metrics = EngineMetrics()
-        self._groups: dict[str, SequenceGroup] = {}
         self._auto_ids = itertools.count()
 
-    def _num_gpu_blocks(self, spec, graphs: bool) -> int:
+    def _num_gpu_blocks(self, spec: KVCacheSpec, graphs: bool) -> int:
         """The pool size: from gpu_memory_utilization on CUDA, else num_gpu_blocks or the byte budget; logged."""
         cc, sc = self.config.cache, self.config.scheduler
         if cc.gpu_memory_utilization is not None and self.device.type == "cuda":
@@ -125,6 +109,28 @@ class LLMEngine:
                     num_blocks * spec.block_size, num_blocks * spec.bytes_per_block / 2**30, self.device)  # fmt: skip
         return num_blocks
 
+    def _make_runner(self, spec: KVCacheSpec, num_blocks: int, graphs: bool) -> ModelRunner:
+        """The KV pools, the step-input builder and the model runner over them (workers set up alike; graphs)."""
+        cc, model = self.config.cache, self.model
+        cpu_cache = PagedKVCache(spec, cc.num_cpu_blocks, "cpu") if cc.num_cpu_blocks else None
+        gpu_cache = PagedKVCache(spec, num_blocks, self.device)
+        width = min(-(-model.config.max_position_embeddings // cc.block_size), num_blocks)
+        per_token = spec.bytes_per_block // (spec.num_layers * spec.block_size)  # K+V bytes of a token in a layer
+        floor = min_saved_tokens(per_token, self.device.type, cc.cascade_min_saved_bytes)
+        inputs = StepInputBuilder(self.block_manager, self.device, width, cascade=cc.enable_cascade_attention,
+                                  min_saved_tokens=floor)  # fmt: skip
+        runner = ModelRunner(model, gpu_cache, cpu_cache, chunk_attention=cc.enable_chunk_attention, inputs=inputs,
+                             group=self.executor)  # fmt: skip
+        if self.executor is not None:
+            self.executor.attach_caches(gpu_cache, cpu_cache)
+            chunk = cc.enable_chunk_attention
+            self.executor.setup(WorkerSetup(num_blocks, cc.num_cpu_blocks, cc.block_size, cc.dtype, width, chunk))
+        if graphs:
+            captured = runner.capture_graphs(self.config.scheduler.max_num_seqs, width)
+            logger.info("captured %d decode CUDA graphs (batch 1..%d) in %.1f s, %.2f GiB",
+                        len(captured.sizes), captured.sizes[-1], captured.capture_seconds, captured.pool_bytes / 2**30)
+        return runner
+
     @classmethod
     def from_hf(cls, hf_model: torch.nn.Module, config: EngineConfig | None = None) -> LLMEngine:
         """An engine over the weights of a transformers Llama model, EOS taken from its configs."""
@@ -138,12 +144,16 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt_token_ids: Seq[int], sampling_params: SamplingParams | None = None
-    ) -> None:
-        """Queue a request; raises (engine unchanged) on a bad id, prompt or parameters."""
+        self, request_id: str, prompt_token_ids: Seq[int], sampling_params: SamplingParams | None = None,
+        *, fork_samples: bool = True,
+    ) -> SequenceGroup:  # fmt: skip
+        """Queue a request; raises (engine unchanged) on a bad id, prompt or parameters.
+
+        ``fork_samples=False``: the caller forks the request's sequences itself (see :meth:`step`).
+        """
+        check_bool("fork_samples", fork_samples)
         prompt, params = self.check_request(request_id, prompt_token_ids, sampling_params)
-        seq = Sequence(self.scheduler.new_seq_id(), 0, prompt)
-        self.add_group(SequenceGroup(request_id, [seq], params, max_seqs=params.n))
+        return self.scheduler.add_request(request_id, prompt, params, fork_samples=fork_samples)
 
     def check_request(
         self, request_id: str, prompt_token_ids: Seq[int], sampling_params: SamplingParams | None
@@ -152,7 +162,7 @@ class LLMEngine:
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(request_id, str) or not request_id:
             raise InvalidArgumentError(describe("request_id", request_id, "a non-empty str"))
-        if request_id in self._groups:
+        if request_id in self.scheduler.requests:
             raise DuplicateSequenceError(describe("request_id", request_id, "an id not already in use"))
         if not isinstance(params, SamplingParams):
             raise InvalidArgumentError(describe("sampling_params", type(params).__name__, "a SamplingParams"))
@@ -160,82 +170,55 @@ class LLMEngine:
         check_request_fits(len(prompt), params, self.model.config, self.config.scheduler, self.block_manager.config)
         return prompt, params
 
-    def add_group(self, group: SequenceGroup) -> None:
-        """Queue a prepared sequence group (custom decoders build their own)."""
-        if group.request_id in self._groups:
-            raise DuplicateSequenceError(describe("request_id", group.request_id, "an id not already in use"))
-        self._groups[group.request_id] = group
-        self.scheduler.add(group)
-
     def abort(self, request_id: str) -> RequestOutput:
         """Stop a request now and free its blocks; returns what it had generated."""
-        group = self._groups.pop(request_id, None) if isinstance(request_id, str) else None
-        if group is None:
-            raise UnknownSequenceError(describe("request_id", request_id, "the id of an unfinished request"))
-        self.scheduler.remove(group)
-        for seq in group.seqs:
-            self.inputs.release(seq.seq_id)
-        now = time.perf_counter()
+        return RequestOutput.from_group(self.scheduler.abort(request_id))
+
+    def stop_samples(self, request_id: str, indices: Iterable[int], reason: str = "stop") -> None:
+        """End some samples of a live request now and free their blocks (a text layer matched a stop string)."""
+        group = self._live(request_id)
+        indices = set(as_id_list("indices", list(indices) if isinstance(indices, (set, frozenset)) else indices,
+                                 "sample indices"))  # fmt: skip
+        if not (isinstance(reason, str) and reason):
+            raise InvalidArgumentError(describe("reason", reason, "a non-empty str"))
         for seq in group.unfinished():
-            self._mark_finished(seq, "abort", now)
-        group.finish_time = now
-        return RequestOutput.from_group(group)
+            if seq.index in indices:
+                self.scheduler.finish(seq, reason)
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request is waiting, running or swapped out."""
         return self.scheduler.has_unfinished()
 
     # -- the loop ---------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Run one continuous-batching step; return the requests that finished in it."""
+    def step(self, select: Selector | None = None) -> list[RequestOutput]:
+        """Run one continuous-batching step; return the requests that finished in it.
+
+        ``select`` replaces sampling: given the step and its logits (one row per entry of
+        ``out.samples``) it returns the chosen tokens, and may fork and finish sequences through
+        the scheduler first (a beam search does).
+        """
+        if select is not None and not callable(select):
+            raise InvalidArgumentError(describe("select", select, "None or a callable (out, logits) -> tokens"))
         start = time.perf_counter()
-        out = self.schedule()
-        logits = self.run_model(out)
-        generated = self._sample_and_append([s for s in out.scheduled if s.samples], logits)
-        finished = self.collect_finished()
-        prompt_tokens = sum(max(0, min(s.start + s.num_tokens, s.seq.prompt_len) - s.start) for s in out.scheduled)
+        out = self.scheduler.schedule()
+        logits = self.runner.run(out)  # [R, vocab]
+        sampled = (select or self.sample)(out, logits)
+        finished = self.scheduler.update_from_output(out, sampled)
         usage = self.block_manager.gpu.num_used / self.block_manager.gpu.num_blocks
-        self.metrics.record_step(start, prompt_tokens, generated, len(out.scheduled), usage)
-        return finished
+        self.metrics.record_step(start, out.num_prompt_tokens, len(sampled), len(out.scheduled), usage)
+        return [self._retire(group) for group in finished]
 
-    def schedule(self) -> SchedulerOutput:
-        """Let the scheduler pick this step's tokens (records them with the block manager)."""
-        return self.scheduler.schedule()
-
-    def run_model(self, out: SchedulerOutput) -> torch.Tensor:
-        """Run a scheduled step; return logits ``[R, vocab]``, one row per sequence with ``samples`` in order."""
-        if self.executor is None:
-            logits = self.runner.execute(self.inputs.build(out))
-        else:
-            payload = self.inputs.build_payload(out)
-            self.executor.broadcast(payload)
-            logits = self.executor.guard(lambda: self.runner.execute(self.inputs.materializer.materialize(payload)))
-        now = time.perf_counter()
-        for s in out.scheduled:
-            s.seq.num_computed = s.start + s.num_tokens
-            if s.group.first_scheduled_time is None:
-                s.group.first_scheduled_time = now
-        return logits
-
-    def _sample_and_append(self, sampled: list[ScheduledSeq], logits: torch.Tensor) -> int:
-        """Sample every sequence that reached its last token (forking the ``n`` samples at the first); count them."""
-        seqs, rows = [], []
-        for row, s in enumerate(sampled):
-            family = [s.seq]
-            if s.group.params.n > 1 and len(s.group.seqs) == 1 and s.seq.num_outputs == 0:
-                family += [self.fork(s.group, s.seq) for _ in range(s.group.params.n - 1)]
-            seqs += [(s.group, q) for q in family]
-            rows += [row] * len(family)
-        if not seqs:
-            return 0
-        params = [g.params for g, _ in seqs]
+    def sample(self, out: SchedulerOutput, logits: torch.Tensor) -> list[SampledToken]:
+        """Sample every sequence that reached its last token (forked samples draw from their parent's row)."""
+        samples = out.samples
+        if not samples:
+            return []
+        rows = [row for _, _, row in samples]
         if rows != list(range(logits.shape[0])):
             logits = logits[torch.tensor(rows).to(logits.device, non_blocking=True)]
-        result = sample(logits, params, [self._generator(g, q) for g, q in seqs])
-        now = time.perf_counter()
-        for i, (group, seq) in enumerate(seqs):
-            self.append_token(group, seq, result.token_ids[i], result.logprobs[i], result.top_logprobs[i], now)
-        return len(seqs)
+        result = sample(logits, [g.params for g, _, _ in samples], [self._generator(g, s) for g, s, _ in samples])
+        chosen = zip(result.token_ids, result.logprobs, result.top_logprobs)
+        return [SampledToken(g, s, *c) for (g, s, _), c in zip(samples, chosen)]
 
     def _generator(self, group: SequenceGroup, seq: Sequence) -> torch.Generator | None:
         """The sequence's own generator when the request is seeded (created at its first sample)."""
@@ -245,43 +228,10 @@ class LLMEngine:
             seq.generator = torch.Generator(device=self.device).manual_seed(derived)
         return seq.generator
 
-    # -- pieces for custom decoders -----------------------------------------
-    def fork(self, group: SequenceGroup, parent: Sequence) -> Sequence:
-        """A new sequence of ``group`` sharing every KV block of ``parent``."""
-        return self.scheduler.fork(group, parent)
-
-    def append_token(
-        self, group: SequenceGroup, seq: Sequence, token_id: int, logprob: float,
-        top: dict[int, float] | None = None, now: float | None = None,
-    ) -> None:  # fmt: skip
-        """Record a chosen token and finish the sequence if it hits a stop condition."""
-        now = time.perf_counter() if now is None else now
-        seq.append_token(token_id, logprob, top)
-        group.first_token_time = group.first_token_time or now
-        params = group.params
-        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
-            self.finish_sequence(seq, "stop", now)
-        elif seq.num_outputs >= params.max_tokens:
-            self.finish_sequence(seq, "length", now)
-
-    def finish_sequence(self, seq: Sequence, reason: str, now: float | None = None) -> None:
-        """Stop a sequence and free its blocks now (its group runs on while others are unfinished)."""
-        self._mark_finished(seq, reason, time.perf_counter() if now is None else now)
-        self.scheduler.free_seq(seq)
-        self.inputs.release(seq.seq_id)
-
-    def collect_finished(self) -> list[RequestOutput]:
-        """Retire groups whose every sequence stopped; return their outputs."""
-        outputs = []
-        for group in self.scheduler.drop_finished():
-            group.finish_time = max(s.finish_time or 0.0 for s in group.seqs)
-            self._groups.pop(group.request_id, None)
-            self.metrics.record_finished(group)
-            outputs.append(RequestOutput.from_group(group))
-        return outputs
-
-    def _mark_finished(self, seq: Sequence, reason: str, now: float) -> None:
-        seq.status, seq.finish_reason, seq.finish_time = SequenceStatus.FINISHED, reason, now
+    def _retire(self, group: SequenceGroup) -> RequestOutput:
+        """Count a finished request in the metrics; return its output."""
+        self.metrics.record_finished(group)
+        return RequestOutput.from_group(group)
 
     # -- blocking API -----------------------------------------------------
     def generate(
@@ -322,10 +272,14 @@ class LLMEngine:
 
     def request_output(self, request_id: str) -> RequestOutput:
         """A snapshot of an unfinished request's samples so far (streaming front ends read it after each step)."""
-        group = self._groups.get(request_id) if isinstance(request_id, str) else None
+        return RequestOutput.from_group(self._live(request_id))
+
+    def _live(self, request_id: str) -> SequenceGroup:
+        """The unfinished request ``request_id``, else UnknownSequenceError."""
+        group = self.scheduler.requests.get(request_id) if isinstance(request_id, str) else None
         if group is None:
             raise UnknownSequenceError(describe("request_id", request_id, "the id of an unfinished request"))
-        return RequestOutput.from_group(group)
+        return group
 
 
 def _per_prompt(params: SamplingParams | Seq[SamplingParams] | None, n: int) -> list[SamplingParams]:

@@ -196,9 +196,5 @@ class OutputProcessor:
     def _finish_stopped_samples(self, req: TextRequest, deltas: list[SampleDelta]) -> None:
         """Free the blocks of samples a stop string just ended while their siblings run on (``n > 1``)."""
         stopped = {d.index for d in deltas if d.stop_reason is not None}
-        if not stopped:
-            return
-        group = next(g for g in self.engine.scheduler.groups() if g.request_id == req.request_id)
-        for seq in group.seqs:
-            if seq.index in stopped and not seq.is_finished:
-                self.engine.finish_sequence(seq, "stop")
+        if stopped:
+            self.engine.stop_samples(req.request_id, stopped)

@@ -1,21 +1,39 @@
-"""The model runner: block moves, then one forward of a prepared step (replayed from a CUDA graph when it can).
+"""The model runner: a scheduled step in, the logits of its sampled rows out.
 
-A step arrives as a :class:`~scheduler.runner.step_input.StepInput` of device tensors and
-(src, dst) block lists, the only thing a worker needs: a tensor-parallel runner would
-receive exactly this. :class:`ModelRunner` applies the block moves owed before the
-step's writes, in the order swap-out, swap-in, copy-on-write, then runs the model once
-over the whole mixed prefill + decode batch and returns the sampled rows' logits.
+On the driver, :meth:`ModelRunner.run` turns the scheduler's decisions into a
+:class:`~scheduler.runner.step_input.StepInput` of device tensors and (src, dst) block lists
+(:mod:`scheduler.runner.step_input`; with tensor parallelism it first broadcasts the step's host
+payload to the workers, which rebuild the same input). :meth:`ModelRunner.execute`, on every
+rank, applies the block moves owed before the step's writes, in the order swap-out, swap-in,
+copy-on-write, then runs the model once over the whole mixed prefill + decode batch
+(replayed from a CUDA graph when it can) and returns the sampled rows' logits.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol, TypeVar
 
 import torch
 
 from paged_kv.block_manager import CopyOp
 from paged_kv.kv_cache import PagedKVCache
+from scheduler.core.scheduler_output import SchedulerOutput
 from scheduler.model.llama import LlamaModel
 from scheduler.runner.cuda_graphs import DecodeGraphs
-from scheduler.runner.step_input import StepInput
+from scheduler.runner.step_input import StepInput, StepInputBuilder
+
+T = TypeVar("T")
+
+
+class StepGroup(Protocol):
+    """The other ranks of a tensor-parallel group, as the driver's runner sees them (a TPExecutor)."""
+
+    def broadcast(self, message: object) -> None:
+        """Send every worker ``message``."""
+
+    def guard(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` (collectives with the workers), turning a worker's failure into a WorkerError."""
 
 
 def order_free_batches(pairs: list[CopyOp]) -> list[list[CopyOp]]:
@@ -37,13 +55,24 @@ class ModelRunner:
     """Owns the model and its GPU (and CPU swap) KV pools; runs prepared steps."""
 
     def __init__(
-        self, model: LlamaModel, gpu_cache: PagedKVCache, cpu_cache: PagedKVCache | None = None, *, chunk_attention=True
-    ) -> None:
+        self, model: LlamaModel, gpu_cache: PagedKVCache, cpu_cache: PagedKVCache | None = None, *,
+        chunk_attention: bool = True, inputs: StepInputBuilder | None = None, group: StepGroup | None = None,
+    ) -> None:  # fmt: skip
         model.enable_chunk_attention(chunk_attention)  # probes once, before any step (the hot path reads nothing)
         self.model = model
         self.gpu_cache = gpu_cache
         self.cpu_cache = cpu_cache
+        self.inputs = inputs  # the driver's step builder (None on a worker: it receives payloads)
+        self.group = group  # the other tensor-parallel ranks (None: one rank)
         self.graphs: DecodeGraphs | None = None
+
+    def run(self, out: SchedulerOutput) -> torch.Tensor:
+        """The driver's step: build ``out``'s inputs (sent to the workers first), execute; logits ``[R, vocab]``."""
+        if self.group is None:
+            return self.execute(self.inputs.build(out))
+        payload = self.inputs.build_payload(out)
+        self.group.broadcast(payload)
+        return self.group.guard(lambda: self.execute(self.inputs.materializer.materialize(payload)))
 
     def capture_graphs(self, max_num_seqs: int, width: int) -> DecodeGraphs:
         """Capture decode graphs for batches up to ``max_num_seqs`` and block tables up to ``width`` (CUDA only)."""

@@ -144,19 +144,14 @@ class StepInputBuilder:
         self.tables = BlockTables(bm, max_blocks_per_seq, device)
         self.materializer = StepMaterializer(self.tables.device_rows, device, bm.block_size)
 
-    def release(self, seq_id: int) -> None:
-        """Forget a sequence's table row (call when its blocks are freed or moved)."""
-        self.tables.release(seq_id)
-
     def build(self, out: SchedulerOutput) -> StepInput:
         """Sync the step's table rows, compute its tensors on the host, upload them in one copy."""
         return self.materializer.materialize(self.build_payload(out))
 
     def build_payload(self, out: SchedulerOutput) -> StepPayload:
         """Sync the step's table rows and compute everything the step needs on the host."""
-        for group in out.preempted:
-            for seq in group.seqs:
-                self.tables.release(seq.seq_id)
+        for seq_id in out.released:
+            self.tables.release(seq_id)
         items = out.scheduled
         n = len(items)
         computed = np.fromiter((s.start for s in items), np.int64, n)

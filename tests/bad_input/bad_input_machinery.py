@@ -33,6 +33,7 @@ BAD_DEVICE = "bad_device"
 BAD_DTYPE = "bad_dtype"
 WRONG_SHAPE = "wrong_shape"
 KINDS = (WRONG_TYPE, BOOL_FOR_INT, NONINTEGRAL, NAN_INF, OUT_OF_RANGE, BAD_ID, BAD_DEVICE, BAD_DTYPE, WRONG_SHAPE)
+NOT_NEGATIVE = {OUT_OF_RANGE: [-1]}  # counts with no upper bound: only a negative one is out of range
 
 
 def _device_values() -> list[object]:
@@ -147,6 +148,17 @@ class Entry:
         """This constructor called with ``make()`` as argument ``name``: rows then check that object is unchanged."""
         args = {k: v for k, v in self.args.items() if k != name}
         return dataclasses.replace(self, name=f"{self.name}[{name}]", args=args, make=make, subject_as=name)
+
+
+def with_shared_pools(entries: list[Entry], pools: dict[str, Callable[[], object]]) -> list[Entry]:
+    """The entries, then each constructor named in ``pools`` again, given a shared pool as ``pool``."""
+    by_name = {e.name: e for e in entries}
+    return entries + [by_name[name].with_subject_as("pool", make) for name, make in pools.items()]
+
+
+def requiring(package: str, entries: list[Entry], prefixes: tuple[str, ...] = ("",)) -> list[Entry]:
+    """The entries, those whose name starts with one of ``prefixes`` (all by default) needing ``package``."""
+    return [dataclasses.replace(e, requires=package) if e.name.startswith(prefixes) else e for e in entries]
 
 
 def state(x: object) -> object:

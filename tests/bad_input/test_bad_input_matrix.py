@@ -5,6 +5,7 @@ Each row replaces one argument of a valid call by one bad value; the call must r
 exactly as before (a deep snapshot of everything reachable from it). The valid call itself
 must succeed, so a row never passes for the wrong reason. A public name with neither an
 entry nor a justified exemption fails :func:`test_every_public_entry_point_is_in_the_matrix`.
+The rows and exemptions live in one helper module per package, ``entries_<package>.py``.
 """
 
 from __future__ import annotations
@@ -12,8 +13,12 @@ from __future__ import annotations
 import importlib
 import inspect
 
+import entries_compat
+import entries_integrations
+import entries_kernels
+import entries_paged_kv
+import entries_scheduler
 import pytest
-from bad_input_entries import EXEMPT, entries
 from bad_input_machinery import KINDS, Entry, state
 
 from paged_kv.errors import PagedKVError
@@ -26,7 +31,10 @@ MODULES = (
     "paged_kv.compat.turboquant", "paged_kv.integrations.transformers", "kernels", "scheduler",
 )  # fmt: skip
 
-ENTRIES = entries()
+# the rows, one helper module per package: each has entries() and EXEMPT
+PACKAGES = (entries_paged_kv, entries_compat, entries_integrations, entries_kernels, entries_scheduler)
+ENTRIES = [e for package in PACKAGES for e in package.entries()]
+EXEMPT = {name: why for package in PACKAGES for name, why in package.EXEMPT.items()}
 UNIMPORTABLE: list[str] = []  # public modules whose optional library is missing here
 BY_NAME = {e.name: e for e in ENTRIES}
 

@@ -57,7 +57,7 @@ def _decoding(hf, prompts, *, eager: bool) -> LLMEngine:
 @cuda
 def test_graph_replay_equals_eager_forward(tiny_hf, prompts):
     engine = _decoding(tiny_hf, prompts, eager=False)
-    step = engine.inputs.build(engine.schedule())
+    step = engine.runner.inputs.build(engine.scheduler.schedule())
     graphs = engine.runner.graphs
     assert graphs.can_run(step)
     replayed = graphs.run(step).clone()
@@ -90,11 +90,11 @@ def test_preemption_under_graphs_keeps_outputs(tiny_hf, prompts, hf_greedy):
 @cuda
 def test_decode_forward_never_syncs(tiny_hf, prompts):
     engine = _decoding(tiny_hf, prompts, eager=True)
-    out = engine.schedule()
+    out = engine.scheduler.schedule()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        step = engine.inputs.build(out)
+        step = engine.runner.inputs.build(out)
         engine.runner.execute(step)
     finally:
         torch.cuda.set_sync_debug_mode("default")

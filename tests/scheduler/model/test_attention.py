@@ -132,9 +132,9 @@ def first_step_logits(eng: LLMEngine, prompts: list[list[int]]) -> tuple[torch.T
     """Logits ``[R, vocab]`` of the engine's first step (a fresh prefill of ``prompts``), under the host-read guard."""
     for i, p in enumerate(prompts):
         eng.add_request(str(i), p, SamplingParams(max_tokens=2))
-    out = eng.schedule()
+    out = eng.scheduler.schedule()
     with forbid_host_reads():
-        step = eng.inputs.build(out)
+        step = eng.runner.inputs.build(out)
         return eng.runner.execute(step), step
 
 

@@ -22,9 +22,9 @@ def _hf_last_logits(hf, seqs) -> torch.Tensor:
 
 
 def _guarded_step(engine):
-    out = engine.schedule()
+    out = engine.scheduler.schedule()
     with forbid_host_reads():
-        step = engine.inputs.build(out)
+        step = engine.runner.inputs.build(out)
         logits = engine.runner.execute(step)
     return out, step, logits
 

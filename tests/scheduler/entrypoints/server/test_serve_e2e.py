@@ -45,7 +45,7 @@ def test_the_serve_command_starts_answers_and_stops(tiny_model_dir):
     port = free_port()
     cmd = [sys.executable, "-m", "scheduler.entrypoints.cli", "serve", "--model", str(tiny_model_dir), "--port", str(port),
            "--kv-blocks", "64", "--block-size", "4", "--served-model-name", "tiny"]  # fmt: skip
-    root = Path(__file__).resolve().parents[3]
+    root = Path(__file__).resolve().parents[4]
     env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:

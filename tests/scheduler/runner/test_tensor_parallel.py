@@ -21,7 +21,7 @@ ENGINE = dict(num_blocks=40, num_cpu_blocks=8, max_num_batched_tokens=32, max_nu
 def _run(engine, prompts, beam_prompts) -> dict[str, object]:
     """The three workloads, with the step payloads' block moves counted."""
     moves = {"copies": 0, "swap_out": 0, "swap_in": 0}
-    build = engine.inputs.build_payload
+    build = engine.runner.inputs.build_payload
 
     def counting(out):
         payload = build(out)
@@ -29,7 +29,7 @@ def _run(engine, prompts, beam_prompts) -> dict[str, object]:
             moves[k] += len(getattr(payload, k))
         return payload
 
-    engine.inputs.build_payload = counting
+    engine.runner.inputs.build_payload = counting
     greedy = engine.generate(prompts, SamplingParams(max_tokens=NUM_NEW), use_tqdm=False)
     sampled = engine.generate(
         [prompts[i] for i in (0, 2, 4)], SamplingParams(max_tokens=6, n=3, temperature=0.8, seed=5), use_tqdm=False

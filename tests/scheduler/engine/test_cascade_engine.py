@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from beam_helpers import assert_same_beams, hf_beams
 from no_host_reads import forbid_host_reads
 from sched_helpers import VOCAB
-from test_beam_search import assert_same_beams, hf_beams
 
 import scheduler.model.attention as attention
 import scheduler.runner.step_input as step_input
@@ -60,9 +60,9 @@ def assert_same_with_cascade_on_and_off(tiny_hf, prompts, params, cascade_calls:
 
 def checked_step(eng: LLMEngine, tiny_hf) -> StepInput:
     """Schedule, build and run the engine's next step under the host-read guard; its logits are the model's."""
-    out = eng.schedule()
+    out = eng.scheduler.schedule()
     with forbid_host_reads():
-        step = eng.inputs.build(out)
+        step = eng.runner.inputs.build(out)
         logits = eng.runner.execute(step)
     seqs = [s.seq for s in out.scheduled]
     with torch.no_grad():
@@ -113,7 +113,7 @@ def test_no_plan_when_off_or_when_nothing_is_shared(tiny_hf, long_prompt):
         eng = engine(tiny_hf, cascade)
         eng.add_request("r", long_prompt[:prompt_len], SamplingParams(n=n, temperature=1.0, seed=2, max_tokens=4))
         eng.step()
-        assert eng.inputs.build(eng.schedule()).meta.cascade is None  # 9 tokens: 2 shared blocks < 4
+        assert eng.runner.inputs.build(eng.scheduler.schedule()).meta.cascade is None  # 9 tokens: 2 shared blocks < 4
 
 
 def system_prompt_requests(long_prompt: list[int]) -> list[list[int]]:
@@ -156,7 +156,7 @@ def test_the_default_floor_keeps_cascade_off_when_it_saves_few_bytes(tiny_hf, lo
     eng = engine(tiny_hf, True, min_saved_bytes=None)  # the CPU default: 8 MiB per layer
     cfg = tiny_hf.config
     per_token = 2 * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4  # K+V float32 bytes
-    assert eng.inputs.min_saved_tokens == -(-(8 << 20) // per_token)
+    assert eng.runner.inputs.min_saved_tokens == -(-(8 << 20) // per_token)
     eng.generate(system_prompt_requests(long_prompt), SamplingParams(max_tokens=4), use_tqdm=False)
     assert not cascade_calls  # 3 x 44 tokens saved per step: far below the floor
     floor = engine(tiny_hf, True, min_saved_bytes=3 * 44 * per_token)  # exactly what a full step saves

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from beam_helpers import NEW, WIDTH, assert_all_freed, assert_same_beams, hf_beams
 from sched_helpers import VOCAB, make_engine
 from torch.overrides import TorchFunctionMode
 
@@ -13,41 +14,6 @@ import scheduler.engine.beam_search as beam_search
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError, PagedKVError, SequenceStateError
 from scheduler import SamplingParams
 from scheduler.engine.beam_search import BeamSearch, BeamSearchParams
-
-WIDTH = 4
-NEW = 16
-
-
-def hf_beams(hf_model, prompt, *, width=WIDTH, new=NEW, eos=None, **kwargs):
-    """transformers' ``width`` best hypotheses (tokens cut after EOS), their scores, and its number of steps."""
-    calls = []
-    hook = hf_model.register_forward_hook(lambda *_: calls.append(1))
-    ids = torch.tensor([prompt])
-    out = hf_model.generate(  # an explicit mask: a prompt token equal to pad_token_id is not padding
-        ids, attention_mask=torch.ones_like(ids), do_sample=False, num_beams=width, num_return_sequences=width,
-        max_new_tokens=new, eos_token_id=eos, pad_token_id=0, output_scores=True, return_dict_in_generate=True,
-        **kwargs,
-    )  # fmt: skip
-    hook.remove()
-    seqs = [row[len(prompt) :].tolist() for row in out.sequences]
-    stops = [eos] if isinstance(eos, int) else eos or []
-    seqs = [s[: next((i + 1 for i, t in enumerate(s) if t in stops), len(s))] for s in seqs]
-    return seqs, out.sequences_scores.tolist(), len(calls)
-
-
-def assert_same_beams(output, ref_seqs, ref_scores, ref_steps):
-    """Every hypothesis, in rank order, has transformers' tokens and (float32-close) score; it stopped as early."""
-    assert [h.token_ids for h in output.hypotheses] == ref_seqs
-    assert [h.score for h in output.hypotheses] == pytest.approx(ref_scores, rel=1e-5, abs=1e-5)
-    assert output.num_steps == ref_steps
-
-
-def assert_all_freed(engine):
-    """Nothing is left referenced: every block is free or only cached."""
-    stats = engine.block_manager.stats()
-    assert stats.num_used == 0 and stats.num_sequences == 0
-    engine.block_manager.check()
-    assert not engine.has_unfinished_requests()
 
 
 def test_beams_match_transformers_batched(tiny_hf, beam_prompts):
@@ -119,7 +85,7 @@ def test_engine_eos_ends_beams_unless_ignored(tiny_hf, beam_prompts):
     prompt = beam_prompts[2]
     eos = hf_beams(tiny_hf, prompt)[0][0][2]
     engine = make_engine(tiny_hf)
-    engine.eos_token_ids = frozenset([eos])
+    engine.scheduler.eos_token_ids = frozenset([eos])
     search = BeamSearch(engine)
     out = search.generate([prompt], BeamSearchParams(width=WIDTH, max_tokens=NEW))[0]
     assert_same_beams(out, *hf_beams(tiny_hf, prompt, eos=eos))
@@ -171,7 +137,7 @@ def test_beams_share_blocks_and_copy_only_the_last_partial_block(tiny_hf, beam_p
 def test_pruned_and_finished_beams_free_their_blocks_at_once(tiny_hf, beam_prompts):
     """Every beam that leaves the search has no block right after, and usage drops with it."""
     engine = make_engine(tiny_hf)
-    bm, finish = engine.block_manager, engine.finish_sequence
+    bm, finish = engine.block_manager, engine.scheduler.finish
     drops = []
 
     def traced_finish(seq, reason, now=None):
@@ -180,7 +146,7 @@ def test_pruned_and_finished_beams_free_their_blocks_at_once(tiny_hf, beam_promp
         assert seq.seq_id not in bm
         drops.append(before - bm.gpu.num_used)
 
-    engine.finish_sequence = traced_finish
+    engine.scheduler.finish = traced_finish
     BeamSearch(engine).generate(beam_prompts, BeamSearchParams(width=WIDTH, max_tokens=NEW))
     assert len(drops) > WIDTH * len(beam_prompts)  # pruned mid-search, not only at the end
     assert sum(d > 0 for d in drops) >= len(beam_prompts)
@@ -189,7 +155,8 @@ def test_pruned_and_finished_beams_free_their_blocks_at_once(tiny_hf, beam_promp
 
 PREEMPTION = {
     # chunked re-prefill after recompute: some beams of a group reach their last token steps before the others
-    "recompute": dict(num_blocks=36, max_num_batched_tokens=64, max_num_seqs=28),
+    # (a budget of 32 tokens splits the beams' own suffixes after their group's shared prefix is recomputed)
+    "recompute": dict(num_blocks=36, max_num_batched_tokens=32, max_num_seqs=28),
     "swap": dict(
         num_blocks=36, num_cpu_blocks=128, preemption_mode="swap", max_num_batched_tokens=160, max_num_seqs=28
     ),
@@ -218,6 +185,38 @@ def test_same_beams_under_constant_preemption(tiny_hf, mode, monkeypatch):
     assert engine.scheduler.num_preemptions[mode] >= 2
     if mode == "recompute":
         assert any(waits), "no group waited on some of its beams"
+    assert_all_freed(engine)
+
+
+def test_a_group_recomputed_after_preemption_computes_its_shared_prefix_once(tiny_hf):
+    """Without prefix caching, a preempted beam group is recomputed as a group: the prompt once, then the forks.
+
+    Each group's prompt tokens computed over the run are at most one prompt per admission (the first and
+    one per recompute preemption), plus less than a block per beam where its fork point falls in the prompt;
+    recomputing each beam on its own would compute the prompt once per beam each time.
+    """
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, VOCAB, (40,), generator=g).tolist() for _ in range(6)]
+    params = BeamSearchParams(width=WIDTH, max_tokens=NEW, ignore_eos=True)
+    reference = BeamSearch(make_engine(tiny_hf, prefix=False)).generate(prompts, params)
+    engine = make_engine(tiny_hf, prefix=False, num_blocks=56, max_num_batched_tokens=128, max_num_seqs=24)
+    computed, preempted, schedule = {}, {}, engine.scheduler.schedule
+
+    def traced():
+        out = schedule()
+        for group in out.preempted:
+            preempted[group.request_id] = preempted.get(group.request_id, 0) + 1
+        for s in out.scheduled:
+            computed[s.group.request_id] = computed.get(s.group.request_id, 0) + s.num_prompt_tokens
+        return out
+
+    engine.scheduler.schedule = traced
+    outs = BeamSearch(engine).generate(prompts, params)
+    assert [[h.token_ids for h in o.hypotheses] for o in outs] == [[h.token_ids for h in o.hypotheses] for o in reference]
+    assert preempted, "no group was preempted"
+    bs = engine.block_manager.block_size
+    for rid, times in preempted.items():
+        assert computed[rid] <= 40 * (1 + times) + times * WIDTH * (bs - 1), (rid, times, computed[rid])
     assert_all_freed(engine)
 
 
@@ -261,7 +260,7 @@ def test_bad_requests_leave_the_engine_unchanged(tiny_hf, beam_prompts):
 def test_error_mid_search_leaves_engine_clean(tiny_hf, beam_prompts):
     """An error raised during a step aborts every search: no request left, every block freed."""
     engine = make_engine(tiny_hf)
-    run_model, calls = engine.run_model, []
+    run_model, calls = engine.runner.run, []
 
     def failing(out):
         calls.append(1)
@@ -269,11 +268,11 @@ def test_error_mid_search_leaves_engine_clean(tiny_hf, beam_prompts):
             raise KeyboardInterrupt
         return run_model(out)
 
-    engine.run_model = failing
+    engine.runner.run = failing
     with pytest.raises(KeyboardInterrupt):
         BeamSearch(engine).generate(beam_prompts, BeamSearchParams(width=WIDTH, max_tokens=NEW))
     assert_all_freed(engine)
-    engine.run_model = run_model
+    engine.runner.run = run_model
     out = BeamSearch(engine).generate(beam_prompts[:1], BeamSearchParams(width=WIDTH, max_tokens=NEW))[0]
     assert_same_beams(out, *hf_beams(tiny_hf, beam_prompts[0]))
 

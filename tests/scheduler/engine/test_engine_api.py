@@ -22,7 +22,7 @@ def _state(engine) -> tuple:
     s = engine.scheduler
     queues = tuple(tuple(g.request_id for g in q) for q in (s.waiting, s.running, s.swapped))
     seqs = tuple((q.seq_id, q.num_computed, tuple(q.token_ids)) for g in s.groups() for q in g.seqs)
-    return queues, seqs, tuple(engine._groups), engine.block_manager.stats()
+    return queues, seqs, tuple(engine.scheduler.requests), engine.block_manager.stats()
 
 
 @pytest.fixture
@@ -112,7 +112,7 @@ def test_stop_tokens_and_eos_end_a_sample_and_are_kept(tiny_hf, prompts, hf_gree
     eos = ref[4]
     cut = ref.index(eos) + 1
     engine = LLMEngine.from_hf(tiny_hf, EngineConfig(device="cpu"))
-    engine.eos_token_ids = frozenset([eos])
+    engine.scheduler.eos_token_ids = frozenset([eos])
     out = engine.generate([prompts[2]], SamplingParams(max_tokens=NUM_NEW), use_tqdm=False)[0].outputs[0]
     assert (out.token_ids, out.finish_reason) == (ref[:cut], "stop")
     out = engine.generate([prompts[2]], SamplingParams(max_tokens=NUM_NEW, ignore_eos=True), use_tqdm=False)[0]

@@ -1,0 +1,286 @@
+"""Bad-input rows of ``scheduler``: the configs, the model, the engine, beam search and the text-level LLM."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+import torch
+from bad_input_machinery import (
+    BAD_ID,
+    BAD_DTYPE,
+    BOOL_FOR_INT,
+    NONINTEGRAL,
+    NOT_NEGATIVE,
+    OUT_OF_RANGE,
+    WRONG_TYPE,
+    Arg,
+    Entry,
+    requiring,
+)
+
+import scheduler
+
+
+# -- subjects --------------------------------------------------------------------------------------
+TINY = dict(vocab_size=64, hidden_size=16, intermediate_size=32, head_dim=8, max_position_embeddings=128)
+
+
+def tiny_model() -> scheduler.LlamaModel:
+    """A one-layer Llama, seeded (2 query heads, 1 KV head)."""
+    torch.manual_seed(0)
+    return scheduler.LlamaModel(scheduler.ModelConfig(**TINY, num_layers=1, num_heads=2, num_kv_heads=1))
+
+
+def engine_config() -> scheduler.EngineConfig:
+    """A small CPU engine configuration: 32 blocks of 4, swap space 4."""
+    cache_cfg = scheduler.CacheConfig(block_size=4, num_gpu_blocks=32, num_cpu_blocks=4, watermark=0.0)
+    return scheduler.EngineConfig(cache=cache_cfg, device="cpu")
+
+
+def engine() -> scheduler.LLMEngine:
+    """An engine holding one waiting request 'r0'."""
+    e = scheduler.LLMEngine(tiny_model(), engine_config(), eos_token_id=2)
+    e.add_request("r0", [1, 2, 3], scheduler.SamplingParams(max_tokens=2))
+    return e
+
+
+@functools.cache
+def _tiny_text_model() -> tuple[object, object]:
+    """(transformers model, tokenizer): the scheduler tests' tiny Llama and BPE tokenizer, built once."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "scheduler"))
+    from text_helpers import tiny_tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = tiny_tokenizer()
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    return LlamaForCausalLM(cfg).eval(), tokenizer
+
+
+def loaded_tiny() -> object:
+    """The tiny model and tokenizer as the loader hands them to LLM."""
+    from scheduler.model.loader import LoadedModel
+
+    hf, tokenizer = _tiny_text_model()
+    return LoadedModel(hf_model=hf, tokenizer=tokenizer, name="tiny")
+
+
+def tiny_llm() -> scheduler.LLM:
+    """A text-level LLM over the tiny model (a fresh engine each time)."""
+    return scheduler.LLM(loaded_tiny(), engine_config=engine_config())
+
+
+BAD_ROPE = [
+    scheduler.ModelConfig(**TINY, num_layers=1, num_heads=2, num_kv_heads=1, rope_scaling=scaling)
+    for scaling in (
+        {"rope_type": "linear"},
+        {"rope_type": "linear", "factor": "x"},
+        {"rope_type": "yarn"},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 4.0,
+            "high_freq_factor": 1.0,
+            "original_max_position_embeddings": 64,
+        },
+    )
+]
+TOKENS = {OUT_OF_RANGE: [[-1], [1, 10_000]]}  # prompt ids past the vocab too
+
+
+# entries whose valid call builds a transformers model or config (the optional hf extra)
+NEEDS_TRANSFORMERS = (
+    "scheduler.ModelConfig.from_hf",
+    "scheduler.LLMEngine.from_hf",
+    "scheduler.from_hf_model",
+    "scheduler.from_state_dict",
+)
+
+
+def entries() -> list[Entry]:
+    """The scheduler's entry points, each with a valid call."""
+    return requiring("transformers", _rows(), NEEDS_TRANSFORMERS)
+
+
+def _rows() -> list[Entry]:
+    """The entries, as a table."""
+    # a table: one entry point per entry, its arguments side by side
+    # fmt: off
+    return [
+        Entry("scheduler.SamplingParams", scheduler.SamplingParams, {
+            "max_tokens": Arg("int", 4, bad={OUT_OF_RANGE: [0, -1]}),
+            "temperature": Arg("real", 0.7, bad={OUT_OF_RANGE: [-0.1]}),
+            "top_k": Arg("int", 0, bad=NOT_NEGATIVE), "top_p": Arg("real", 0.9, bad={OUT_OF_RANGE: [0.0, 1.5]}),
+            "seed": Arg("opt_int", 3, bad={OUT_OF_RANGE: [-1, 1 << 63]}),
+            "n": Arg("int", 1, bad={OUT_OF_RANGE: [0, 1 << 20]}),
+            "stop_token_ids": Arg("ids", (5,), bad={WRONG_TYPE: ["12", 5, None]}), "ignore_eos": Arg("bool", False),
+            "logprobs": Arg("int", 0, bad={OUT_OF_RANGE: [-1, 1000]}),
+            "stop": Arg("obj", ("\n",), bad={WRONG_TYPE: [3, [""], ["a", 3], b"x"]}),
+            "cache_salt": Arg("obj", None, bad={WRONG_TYPE: [3, "", ["x"]]})}),
+        Entry("scheduler.SchedulerConfig", scheduler.SchedulerConfig, {
+            "max_num_batched_tokens": Arg("int", 64, bad={OUT_OF_RANGE: [1, 1 << 62]}),
+            "max_num_seqs": Arg("int", 8, bad={OUT_OF_RANGE: [0, 1 << 62]}),
+            "enable_chunked_prefill": Arg("bool", True),
+            "preemption_mode": Arg("obj", "swap", bad={WRONG_TYPE: ["drop", None, ["swap"]]})}),
+        Entry("scheduler.CacheConfig", scheduler.CacheConfig, {
+            "block_size": Arg("int", 4, bad={OUT_OF_RANGE: [0, 1 << 62]}),
+            "num_gpu_blocks": Arg("opt_int", 8, bad={OUT_OF_RANGE: [0, 1 << 62]}),
+            "kv_cache_bytes": Arg("int", 1 << 20, bad={OUT_OF_RANGE: [0]}), "num_cpu_blocks": Arg("int", 0),
+            "watermark": Arg("real", 0.01, bad={OUT_OF_RANGE: [1.0, -0.1]}), "enable_prefix_caching": Arg("bool", True),
+            "enable_cascade_attention": Arg("bool", True), "enable_chunk_attention": Arg("bool", True),
+            "cascade_min_saved_bytes": Arg("opt_int", 0, bad={OUT_OF_RANGE: [-1]}),
+            "dtype": Arg("dtype", torch.float16, bad={BAD_DTYPE: [torch.complex64, torch.int16, torch.float64]}),
+            "gpu_memory_utilization": Arg("real", None, skip=(WRONG_TYPE,),
+                                          bad={OUT_OF_RANGE: [0.0, 1.5, -0.5], WRONG_TYPE: ["0.5"]})}),
+        Entry("scheduler.EngineConfig", scheduler.EngineConfig, {
+            "cache": Arg("obj", lambda: scheduler.CacheConfig(num_cpu_blocks=1), bad={WRONG_TYPE: [None, {}]}),
+            "scheduler": Arg("obj", lambda: scheduler.SchedulerConfig(), bad={WRONG_TYPE: [None, {}]}),
+            "device": Arg("device", "cpu"), "enforce_eager": Arg("bool", False),
+            "tensor_parallel_size": Arg("int", 1, bad={OUT_OF_RANGE: [0, -1, 1 << 62]}),
+            "distributed_timeout_s": Arg("real", 60.0, bad={OUT_OF_RANGE: [0.0, -1.0]})}),
+        Entry("scheduler.ModelConfig", scheduler.ModelConfig, {
+            "vocab_size": Arg("int", 64, bad={OUT_OF_RANGE: [0]}),
+            "hidden_size": Arg("int", 16, bad={OUT_OF_RANGE: [0]}),
+            "intermediate_size": Arg("int", 32, bad={OUT_OF_RANGE: [0]}),
+            "num_layers": Arg("int", 1, bad={OUT_OF_RANGE: [0]}),
+            "num_heads": Arg("int", 2, bad={OUT_OF_RANGE: [0]}),
+            "num_kv_heads": Arg("int", 1, bad={OUT_OF_RANGE: [0, 3]}),
+            "head_dim": Arg("int", 8, bad={OUT_OF_RANGE: [0]}),
+            "rms_norm_eps": Arg("real", 1e-5, bad={OUT_OF_RANGE: [0.0, -1.0]}),
+            "rope_theta": Arg("real", 10000.0, bad={OUT_OF_RANGE: [0.0, -1.0]}),
+            "rope_scaling": Arg("obj", None, bad={WRONG_TYPE: ["linear", 3, ["linear"]]}),
+            "max_position_embeddings": Arg("int", 128, bad={OUT_OF_RANGE: [0]}),
+            "tie_word_embeddings": Arg("bool", False), "attention_bias": Arg("bool", False)}),
+        Entry("scheduler.ModelConfig.from_hf", scheduler.ModelConfig.from_hf, {
+            "hf_config": Arg("obj", lambda: hf_config(), bad={WRONG_TYPE: [None, "x", 3]})}),
+        Entry("scheduler.BeamSearchParams", scheduler.BeamSearchParams, {
+            "width": Arg("int", 2, bad={OUT_OF_RANGE: [0, -1, 1 << 62]}),
+            "max_tokens": Arg("int", 4, bad={OUT_OF_RANGE: [0]}),
+            "length_penalty": Arg("real", 1.0),
+            "early_stopping": Arg("bool", False, bad={WRONG_TYPE: [1, "always", None]}),
+            "stop_token_ids": Arg("ids", (5,), bad={WRONG_TYPE: ["12", 5, None]}), "ignore_eos": Arg("bool", False)}),
+        Entry("scheduler.LlamaModel", scheduler.LlamaModel, {"cfg": Arg("obj", lambda: tiny_model().config,
+            bad={WRONG_TYPE: [None, {}, "x"], OUT_OF_RANGE: BAD_ROPE}),
+            "shard": Arg("obj", None, bad={WRONG_TYPE: ["x", 3, (0, 2)]})},  # scalings the model cannot build
+              named={"cfg": ("cfg", "rope_scaling")}),
+        Entry("scheduler.LlamaModel.kv_cache_spec", "kv_cache_spec", {
+            "block_size": Arg("int", 4, bad={OUT_OF_RANGE: [0, -1]}), "dtype": Arg("dtype", torch.float16)},
+                tiny_model),
+        Entry("scheduler.LlamaModel.enable_chunk_attention", "enable_chunk_attention", {
+            "enabled": Arg("bool", True)}, tiny_model),
+        Entry("scheduler.LLMEngine", scheduler.LLMEngine, {
+            "model": Arg("obj", tiny_model, bad={WRONG_TYPE: [None, "x"]}),
+            "config": Arg("obj", engine_config, bad={WRONG_TYPE: ["x", {}]}),
+            "eos_token_id": Arg("opt_int", 2,
+                bad={OUT_OF_RANGE: [-1], WRONG_TYPE: ["3", {1: 2}], NONINTEGRAL: [1.5, [2.5]],
+                    BOOL_FOR_INT: [True, [True]]})}),
+        Entry("scheduler.LLMEngine.add_request", "add_request", {
+            "request_id": Arg("obj", "x", bad={WRONG_TYPE: [None, 7, ["x"]], BAD_ID: ["r0"]}),
+            "prompt_token_ids": Arg("ids", [1, 2], bad={**TOKENS, WRONG_TYPE: ["ab", 5, None, []]}),
+            "sampling_params": Arg("obj", None, bad={WRONG_TYPE: [{"max_tokens": 3}, "x"]}),
+            "fork_samples": Arg("bool", True)}, engine),
+        Entry("scheduler.LLMEngine.step", "step", {"select": Arg("obj", None, bad={WRONG_TYPE: ["x", 3]})}, engine),
+        Entry("scheduler.LLMEngine.stop_samples", "stop_samples", {
+            "request_id": Arg("obj", "r0", bad={WRONG_TYPE: [None, 7, ["x"]], BAD_ID: ["zz"]}),
+            "indices": Arg("ids", [0]),
+            "reason": Arg("obj", "stop", bad={WRONG_TYPE: [None, 3, ""]})}, engine),
+        Entry("scheduler.LLMEngine.check_request", "check_request", {
+            "request_id": Arg("obj", "x", bad={WRONG_TYPE: [None, 7], BAD_ID: ["r0"]}),
+            "prompt_token_ids": Arg("ids", [1, 2], bad={**TOKENS, WRONG_TYPE: ["ab", 5, None, []]}),
+            "sampling_params": Arg("obj", None, bad={WRONG_TYPE: [{"max_tokens": 3}]})}, engine),
+        Entry("scheduler.LLMEngine.request_output", "request_output", {
+            "request_id": Arg("obj", "r0", bad={WRONG_TYPE: [None, 7, ["x"]], BAD_ID: ["zz"]})}, engine),
+        Entry("scheduler.LLM", scheduler.LLM, {
+            "model": Arg("obj", loaded_tiny, bad={WRONG_TYPE: [3, ["x"], 2.5],
+                BAD_ID: ["/no/such/model", "/no/such/model.gguf"]}),
+            "engine_config": Arg("obj", engine_config, bad={WRONG_TYPE: ["x", {}, 3]})},
+            named={"model": ("model",)}),
+        Entry("scheduler.LLM.encode", "encode", {
+            "prompt": Arg("obj", "hello", bad={WRONG_TYPE: [None, 3, b"hi"], BOOL_FOR_INT: [[True]],
+                NONINTEGRAL: [[1.5]], OUT_OF_RANGE: [[-1]]})}, tiny_llm),
+        Entry("scheduler.LLM.chat_prompt", "chat_prompt", {
+            "messages": Arg("obj", lambda: [{"role": "user", "content": "hi"}],
+                bad={WRONG_TYPE: [None, "hi", [], [{"role": "user"}], [{"role": 3, "content": "x"}]]})}, tiny_llm),
+        Entry("scheduler.LLM.generate", "generate", {
+            "prompts": Arg("obj", lambda: ["hello"], bad={WRONG_TYPE: [None, 3, [3.5], [None]],
+                BOOL_FOR_INT: [[[True]]], NONINTEGRAL: [[[1.5]]], OUT_OF_RANGE: [[[-1]], [[10**6]]]}),
+            "sampling_params": Arg("obj", None, bad={WRONG_TYPE: ["x", {"max_tokens": 2}]}),
+            "use_tqdm": Arg("bool", False)}, tiny_llm, named={"prompts": ("prompt", "prompts")}),
+        Entry("scheduler.LLM.chat", "chat", {
+            "messages": Arg("obj", lambda: [{"role": "user", "content": "hi"}],
+                bad={WRONG_TYPE: [None, "hi", [], [{"role": "user"}]]}),
+            "sampling_params": Arg("obj", None, bad={WRONG_TYPE: ["x", {"max_tokens": 2}]}),
+            "use_tqdm": Arg("bool", False)}, tiny_llm),
+        Entry("scheduler.LLMEngine.abort", "abort",
+            {"request_id": Arg("obj", "r0", bad={BAD_ID: ["zz", ["r0"], None]})}, engine),
+        Entry("scheduler.LLMEngine.generate", "generate", {
+            "prompts": Arg("obj", [[1, 2]], bad={WRONG_TYPE: [None, "ab", iter([[1]]), [5]], BOOL_FOR_INT: [[[True]]],
+                                                NONINTEGRAL: [[[1.5]]], OUT_OF_RANGE: [[[1], [-1]], [[99]]]}),
+            "sampling_params": Arg("obj", lambda: scheduler.SamplingParams(max_tokens=1),
+                                   bad={WRONG_TYPE: ["x", [scheduler.SamplingParams(), scheduler.SamplingParams()]]}),
+            "use_tqdm": Arg("bool", False)}, engine, named={"prompts": ("prompts", "prompt_token_ids")}),
+                 # per-prompt checks
+        Entry("scheduler.LLMEngine.from_hf", scheduler.LLMEngine.from_hf, {
+            "hf_model": Arg("obj", lambda: _hf_model(), bad={WRONG_TYPE: [None, "x", torch.nn.Linear(2, 2)]}),
+            "config": Arg("obj", engine_config, bad={WRONG_TYPE: ["x", {}]})}),
+        Entry("scheduler.BeamSearch", scheduler.BeamSearch,
+            {"engine": Arg("obj", engine, bad={WRONG_TYPE: [None, "x"]})}),
+        Entry("scheduler.BeamSearch.generate", "generate", {
+            "prompts": Arg("obj", [[1, 2]], bad={WRONG_TYPE: [None, "ab", [5]], BOOL_FOR_INT: [[[True]]],
+                                                NONINTEGRAL: [[[1.5]]], OUT_OF_RANGE: [[[-1]], [[99]]]}),
+            "params": Arg("obj", lambda: scheduler.BeamSearchParams(width=2, max_tokens=2), bad={WRONG_TYPE: ["x", 3]}),
+            "use_tqdm": Arg("bool", False)}, lambda: scheduler.BeamSearch(_idle_engine()),
+            named={"prompts": ("prompts", "prompt_token_ids")}),  # the per-prompt checks name the prompt
+        Entry("scheduler.from_state_dict", scheduler.from_state_dict, {
+            "cfg": Arg("obj", lambda: tiny_model().config, bad={WRONG_TYPE: [None, {}]}),
+            "state": Arg("obj", lambda: _hf_state(), bad={WRONG_TYPE: [None, "x", {"x": 1}]}),
+            "dtype": Arg("dtype", torch.float32), "device": Arg("device", "cpu")}),
+        Entry("scheduler.from_hf_model", scheduler.from_hf_model, {
+            "hf_model": Arg("obj", lambda: _hf_model(), bad={WRONG_TYPE: [None, "x", torch.nn.Linear(2, 2)]}),
+            "dtype": Arg("dtype", torch.float32), "device": Arg("device", "cpu")}),
+    ]
+    # fmt: on
+
+
+def _idle_engine() -> scheduler.LLMEngine:
+    """An engine with no request (beam search needs an idle one)."""
+    return scheduler.LLMEngine(tiny_model(), engine_config(), eos_token_id=2)
+
+
+def hf_config():
+    """The tiny model's transformers LlamaConfig."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**TINY, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+
+
+def _hf_model():
+    """A seeded transformers Llama of the tiny shape."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(hf_config())
+
+
+def _hf_state() -> dict[str, torch.Tensor]:
+    """A transformers-named state dict of the tiny shape."""
+    return _hf_model().state_dict()
+
+
+# Public names that are not entry points for bad input, each with the reason.
+EXEMPT: dict[str, str] = {
+    "scheduler.CompletionOutput": "a result record the engine builds",
+    "scheduler.RequestOutput": "a result record the engine builds",
+    "scheduler.RequestOutput.from_group": "builds a record from an engine-made SequenceGroup (engine internals)",
+    "scheduler.BeamSearchOutput": "a result record beam search builds",
+    "scheduler.LlamaModel.forward": "the model's forward pass over engine-made batch tensors (a torch.nn.Module "
+    "call inside the runner; its kernels are rows of kernels.*)",
+    "scheduler.LlamaModel.hidden_states": "the decoder layers of forward (what CUDA graphs capture), same inputs",
+    "scheduler.LlamaModel.compute_logits": "the LM head of forward over the model's own hidden states",
+    "scheduler.LLMEngine.sample": "the default selection hook over an engine-made SchedulerOutput and its logits "
+    "(engine internals)",
+}
