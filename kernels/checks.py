@@ -151,16 +151,16 @@ def check_block_ids(lo: int, hi: int, num_blocks: int) -> None:
 
 
 def layer_signature(*tensors: torch.Tensor | None) -> tuple:
-    """What a layer's call must share with the checked one: each tensor's shape, strides and dtype (host values)."""
-    return tuple(None if t is None else (t.shape, t.stride(), t.dtype) for t in tensors)
+    """What a layer's call must share with the checked one: each tensor's shape, strides, dtype and device."""
+    return tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device) for t in tensors)
 
 
 class BoundCall:
     """A prepared kernel call checked once, on one layer of a step; the step's other layers run it unchecked.
 
     Every layer of a paged cache has one geometry, and each layer's queries (or new K/V) one shape:
-    a call whose tensors have the checked shapes, strides and dtypes (an O(1) comparison of host
-    values) runs the launch as checked; any other raises InvalidArgumentError before it.
+    a call whose tensors have the checked shapes, strides, dtypes and devices (an O(1) comparison of
+    host values) runs the launch as checked; any other raises InvalidArgumentError before it.
     """
 
     def __init__(self, run: Callable[..., Any], *checked: torch.Tensor | None) -> None:
@@ -173,5 +173,5 @@ class BoundCall:
             self._signature, self._checked = layer_signature(*self._checked), ()
         if layer_signature(*tensors) != self._signature:
             got = [None if t is None else tuple(t.shape) for t in tensors]
-            raise InvalidArgumentError(describe("tensors", got, "the shapes, strides and dtypes the call was bound to"))
+            raise InvalidArgumentError(describe("tensors", got, "the shapes, strides, dtypes and devices bound to"))
         return self.run(*tensors)
