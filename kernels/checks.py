@@ -46,6 +46,14 @@ def check_triton_device(*tensors: torch.Tensor) -> None:
     raise InvalidArgumentError(describe("backend", "triton", "CUDA tensors (or TRITON_INTERPRET=1 on CPU)"))
 
 
+def launches_triton(backend: Backend, q: torch.Tensor, *tensors: torch.Tensor) -> bool:
+    """Whether an attention call over q's rows runs Triton (:func:`use_triton`); device-checked when it launches."""
+    run_triton = use_triton(backend, q, *tensors)
+    if q.shape[0] and run_triton:
+        check_triton_device(q)
+    return run_triton
+
+
 def check_cache_pair(k_cache: object, v_cache: object, device: torch.device | None = None) -> None:
     """Check K/V caches ``[num_blocks, block_size, num_kv_heads, head_dim]`` of one cache dtype and one shape."""
     check_tensor("k_cache", k_cache, ndim=4, dtypes=CACHE_DTYPES, device=device)

@@ -21,8 +21,6 @@ the dense torch core (``kernels.attention_*``) are shared with the other attenti
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import torch
 import triton
@@ -38,8 +36,7 @@ from kernels.checks import (
     check_cache,
     check_options,
     check_tables,
-    check_triton_device,
-    use_triton,
+    launches_triton,
     window_start,
 )
 from kernels.metadata import AttentionMetadata, check_metadata
@@ -243,16 +240,12 @@ def _validate_decode(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_sca
     return geo, opts, (lo_len, hi_len, total)
 
 
-def _bind(q, k_cache, v_cache, k_scale, v_scale, tables, lens, geo, opts, splits, sizes, need_lse, backend):
+def _bind(q, k_cache, v_cache, k_scale, v_scale, tables, lens, geo, opts, splits, sizes, need_lse, run_triton):
     """The launch of a checked decode call, bound to everything but its layer's q and caches.
 
-    ``sizes(triton)`` gives the host ints the chosen path takes, (total attended tokens, max_len) for
-    Triton and (min_len, max_len) for torch: nothing is read back when it runs.
+    ``sizes`` are the host ints the chosen path takes, (total attended tokens, max_len) for Triton
+    and (min_len, max_len) for torch: nothing is read back when it runs.
     """
-    run_triton = use_triton(backend, q, k_cache, v_cache, tables, lens)
-    if q.shape[0] and run_triton:
-        check_triton_device(q)
-    sizes = sizes(run_triton) if q.shape[0] else None
 
     def run(q, k_cache, v_cache, k_scale=None, v_scale=None):
         if q.shape[0] == 0:
@@ -296,8 +289,10 @@ def paged_decode_attention(
     geo, opts, (lo, hi, total) = _validate_decode(
         q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, scale, sliding_window, soft_cap, num_splits
     )
-    args, sizes = (q, k_cache, v_cache, k_scale, v_scale), lambda triton: (total, hi) if triton else (lo, hi)
-    return _bind(*args, block_tables, seq_lens, geo, opts, num_splits, sizes, return_lse, backend).run(*args)
+    args = (q, k_cache, v_cache, k_scale, v_scale)
+    run_triton = launches_triton(backend, q, k_cache, v_cache, block_tables, seq_lens)
+    sizes = (total, hi) if run_triton else (lo, hi)
+    return _bind(*args, block_tables, seq_lens, geo, opts, num_splits, sizes, return_lse, run_triton).run(*args)
 
 
 def bind_decode_attention(
@@ -318,8 +313,9 @@ def bind_decode_attention(
     if num_splits is not None:
         check_int("num_splits", num_splits, low=1, high=MAX_SPLITS)
     splits = num_splits if num_splits is not None else meta.decode_num_splits
+    run_triton = launches_triton(backend, q, k_cache, v_cache, meta.block_tables, meta.seq_lens)
     args = (q, k_cache, v_cache, k_scale, v_scale, meta.block_tables, meta.seq_lens, geo, opts, splits)
-    return _bind(*args, functools.partial(_host_sizes, meta, opts[1]), return_lse, backend)
+    return _bind(*args, _host_sizes(meta, opts[1], run_triton), return_lse, run_triton)
 
 
 def paged_decode_attention_prepared(

@@ -40,8 +40,7 @@ from kernels.checks import (
     check_cache,
     check_options,
     check_tables,
-    check_triton_device,
-    use_triton,
+    launches_triton,
     window_start,
 )
 from kernels.metadata import AttentionMetadata, check_metadata
@@ -270,9 +269,7 @@ def _bind(q, k_cache, v_cache, k_scale, v_scale, tables, lens, cu, geo, opts, si
 
     ``sizes`` are host ints (max_q, max_len, max_ctx): nothing is read back when it runs.
     """
-    run_triton = use_triton(backend, q, k_cache, v_cache, tables, lens, cu)
-    if q.shape[0] and run_triton:
-        check_triton_device(q)
+    run_triton = launches_triton(backend, q, k_cache, v_cache, tables, lens, cu)
 
     def run(q, k_cache, v_cache, k_scale=None, v_scale=None):
         args = (q, k_cache, v_cache, tables, lens, cu)

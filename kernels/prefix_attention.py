@@ -29,8 +29,7 @@ from kernels.checks import (
     check_block_ids,
     check_cache,
     check_options,
-    check_triton_device,
-    use_triton,
+    launches_triton,
 )
 from kernels.metadata import PrefixMetadata, check_metadata, offsets
 from kernels.splits import MAX_SPLITS, choose_num_splits, merge_splits, split_outputs, split_tile
@@ -169,9 +168,8 @@ def _prefix_torch(q, k_cache, v_cache, meta: PrefixMetadata, opts, k_scale, v_sc
 
 def _bind(q, k_cache, v_cache, k_scale, v_scale, meta: PrefixMetadata, geo, opts, num_splits, backend) -> BoundCall:
     """The launch of a checked prefix call, bound to everything but its layer's q and caches (host values only)."""
-    run_triton = use_triton(backend, q, k_cache, v_cache, meta.block_tables, meta.prefix_lens)
-    if q.shape[0] and run_triton:
-        check_triton_device(q)
+    run_triton = launches_triton(backend, q, k_cache, v_cache, meta.block_tables, meta.prefix_lens)
+    if run_triton and q.shape[0]:
         widest = int(meta.host_query_counts.max())
         tiles = meta.num_groups * -(-widest // prefix_tile(q.shape[1] // geo.num_kv_heads, widest)[1])
         longest = int(meta.host_prefix_lens.max())
