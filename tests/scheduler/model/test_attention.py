@@ -100,7 +100,7 @@ def chunk_calls(monkeypatch):
 
 def engine(tiny_hf, chunk: bool, device: str = "cpu", **sched) -> LLMEngine:
     """An engine (CPU unless told) over the tiny model with the dense chunk path on or off."""
-    cache = CacheConfig(block_size=4, num_gpu_blocks=256, watermark=0.0, enable_chunk_attention=chunk)
+    cache = CacheConfig(block_size=4, num_gpu_blocks=256, watermark=0.0, enable_dense_prefill=chunk)
     config = EngineConfig(cache=cache, scheduler=SchedulerConfig(**sched), device=device)
     return LLMEngine.from_hf(tiny_hf, config)
 
@@ -151,7 +151,7 @@ def test_a_fresh_prefill_step_reads_no_device_value_and_gives_the_models_logits(
 def test_the_model_probes_once_and_can_turn_the_path_off(tiny_hf):
     eng = engine(tiny_hf, False)
     assert eng.model.chunk_backend is None
-    assert eng.model.enable_chunk_attention() == "sdpa"
+    assert eng.model.enable_dense_prefill() == "sdpa"
     assert np.all(step_routes(step_meta([0], [3]), chunk=eng.model.chunk_backend is not None) == CHUNK)
 
 
