@@ -23,12 +23,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install needed
 
-from kernels.chunk_attention import (  # noqa: E402
-    best_chunk_backend,
-    dense_chunk_attention_prepared,
-    prepare_chunk_metadata,
-)
+from kernels.chunk_attention import best_chunk_backend, dense_chunk_attention_prepared  # noqa: E402
 from kernels.decode_attention import paged_decode_attention  # noqa: E402
+from kernels.metadata import prepare_chunk_metadata  # noqa: E402
 from kernels.prefill_attention import paged_prefill_attention  # noqa: E402
 from kernels.quant import quantize_per_token_head  # noqa: E402
 

@@ -32,9 +32,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install needed
 
 from benchmarks.bench_attention import timer  # noqa: E402
-from kernels.attention_metadata import prepare_attention_metadata  # noqa: E402
-from kernels.cascade_attention import cascade_decode_attention_prepared, prepare_cascade_metadata  # noqa: E402
+from kernels.cascade_attention import cascade_decode_attention_prepared  # noqa: E402
 from kernels.decode_attention import paged_decode_attention_prepared  # noqa: E402
+from kernels.metadata import prepare_attention_metadata, prepare_cascade_metadata  # noqa: E402
 from scheduler.runner.cascade_plan import plan_cascade  # noqa: E402
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16

@@ -3,9 +3,10 @@
 Two side-by-side measurements, each printed with its ratio:
 
 1. ``paged_decode_attention`` per call, checked (validates device tensors: reads bounds back)
-   vs prepared (host-validated :class:`~kernels.AttentionMetadata`). On CUDA the kernels run and
-   the host time per call is measured over a queue of calls; on the CPU the Triton launches are
-   stubbed, so the figure is the wrappers' own Python work.
+   vs prepared (host-validated :class:`~kernels.AttentionMetadata`), and the engine's per-layer call:
+   the prepared call bound once per step (``bind_decode_attention``), then run on each layer. On
+   CUDA the kernels run and the host time per call is measured over a queue of calls; on the CPU the
+   launches are stubbed, so the figure is the wrappers' own Python work.
 2. Building a decode step's device inputs at batch 64 and 256 (~1k tokens each): the engine's
    :class:`~scheduler.runner.step_input.StepInputBuilder` (persistent tables, numpy, one upload) vs
    rebuilding every table from lists per step (the engine's previous ``pack_step``).
@@ -44,8 +45,8 @@ def _best_us(fn, repeat: int, rounds: int = 5, sync=lambda: None) -> float:
     return best
 
 
-def bench_decode_call(device: torch.device, batch: int = 1, context: int = 1024) -> tuple[float, float]:
-    """(checked, prepared) host microseconds per decode call: Hq 32, Hkv 8, D 128, block 16, bf16."""
+def bench_decode_call(device: torch.device, batch: int = 1, context: int = 1024) -> tuple[float, float, float]:
+    """(checked, prepared, bound) host microseconds per decode call: Hq 32, Hkv 8, D 128, block 16, bf16."""
     bs, hkv, dtype = 16, 8, torch.bfloat16 if device.type == "cuda" else torch.float32
     per_seq = context // bs
     k = torch.randn(batch * per_seq + 1, bs, hkv, 128, dtype=dtype, device=device)
@@ -61,7 +62,9 @@ def bench_decode_call(device: torch.device, batch: int = 1, context: int = 1024)
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         checked = _best_us(lambda: paged_decode_attention(*args, backend=backend), 200, sync=sync)
         prepared = _best_us(lambda: paged_decode_attention_prepared(q, k, v, meta, backend=backend), 200, sync=sync)
-    return checked, prepared
+        bound = dec.bind_decode_attention(q, k, v, meta, backend=backend)  # once per step
+        per_layer = _best_us(lambda: bound(q, k, v, None, None), 200, sync=sync)
+    return checked, prepared, per_layer
 
 
 def _decode_step(batch: int, context: int, bs: int = 16) -> tuple[BlockManager, SchedulerOutput]:
@@ -114,10 +117,12 @@ def main() -> None:
     torch.set_num_threads(1)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"device: {name}, torch {torch.__version__}")
-    print("\n| decode call, host us | checked | prepared | checked / prepared |\n|---|---:|---:|---:|")
+    print("\n| decode call, host us | checked | prepared | bound, per layer | checked / prepared | prepared / bound |")
+    print("|---|---:|---:|---:|---:|---:|")
     for batch, context in ((1, 1024), (64, 2048)):
-        checked, prepared = bench_decode_call(device, batch, context)
-        print(f"| batch {batch} x {context} | {checked:.1f} | {prepared:.1f} | {checked / prepared:.2f}x |")
+        checked, prepared, bound = bench_decode_call(device, batch, context)
+        ratios = f"{checked / prepared:.2f}x | {prepared / bound:.2f}x"
+        print(f"| batch {batch} x {context} | {checked:.1f} | {prepared:.1f} | {bound:.1f} | {ratios} |")
     print("\n| decode step inputs, host us | rebuild from lists | StepInputBuilder | ratio |\n|---|---:|---:|---:|")
     for batch in (64, 256):
         rebuild, built = bench_build(device, batch)

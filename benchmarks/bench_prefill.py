@@ -2,7 +2,7 @@
 
 Run ``python benchmarks/bench_prefill.py [--shape llama-3.2-1b] [--prompts 8] [--prompt-len 2048]``.
 Each round prefills ``prompts`` fresh random prompts (no shared prefix, prefix caching off) and
-samples one token, through two engines over the same weights: ``enable_chunk_attention=True``
+samples one token, through two engines over the same weights: ``enable_dense_prefill=True``
 (fresh sequences attend their own K/V with the probed dense kernel: FlashAttention varlen on
 CUDA, the flash CPU op on CPU) and ``False`` (the paged prefill kernel). Rounds alternate and
 the best of ``--repeat`` is kept; prints prompt tokens per second of each and the ratio.
@@ -29,7 +29,7 @@ def build(hf, device: torch.device, chunk: bool, args: argparse.Namespace) -> LL
     """An engine with room for one round's prompts; the dense chunk path on or off."""
     tokens = args.prompts * (args.prompt_len + 16)
     cache = CacheConfig(block_size=16, num_gpu_blocks=tokens // 16 + 8, enable_prefix_caching=False,
-                        enable_chunk_attention=chunk)  # fmt: skip
+                        enable_dense_prefill=chunk)  # fmt: skip
     sched = SchedulerConfig(max_num_seqs=args.prompts, max_num_batched_tokens=max(tokens, args.prompts))
     with torch.device(device):
         model = from_hf_model(hf, dtype=hf.dtype)

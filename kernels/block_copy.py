@@ -22,10 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import Backend, check_triton_device, use_triton
-from paged_kv.tensor_checks import check_contiguous, check_range, check_same_device, check_tensor
+from kernels.checks import Backend, check_triton_device, use_triton
 from kernels.quant import as_storage
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError, describe
+from paged_kv.tensor_checks import check_contiguous, check_range, check_same_device, check_tensor
 
 BlockMapping = torch.Tensor | Sequence[tuple[int, int]]
 
@@ -36,7 +36,10 @@ _TABLE_CACHE_SIZE = 16
 
 
 def copy_blocks(caches: Sequence[torch.Tensor], block_mapping: BlockMapping, *, backend: Backend = "auto") -> None:
-    """Copy block ``src`` to block ``dst`` for every pair, in every tensor of ``caches`` (dim 0 = block id)."""
+    """Copy block ``src`` to block ``dst`` for every pair, in every tensor of ``caches`` (dim 0 = block id).
+
+    ``backend="torch"`` is the torch reference: one index_select + index_put_ per tensor.
+    """
     caches = _check_caches(caches)
     triton_path = use_triton(backend, *caches)
     if triton_path:
@@ -51,11 +54,6 @@ def copy_blocks(caches: Sequence[torch.Tensor], block_mapping: BlockMapping, *, 
         _copy_triton(caches, pairs)
     else:
         _copy_torch(caches, pairs)
-
-
-def copy_blocks_reference(caches: Sequence[torch.Tensor], block_mapping: BlockMapping) -> None:
-    """Torch reference of :func:`copy_blocks`: one index_select + index_put_ per tensor."""
-    copy_blocks(caches, block_mapping, backend="torch")
 
 
 def swap_blocks(

@@ -19,7 +19,17 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import Backend, check_cache_pair, check_scales, check_triton_device, use_triton
+from kernels.checks import (
+    Backend,
+    BoundCall,
+    check_cache_pair,
+    check_scales,
+    check_triton_device,
+    use_triton,
+)
+from kernels.metadata import AttentionMetadata, check_metadata
+from kernels.quant import as_storage, is_quantized, quant_max, quantize_per_token_head
+from paged_kv.errors import InvalidArgumentError, OutOfRangeError, describe
 from paged_kv.tensor_checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -28,9 +38,6 @@ from paged_kv.tensor_checks import (
     check_shape,
     check_tensor,
 )
-from kernels.attention_metadata import AttentionMetadata, check_metadata
-from kernels.quant import as_storage, is_quantized, quant_max, quantize_per_token_head
-from paged_kv.errors import InvalidArgumentError, OutOfRangeError, describe
 
 _TILE_ELEMS = 4096  # max elements of one program's [BLOCK_H, BLOCK_D] tile
 _FP8_FORMAT = {torch.float8_e4m3fn: (3, 7), torch.float8_e5m2: (2, 15)}  # (mantissa bits, bias)
@@ -48,62 +55,55 @@ def write_kv(
     v_scale: torch.Tensor | None = None,
     backend: Backend = "auto",
 ) -> None:
-    """Write key/value [num_tokens, num_kv_heads, head_dim] into the cache slots (negative slot = skip)."""
+    """Write key/value [num_tokens, num_kv_heads, head_dim] into the cache slots (negative slot = skip).
+
+    ``backend="torch"`` is the torch reference: one vectorized index_put_ over the valid slots.
+    """
     _validate(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-    triton_path = use_triton(backend, key, value, k_cache, v_cache, slot_mapping)
-    if triton_path:
-        check_triton_device(key)
-    if key.shape[0] == 0:
-        return
-    if triton_path:
-        _write_triton(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-    else:
-        _write_torch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    _bind(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping, backend).run(
+        key, value, k_cache, v_cache, k_scale, v_scale
+    )
 
 
-def write_kv_reference(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    *,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> None:
-    """Torch reference of :func:`write_kv` (same checks, one vectorized index_put_ over the valid slots)."""
-    write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale, backend="torch")
+def bind_write_kv(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, *,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, backend: Backend = "auto",
+) -> BoundCall:  # fmt: skip
+    """The checks of :func:`write_kv_prepared` done once: a BoundCall run per layer."""
+    check_metadata(meta, AttentionMetadata)  # the slots come from it
+    _check_inputs(key, value, meta.slot_mapping)
+    _check_caches(k_cache, v_cache, key.shape[1], key.shape[2])
+    _check_scales(k_scale, v_scale, k_cache)
+    check_metadata(meta, AttentionMetadata, device=key.device, num_blocks=k_cache.shape[0], block_size=k_cache.shape[1])
+    check_same_device({"key": key, "value": value, "k_cache": k_cache, "v_cache": v_cache})
+    return _bind(key, value, k_cache, v_cache, k_scale, v_scale, meta.slot_mapping, backend)
 
 
 def write_kv_prepared(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    *,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    backend: Backend = "auto",
-) -> None:
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, *,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, backend: Backend = "auto",
+) -> None:  # fmt: skip
     """:func:`write_kv` into a prepared step's ``slot_mapping``: host checks only, no device value read.
 
     The slots were validated (in range, distinct) when ``meta`` was prepared.
     """
-    if not isinstance(meta, AttentionMetadata):
-        raise InvalidArgumentError(describe("meta", type(meta).__name__, "an AttentionMetadata"))
-    _check_inputs(key, value, meta.slot_mapping)
-    _check_caches(k_cache, v_cache, key.shape[1], key.shape[2])
-    _check_scales(k_scale, v_scale, k_cache)
-    check_metadata(meta, num_blocks=k_cache.shape[0], block_size=k_cache.shape[1], device=key.device)
-    check_same_device({"key": key, "value": value, "k_cache": k_cache, "v_cache": v_cache})
-    if key.shape[0] == 0:
-        return
-    if use_triton(backend, key, k_cache, meta.slot_mapping):
+    bound = bind_write_kv(key, value, k_cache, v_cache, meta, k_scale=k_scale, v_scale=v_scale, backend=backend)
+    bound.run(key, value, k_cache, v_cache, k_scale, v_scale)
+
+
+def _bind(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping, backend) -> BoundCall:
+    """The write of checked inputs into ``slot_mapping``, bound to everything but its layer's tensors."""
+    triton_path = use_triton(backend, key, value, k_cache, v_cache, slot_mapping)
+    if triton_path:
         check_triton_device(key)
-        _write_triton(key, value, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
-    else:
-        _write_torch(key, value, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+
+    def run(key, value, k_cache, v_cache, k_scale=None, v_scale=None) -> None:
+        if key.shape[0] == 0:
+            return
+        write = _write_triton if triton_path else _write_torch
+        write(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+    return BoundCall(run, key, value, k_cache, v_cache, k_scale, v_scale)
 
 
 # ---------------------------------------------------------------- validation

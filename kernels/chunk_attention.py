@@ -20,58 +20,20 @@ the hot path (the engine's model runner does).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Literal
 
-import numpy as np
 import torch
 
-from kernels.attention_checks import check_options
-from kernels.attention_metadata import offsets
-from paged_kv.errors import InvalidArgumentError, OutOfRangeError, check_int, describe
-from paged_kv.tensor_checks import (
-    FLOAT_DTYPES,
-    check_device,
-    check_dtype,
-    check_host_ints,
-    check_shape,
-    check_tensor,
-)
+from kernels.checks import check_options
+from kernels.metadata import ChunkMetadata, check_metadata, prepare_chunk_metadata
+from paged_kv.errors import InvalidArgumentError, check_int, describe
+from paged_kv.tensor_checks import FLOAT_DTYPES, check_device, check_dtype, check_shape, check_tensor
 
 ChunkBackend = Literal["auto", "flash", "sdpa", "torch"]
 CHUNK_BACKENDS = ("auto", "flash", "sdpa", "torch")
 PROBE_LENS = (1, 3, 19, 40)  # ragged chunk lengths of the probe batch
 PROBE_TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}  # max |out - reference|
 _probed: dict[tuple, str | None] = {}  # (device, dtype, Hq, Hkv, D) -> the backend that passed, or None
-
-
-@dataclass(frozen=True, kw_only=True, eq=False)
-class ChunkMetadata:
-    """Offsets of each sequence's packed new tokens, on the device and on the host.
-
-    Invariant: ``host_cu_seqlens`` starts at 0, never decreases, and ``cu_seqlens`` holds the
-    same values; ``max_len`` >= every sequence's token count.
-    """
-
-    cu_seqlens: torch.Tensor  # [S + 1] int32 on the queries' device
-    host_cu_seqlens: np.ndarray  # [S + 1] int64
-    max_len: int
-
-    @property
-    def num_tokens(self) -> int:
-        """Packed rows T."""
-        return int(self.host_cu_seqlens[-1])
-
-
-def prepare_chunk_metadata(query_lens: object, device: torch.device | str) -> ChunkMetadata:
-    """Validate host chunk lengths ``[S]`` (ints >= 0) and upload their offsets."""
-    lens = check_host_ints("query_lens", query_lens, 1)
-    device = check_device("device", device)
-    if (lens < 0).any():
-        raise OutOfRangeError(describe("query_lens", lens.tolist(), "token counts >= 0"))
-    cu = offsets(lens)
-    dev = torch.from_numpy(cu.astype(np.int32)).to(device)
-    return ChunkMetadata(cu_seqlens=dev, host_cu_seqlens=cu, max_len=int(lens.max(initial=0)))
 
 
 def dense_chunk_attention(
@@ -88,19 +50,13 @@ def dense_chunk_attention(
     q ``[T, Hq, D]``, k and v ``[T, Hkv, D]`` of one float dtype; ``query_lens[s]`` (host ints)
     tokens of sequence s, packed in order. Query j of a sequence sees its keys 0..j. out has q's
     dtype, lse is float32. Query head h uses KV head ``h // (Hq // Hkv)``; logits ``scale * q.k``.
+    ``backend="torch"`` is the dense float32 reference, one sequence at a time.
     """
     _check_qkv(q, k, v)
     meta = prepare_chunk_metadata(query_lens, q.device)
     if meta.num_tokens != q.shape[0]:
         raise InvalidArgumentError(describe("query_lens", meta.host_cu_seqlens[-1], f"a sum of q's {q.shape[0]} rows"))
     return dense_chunk_attention_prepared(q, k, v, meta, scale=scale, backend=backend)
-
-
-def dense_chunk_attention_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_lens: object, *, scale: float | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch reference of :func:`dense_chunk_attention` (same contract), dense float32 per sequence."""
-    return dense_chunk_attention(q, k, v, query_lens, scale=scale, backend="torch")
 
 
 def dense_chunk_attention_prepared(
@@ -114,12 +70,9 @@ def dense_chunk_attention_prepared(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`dense_chunk_attention` over host-validated :class:`ChunkMetadata`: host checks only, no device read."""
     _check_qkv(q, k, v)
-    if not isinstance(meta, ChunkMetadata):
-        raise InvalidArgumentError(describe("meta", type(meta).__name__, "a ChunkMetadata"))
+    check_metadata(meta, ChunkMetadata, device=q.device)
     if meta.num_tokens != q.shape[0]:
         raise InvalidArgumentError(describe("meta.num_tokens", meta.num_tokens, f"q's {q.shape[0]} rows"))
-    if meta.cu_seqlens.device != q.device:
-        raise InvalidArgumentError(describe("meta.device", meta.cu_seqlens.device, f"q's device {q.device}"))
     scale = check_options(q.shape[2], scale, None, None)[0]
     chosen = _resolve(backend, q, k)
     if q.shape[0] == 0:

@@ -9,44 +9,41 @@ entries past what ``seq_lens`` needs are padding and are never read.
 The Triton path is flash-decoding: grid (sequence, kv head, split); each program
 handles all query heads of one KV head (so each K/V byte is read once), walks its
 share of the KV range with an online softmax and writes a partial output + lse;
-a second small kernel merges the splits. Splits hold a fixed, tile-aligned number of
-tokens chosen from the batch's total tokens (:func:`choose_split_tokens`), so a long
+a second small kernel merges the splits (:mod:`kernels.splits`). Splits hold a fixed, tile-aligned
+number of tokens chosen from the batch's total tokens (:func:`~kernels.splits.choose_split_tokens`), so a long
 sequence of a ragged batch gets many splits and a short one few: the split programs
 past a sequence's end exit at once with lse -inf, which the merge weighs 0. A split
 count fixed in advance (``num_splits``, CUDA-graph capture) instead divides each
 sequence's range into that many equal parts at run time. The torch reference has the same contract
-and is the CPU engine's path. The checks, the Triton tile steps and the dense torch
-core are shared with :mod:`kernels.prefill_attention` (``kernels.attention_*``).
+and is the CPU engine's path. The host checks (:mod:`kernels.checks`), the Triton tile steps and
+the dense torch core (``kernels.attention_*``) are shared with the other attention kernels.
 """
 
 from __future__ import annotations
-
-import functools
 
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import Backend, check_triton_device, use_triton
-from kernels.attention_checks import (
+from kernels.attention_torch import DecodeLayout, decode_attention, decode_layout, token_slots
+from kernels.attention_triton import attend_kv_range, cache_arguments, dot_dtype, dot_precision, logit_coefficients
+from kernels.checks import (
+    Backend,
+    BoundCall,
     block_id_bounds,
     check_block_ids,
     check_cache,
     check_options,
-    check_prepared,
     check_tables,
+    launches_triton,
     window_start,
 )
-from kernels.attention_metadata import MAX_DECODE_SPLITS, AttentionMetadata
-from kernels.attention_torch import DecodeLayout, decode_attention, decode_layout, token_slots
-from kernels.attention_triton import attend_kv_range, cache_arguments, dot_dtype, dot_precision, logit_coefficients
+from kernels.metadata import AttentionMetadata, check_metadata
+from kernels.splits import MAX_SPLITS, WAVES, choose_split_tokens, merge_splits, split_outputs, split_tile
 from kernels.tile_configs import tile_key, tuned_values
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError, check_bool, check_int, describe
 
-MAX_SPLITS = MAX_DECODE_SPLITS
-MIN_TOKENS_PER_SPLIT = 256
-WAVES = 2  # split programs per SM the automatic split size aims for
 TORCH_CHUNK_BYTES = 16 * 2**20  # dense K per sequence group of the torch path
 
 
@@ -102,66 +99,7 @@ def _decode_split_kernel(
     tl.store(lse_ptr + seq * sl_s + heads * sl_h + split * sl_p, lse, mask=g_mask)
 
 
-@triton.jit
-def _merge_splits_kernel(
-    part_ptr, plse_ptr, out_ptr, lse_ptr,
-    sp_s, sp_h, sp_p, sp_d, spl_s, spl_h, spl_p, so_s, so_h, so_d, sl_s, sl_h, num_splits,
-    S_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-):  # fmt: skip
-    """Grid (seq, q_head): combine num_splits (<= S_PAD) partial outputs by their lse weights."""
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    offs_p = tl.arange(0, S_PAD)
-    offs_d = tl.arange(0, D_PAD)
-    p_mask = offs_p < num_splits
-    lse = tl.load(plse_ptr + seq * spl_s + head * spl_h + offs_p * spl_p, mask=p_mask, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m_use = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2((lse - m_use) * 1.4426950408889634)  # [S_PAD]; empty splits weigh 0
-    total = tl.sum(w, 0)
-    offs = seq * sp_s + head * sp_h + offs_p[:, None] * sp_p + offs_d[None, :] * sp_d
-    part = tl.load(part_ptr + offs, mask=p_mask[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    out = tl.sum(part * w[:, None], 0) / tl.where(total > 0, total, 1.0)  # [D_PAD]
-    out_ptrs = out_ptr + seq * so_s + head * so_h + offs_d * so_d
-    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
-    merged = tl.where(total > 0, m_use + tl.log2(tl.where(total > 0, total, 1.0)) * 0.6931471805599453, float("-inf"))
-    tl.store(lse_ptr + seq * sl_s + head * sl_h, merged)
-
-
 # ----------------------------------------------------------------------------- host side
-
-
-def choose_num_splits(num_seqs: int, num_kv_heads: int, max_len: int, device: torch.device) -> int:
-    """A fixed split count (CUDA-graph capture): fill about two waves of SMs, >= MIN_TOKENS_PER_SPLIT per split."""
-    by_len = max(1, max_len // MIN_TOKENS_PER_SPLIT)
-    if device.type != "cuda":
-        return min(2, by_len)  # interpreter: few programs are cheapest
-    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    wanted = -(-2 * sms // max(1, num_seqs * num_kv_heads))
-    return max(1, min(wanted, by_len, 32))
-
-
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    """Streaming multiprocessors of a CUDA device (queried once: the query costs microseconds)."""
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def choose_split_tokens(
-    total_tokens: int, max_cols: int, num_kv_heads: int, block_n: int, device, waves: int = WAVES
-) -> int:
-    """Tokens per decode split, a multiple of ``block_n``: about ``waves`` split programs per SM over the batch.
-
-    ``total_tokens`` is the KV positions the batch attends (all sequences), ``max_cols`` the longest
-    range one sequence walks. At least MIN_TOKENS_PER_SPLIT, and that range needs <= MAX_SPLITS splits.
-    """
-    if device.type != "cuda":
-        tokens = -(-max_cols // 2)  # interpreter: few programs are cheapest (at most two splits)
-    else:
-        sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-        tokens = -(-total_tokens * num_kv_heads // (waves * sms))
-    tokens = max(tokens, MIN_TOKENS_PER_SPLIT, -(-max_cols // MAX_SPLITS))
-    return -(-tokens // block_n) * block_n
 
 
 def decode_tile(
@@ -169,9 +107,8 @@ def decode_tile(
 ) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) of the decode kernel per head size, cache element size and dot dtype.
 
-    A tuned entry for ``device`` (:mod:`kernels.tile_configs`) wins. Otherwise: 1-byte caches
-    converted to 16-bit tiles move half the bytes per token, so they take twice the tokens per
-    tile; every choice builds for sm80/sm90 without register spills (tests/kernels: build_for_gpu).
+    A tuned entry for ``device`` (:mod:`kernels.tile_configs`) wins over the built-in
+    :func:`~kernels.splits.split_tile`.
     """
     tile = _decode_launch(d_pad, cache_bytes, dtype, device)
     return tile["BLOCK_N"], tile["num_warps"], tile["num_stages"]
@@ -184,7 +121,7 @@ def decode_waves(d_pad: int, cache_bytes: int, dtype: tl.dtype, device: torch.de
 
 def _decode_launch(d_pad: int, cache_bytes: int, dtype: tl.dtype, device: torch.device | None) -> dict[str, int]:
     """BLOCK_N, num_warps, num_stages and waves of one decode launch: the heuristic under the tuned entry."""
-    block_n, num_warps, num_stages = _decode_heuristic(d_pad, cache_bytes, dtype)
+    block_n, num_warps, num_stages = split_tile(d_pad, cache_bytes, dtype)
     defaults = {"BLOCK_N": block_n, "num_warps": num_warps, "num_stages": num_stages, "waves": WAVES}
     return tuned_values(decode_tile_key(d_pad, cache_bytes, dtype), device, defaults)
 
@@ -192,15 +129,6 @@ def _decode_launch(d_pad: int, cache_bytes: int, dtype: tl.dtype, device: torch.
 def decode_tile_key(d_pad: int, cache_bytes: int, dtype: tl.dtype) -> str:
     """The tile table key of a decode launch (see :mod:`kernels.tile_configs`)."""
     return tile_key("decode", f"d{d_pad}", f"c{cache_bytes}", dtype)
-
-
-def _decode_heuristic(d_pad: int, cache_bytes: int, dtype: tl.dtype) -> tuple[int, int, int]:
-    block_n = 64 if d_pad <= 128 else 32
-    if dtype != tl.float32 and cache_bytes == 1:
-        return 2 * block_n, 8, 3 if d_pad <= 128 else 2  # head 256: a third 128 x 256 stage would spill
-    if dtype != tl.float32:
-        return block_n, 8, 3
-    return block_n, 8, 1 if cache_bytes == 1 else 3  # float32 operands: pipelined code tiles would spill
 
 
 def _split_geometry(num_splits, total_tokens, max_len, window, num_kv_heads, block_n, device, waves) -> tuple[int, int]:
@@ -226,13 +154,7 @@ def _decode_triton(q, k_cache, v_cache, block_tables, seq_lens, geo, opts, k_sca
     tile = _decode_launch(d_pad, k_cache.element_size(), dtype, q.device)  # one table lookup per launch
     block_n, num_warps, num_stages, waves = tile["BLOCK_N"], tile["num_warps"], tile["num_stages"], tile["waves"]
     split_tokens, num_splits = _split_geometry(splits, *sizes, window, geo.num_kv_heads, block_n, q.device, waves)
-    out = torch.empty_like(q)  # [S, Hq, D]
-    lse = torch.empty(num_seqs, num_q_heads, device=q.device, dtype=torch.float32)
-    if num_splits == 1:
-        part, part_lse = out.unsqueeze(2), lse.unsqueeze(2)  # [S, Hq, 1, D], [S, Hq, 1]
-    else:
-        part = torch.empty(num_seqs, num_q_heads, num_splits, head_dim, device=q.device, dtype=torch.float32)
-        part_lse = torch.empty(num_seqs, num_q_heads, num_splits, device=q.device, dtype=torch.float32)
+    out, lse, part, part_lse = split_outputs(q, num_splits)
     qk_a, qk_b = logit_coefficients(scale, soft_cap)
     cache_pointers, cache_strides = cache_arguments(k_cache, v_cache, k_scale, v_scale)
     _decode_split_kernel[(num_seqs, geo.num_kv_heads, num_splits)](
@@ -244,12 +166,7 @@ def _decode_triton(q, k_cache, v_cache, block_tables, seq_lens, geo, opts, k_sca
         QUANTIZED=geo.quantized, SOFT_CAP=soft_cap is not None, WINDOW=window is not None,
         PRECISION=dot_precision(q, k_cache), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    if num_splits > 1:
-        _merge_splits_kernel[(num_seqs, num_q_heads)](
-            part, part_lse, out, lse, *part.stride(), *part_lse.stride(), *out.stride(), *lse.stride(), num_splits,
-            S_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, D_PAD=d_pad,
-        )  # fmt: skip
-    return out, lse
+    return merge_splits(out, lse, part, part_lse, d_pad)
 
 
 def _decode_torch(q, k_cache, v_cache, block_tables, seq_lens, opts, k_scale, v_scale, lens, need_lse):
@@ -323,6 +240,25 @@ def _validate_decode(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_sca
     return geo, opts, (lo_len, hi_len, total)
 
 
+def _bind(q, k_cache, v_cache, k_scale, v_scale, tables, lens, geo, opts, splits, sizes, need_lse, run_triton):
+    """The launch of a checked decode call, bound to everything but its layer's q and caches.
+
+    ``sizes`` are the host ints the chosen path takes, (total attended tokens, max_len) for Triton
+    and (min_len, max_len) for torch: nothing is read back when it runs.
+    """
+
+    def run(q, k_cache, v_cache, k_scale=None, v_scale=None):
+        if q.shape[0] == 0:
+            out, lse = torch.empty_like(q), torch.empty(0, q.shape[1], device=q.device, dtype=torch.float32)
+        elif run_triton:
+            out, lse = _decode_triton(q, k_cache, v_cache, tables, lens, geo, opts, k_scale, v_scale, splits, sizes)
+        else:
+            out, lse = _decode_torch(q, k_cache, v_cache, tables, lens, opts, k_scale, v_scale, sizes, need_lse)
+        return (out, lse) if need_lse else out
+
+    return BoundCall(run, q, k_cache, v_cache, k_scale, v_scale)
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -347,64 +283,47 @@ def paged_decode_attention(
     ``return_lse`` also returns the float32 natural-log logsumexp ``[S, Hq]`` of the (capped) logits.
     ``num_splits`` fixes flash-decoding's KV split count, each sequence's range divided in that many
     equal parts (None: splits of a fixed token count chosen from the batch's total tokens and the SMs).
+    ``backend="torch"`` is the torch reference (the batched CPU path).
     """
     check_bool("return_lse", return_lse)
-    geo, opts, lens = _validate_decode(
+    geo, opts, (lo, hi, total) = _validate_decode(
         q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, scale, sliding_window, soft_cap, num_splits
     )
-    run_triton = use_triton(backend, q, k_cache, v_cache, block_tables, seq_lens)
-    if q.shape[0] == 0:
-        out, lse = torch.empty_like(q), torch.empty(0, q.shape[1], device=q.device, dtype=torch.float32)
-    elif run_triton:
-        check_triton_device(q)
-        out, lse = _decode_triton(
-            q, k_cache, v_cache, block_tables, seq_lens, geo, opts, k_scale, v_scale, num_splits, (lens[2], lens[1])
-        )
-    else:
-        out, lse = _decode_torch(
-            q, k_cache, v_cache, block_tables, seq_lens, opts, k_scale, v_scale, lens[:2], return_lse
-        )
-    return (out, lse) if return_lse else out
+    args = (q, k_cache, v_cache, k_scale, v_scale)
+    run_triton = launches_triton(backend, q, k_cache, v_cache, block_tables, seq_lens)
+    sizes = (total, hi) if run_triton else (lo, hi)
+    return _bind(*args, block_tables, seq_lens, geo, opts, num_splits, sizes, return_lse, run_triton).run(*args)
 
 
-def paged_decode_attention_reference(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    *,
-    scale: float | None = None,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    num_splits: int | None = None,
-    return_lse: bool = False,
-):
-    """Torch reference of :func:`paged_decode_attention`: same contract, always the batched torch path."""
-    return paged_decode_attention(
-        q, k_cache, v_cache, block_tables, seq_lens, scale=scale, k_scale=k_scale, v_scale=v_scale,
-        sliding_window=sliding_window, soft_cap=soft_cap, num_splits=num_splits, return_lse=return_lse,
-        backend="torch",
-    )  # fmt: skip
+def bind_decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, *,
+    scale: float | None = None, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    sliding_window: int | None = None, soft_cap: float | None = None, num_splits: int | None = None,
+    return_lse: bool = False, backend: Backend = "auto",
+) -> BoundCall:  # fmt: skip
+    """The checks of :func:`paged_decode_attention_prepared` done once: a BoundCall run per layer."""
+    check_bool("return_lse", return_lse)
+    geo = check_cache(q, k_cache, v_cache, k_scale, v_scale)
+    opts = check_options(geo.head_dim, scale, sliding_window, soft_cap)
+    check_metadata(meta, AttentionMetadata, device=q.device, num_blocks=geo.num_blocks, block_size=geo.block_size)
+    if not meta.is_decode:
+        raise InvalidArgumentError(describe("meta.max_query_len", meta.max_query_len, "1 (a decode step)"))
+    if q.shape[0] != meta.num_seqs:
+        raise InvalidArgumentError(describe("q.shape[0]", q.shape[0], f"meta.num_seqs={meta.num_seqs}"))
+    if num_splits is not None:
+        check_int("num_splits", num_splits, low=1, high=MAX_SPLITS)
+    splits = num_splits if num_splits is not None else meta.decode_num_splits
+    run_triton = launches_triton(backend, q, k_cache, v_cache, meta.block_tables, meta.seq_lens)
+    args = (q, k_cache, v_cache, k_scale, v_scale, meta.block_tables, meta.seq_lens, geo, opts, splits)
+    return _bind(*args, _host_sizes(meta, opts[1], run_triton), return_lse, run_triton)
 
 
 def paged_decode_attention_prepared(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    *,
-    scale: float | None = None,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    num_splits: int | None = None,
-    return_lse: bool = False,
-    backend: Backend = "auto",
-):
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, *,
+    scale: float | None = None, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    sliding_window: int | None = None, soft_cap: float | None = None, num_splits: int | None = None,
+    return_lse: bool = False, backend: Backend = "auto",
+):  # fmt: skip
     """:func:`paged_decode_attention` over a prepared step: host checks only, no device value read.
 
     q ``[S, Hq, D]`` -> out ``[S, Hq, D]`` (and lse ``[S, Hq]`` with ``return_lse``); block ids and
@@ -412,28 +331,16 @@ def paged_decode_attention_prepared(
     ``num_splits``, else the count fixed in ``meta.decode_num_splits`` (CUDA-graph capture), else
     its host lengths.
     """
-    check_bool("return_lse", return_lse)
-    geo, opts = check_prepared(q, k_cache, v_cache, meta, k_scale, v_scale, scale, sliding_window, soft_cap)
-    if not meta.is_decode:
-        raise InvalidArgumentError(describe("meta.max_query_len", meta.max_query_len, "1 (a decode step)"))
-    if q.shape[0] != meta.num_seqs:
-        raise InvalidArgumentError(describe("q.shape[0]", q.shape[0], f"meta.num_seqs={meta.num_seqs}"))
-    if num_splits is not None:
-        check_int("num_splits", num_splits, low=1, high=MAX_SPLITS)
-    tables, lens = meta.block_tables, meta.seq_lens
-    if q.shape[0] == 0:
-        out, lse = torch.empty_like(q), torch.empty(0, q.shape[1], device=q.device, dtype=torch.float32)
-    elif use_triton(backend, q, k_cache, v_cache, tables, lens):
-        check_triton_device(q)
-        splits = num_splits if num_splits is not None else meta.decode_num_splits
-        sizes = (_host_total(meta.host_seq_lens, opts[1]), meta.max_seq_len)
-        out, lse = _decode_triton(q, k_cache, v_cache, tables, lens, geo, opts, k_scale, v_scale, splits, sizes)
-    else:
-        host_lens = (meta.min_seq_len, meta.max_seq_len)
-        out, lse = _decode_torch(q, k_cache, v_cache, tables, lens, opts, k_scale, v_scale, host_lens, return_lse)
-    return (out, lse) if return_lse else out
+    bound = bind_decode_attention(
+        q, k_cache, v_cache, meta, scale=scale, k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window,
+        soft_cap=soft_cap, num_splits=num_splits, return_lse=return_lse, backend=backend,
+    )  # fmt: skip
+    return bound.run(q, k_cache, v_cache, k_scale, v_scale)
 
 
-def _host_total(host_seq_lens: np.ndarray, window: int | None) -> int:
-    """KV positions a decode batch attends, from host lengths: the sum of its window-limited lengths."""
-    return int(host_seq_lens.sum() if window is None else np.minimum(host_seq_lens, window).sum())
+def _host_sizes(meta: AttentionMetadata, window: int | None, triton: bool) -> tuple[int, int]:
+    """The sizes a decode path takes from host lengths: Triton (attended KV positions, max_len), torch (min, max)."""
+    if not triton:
+        return meta.min_seq_len, meta.max_seq_len
+    lens = meta.host_seq_lens if window is None else np.minimum(meta.host_seq_lens, window)
+    return int(lens.sum()), meta.max_seq_len

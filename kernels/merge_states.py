@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import Backend, check_triton_device, use_triton
+from kernels.checks import Backend, check_triton_device, use_triton
 from paged_kv.tensor_checks import FLOAT_DTYPES, check_shape, check_tensor
 
 ROWS_PER_PROGRAM = 16
@@ -103,6 +103,7 @@ def merge_attention_states(
     """Merge attention over two disjoint key sets: outs ``[N, H, D]``, lse ``[N, H]`` -> (out, lse float32).
 
     The output has out_a's dtype; the lse is natural-log, -inf for a row whose both parts are empty.
+    ``backend="torch"`` is the float32 torch reference.
     """
     _check_states(out_a, lse_a, out_b, lse_b)
     run_triton = use_triton(backend, out_a, lse_a, out_b, lse_b)
@@ -113,9 +114,3 @@ def merge_attention_states(
         return _merge_triton(out_a, lse_a, out_b, lse_b)
     return _merge_torch(out_a, lse_a, out_b, lse_b)
 
-
-def merge_attention_states_reference(
-    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch reference of :func:`merge_attention_states` (same contract)."""
-    return merge_attention_states(out_a, lse_a, out_b, lse_b, backend="torch")

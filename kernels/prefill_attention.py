@@ -10,7 +10,8 @@ The Triton kernel is tiled over (query tile, kv head, sequence): one program pac
 rows of its tile, so the K/V it reads through the block table serve every head of the group.
 It walks its KV range in two phases: the tiles wholly at or below the tile's first query
 position, which every row sees (no mask is built), then the diagonal tiles, masked causally.
-Checks, Triton tile steps and the dense torch core are shared with decode (``kernels.attention_*``).
+Host checks (:mod:`kernels.checks`), Triton tile steps and the dense torch core (``kernels.attention_*``)
+are shared with decode.
 """
 
 from __future__ import annotations
@@ -19,18 +20,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import Backend, check_triton_device, use_triton
-from paged_kv.tensor_checks import INDEX_DTYPES, check_tensor
-from kernels.attention_checks import (
-    block_id_bounds,
-    check_block_ids,
-    check_cache,
-    check_options,
-    check_prepared,
-    check_tables,
-    window_start,
-)
-from kernels.attention_metadata import AttentionMetadata
 from kernels.attention_torch import dense_attention, gather_kv
 from kernels.attention_triton import (
     cache_arguments,
@@ -43,8 +32,21 @@ from kernels.attention_triton import (
     scaled_logits,
     softmax_step,
 )
+from kernels.checks import (
+    Backend,
+    BoundCall,
+    block_id_bounds,
+    check_block_ids,
+    check_cache,
+    check_options,
+    check_tables,
+    launches_triton,
+    window_start,
+)
+from kernels.metadata import AttentionMetadata, check_metadata
 from kernels.tile_configs import tile_key, tuned_values
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError, check_bool, describe
+from paged_kv.tensor_checks import INDEX_DTYPES, check_tensor
 
 MAX_LOGITS = 1 << 25  # float32 elements of one reference logits chunk (128 MiB)
 
@@ -262,6 +264,26 @@ def _validate_prefill(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens, k
     return geo, opts, (stats[5], stats[4], stats[6])  # (max_q, max_len, max_ctx)
 
 
+def _bind(q, k_cache, v_cache, k_scale, v_scale, tables, lens, cu, geo, opts, sizes, need_lse, backend) -> BoundCall:
+    """The launch of a checked prefill call, bound to everything but its layer's q and caches.
+
+    ``sizes`` are host ints (max_q, max_len, max_ctx): nothing is read back when it runs.
+    """
+    run_triton = launches_triton(backend, q, k_cache, v_cache, tables, lens, cu)
+
+    def run(q, k_cache, v_cache, k_scale=None, v_scale=None):
+        args = (q, k_cache, v_cache, tables, lens, cu)
+        if q.shape[0] == 0:
+            out, lse = torch.empty_like(q), torch.empty(0, q.shape[1], device=q.device, dtype=torch.float32)
+        elif run_triton:
+            out, lse = _prefill_triton(*args, geo, opts, k_scale, v_scale, sizes[0])
+        else:
+            out, lse = _prefill_torch(*args, opts, k_scale, v_scale, sizes, need_lse)
+        return (out, lse) if need_lse else out
+
+    return BoundCall(run, q, k_cache, v_cache, k_scale, v_scale)
+
+
 def paged_prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -283,76 +305,44 @@ def paged_prefill_attention(
     Query j of sequence s (rows ``cu_seqlens_q[s] + j``) sits at position ``p = seq_lens[s] - q_len_s + j``
     and sees positions ``(p - sliding_window, p]`` (``[0, p]`` when None); scale, soft_cap and GQA as in
     :func:`kernels.decode_attention.paged_decode_attention`. With ``return_lse`` also returns the
-    float32 natural-log logsumexp ``[T, Hq]``.
+    float32 natural-log logsumexp ``[T, Hq]``. ``backend="torch"`` is the torch reference.
     """
     check_bool("return_lse", return_lse)
     options = (scale, sliding_window, soft_cap)
     geo, opts, sizes = _validate_prefill(
         q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, k_scale, v_scale, options
     )
-    run_triton = use_triton(backend, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q)
-    if q.shape[0] == 0:
-        out, lse = torch.empty_like(q), torch.empty(0, q.shape[1], device=q.device, dtype=torch.float32)
-    elif run_triton:
-        check_triton_device(q)
-        out, lse = _prefill_triton(
-            q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, geo, opts, k_scale, v_scale, sizes[0]
-        )
-    else:
-        out, lse = _prefill_torch(
-            q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, opts, k_scale, v_scale, sizes, return_lse
-        )
-    return (out, lse) if return_lse else out
+    args = (q, k_cache, v_cache, k_scale, v_scale)
+    return _bind(*args, block_tables, seq_lens, cu_seqlens_q, geo, opts, sizes, return_lse, backend).run(*args)
 
 
-def paged_prefill_attention_reference(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    *,
-    scale: float | None = None,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    return_lse: bool = False,
-):
-    """Torch reference of :func:`paged_prefill_attention`: same contract, always the batched torch path."""
-    return paged_prefill_attention(
-        q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale=scale, k_scale=k_scale,
-        v_scale=v_scale, sliding_window=sliding_window, soft_cap=soft_cap, return_lse=return_lse,
-        backend="torch",
-    )  # fmt: skip
+def bind_prefill_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, *,
+    scale: float | None = None, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    sliding_window: int | None = None, soft_cap: float | None = None, backend: Backend = "auto",
+) -> BoundCall:  # fmt: skip
+    """The checks of :func:`paged_prefill_attention_prepared` done once: a BoundCall run per layer."""
+    geo = check_cache(q, k_cache, v_cache, k_scale, v_scale)
+    opts = check_options(geo.head_dim, scale, sliding_window, soft_cap)
+    check_metadata(meta, AttentionMetadata, device=q.device, num_blocks=geo.num_blocks, block_size=geo.block_size)
+    if q.shape[0] != meta.num_tokens:
+        raise InvalidArgumentError(describe("q.shape[0]", q.shape[0], f"meta.num_tokens={meta.num_tokens}"))
+    sizes = (meta.max_query_len, meta.max_seq_len, meta.max_context_len)
+    tensors = (meta.block_tables, meta.seq_lens, meta.cu_seqlens_q)
+    return _bind(q, k_cache, v_cache, k_scale, v_scale, *tensors, geo, opts, sizes, False, backend)
 
 
 def paged_prefill_attention_prepared(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    *,
-    scale: float | None = None,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    backend: Backend = "auto",
-) -> torch.Tensor:
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, *,
+    scale: float | None = None, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    sliding_window: int | None = None, soft_cap: float | None = None, backend: Backend = "auto",
+) -> torch.Tensor:  # fmt: skip
     """:func:`paged_prefill_attention` over a prepared step: host checks only, no device value read.
 
     q ``[T, Hq, D]`` (the step's new tokens, packed as ``meta.cu_seqlens_q``) -> out ``[T, Hq, D]``.
     """
-    geo, opts = check_prepared(q, k_cache, v_cache, meta, k_scale, v_scale, scale, sliding_window, soft_cap)
-    if q.shape[0] != meta.num_tokens:
-        raise InvalidArgumentError(describe("q.shape[0]", q.shape[0], f"meta.num_tokens={meta.num_tokens}"))
-    if q.shape[0] == 0:
-        return torch.empty_like(q)
-    args = (q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q)
-    if use_triton(backend, *args):
-        check_triton_device(q)
-        return _prefill_triton(*args, geo, opts, k_scale, v_scale, meta.max_query_len)[0]
-    sizes = (meta.max_query_len, meta.max_seq_len, meta.max_context_len)
-    return _prefill_torch(*args, opts, k_scale, v_scale, sizes, False)[0]
+    bound = bind_prefill_attention(
+        q, k_cache, v_cache, meta, scale=scale, k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window,
+        soft_cap=soft_cap, backend=backend,
+    )  # fmt: skip
+    return bound.run(q, k_cache, v_cache, k_scale, v_scale)

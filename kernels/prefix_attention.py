@@ -8,34 +8,34 @@ share its blocks, so the prefix is read once per group instead of once per seque
 The Triton kernel's tile rows are (query, head-of-the-GQA-group) pairs: one program holds
 Q_TILE queries x GROUP heads of one KV head, so each K/V tile it loads serves all of them.
 Grid (group x query tile, kv head, split): the prefix is split flash-decoding style when the
-groups are too few to fill the GPU, and decode's split-merge kernel combines the splits. The
+groups are too few to fill the GPU, and the split-merge kernel (:mod:`kernels.splits`) combines them. The
 torch reference gathers each group's prefix densely and runs the shared dense core.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import Backend, check_triton_device, use_triton
-from kernels.attention_checks import (
+from kernels.attention_torch import dense_attention, gather_kv
+from kernels.attention_triton import attend_kv_range, cache_arguments, dot_dtype, dot_precision, logit_coefficients
+from kernels.checks import (
+    Backend,
+    BoundCall,
     CacheGeometry,
     block_id_bounds,
     check_block_ids,
     check_cache,
     check_options,
+    launches_triton,
 )
-from kernels.attention_metadata import offsets
-from kernels.attention_torch import dense_attention, gather_kv
-from kernels.attention_triton import attend_kv_range, cache_arguments, dot_dtype, dot_precision, logit_coefficients
-from kernels.decode_attention import MAX_SPLITS, _merge_splits_kernel, choose_num_splits, decode_tile
+from kernels.metadata import PrefixMetadata, check_metadata, offsets
+from kernels.splits import MAX_SPLITS, choose_num_splits, merge_splits, split_outputs, split_tile
 from kernels.tile_configs import tile_key, tuned_values
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError, check_int, describe
-from paged_kv.tensor_checks import INDEX_DTYPES, check_host_ints, check_shape, check_tensor
+from paged_kv.tensor_checks import INDEX_DTYPES, check_shape, check_tensor
 
 MAX_TILE_ROWS = 64  # (query, head) rows of one program: bounds registers like the decode tile
 
@@ -90,33 +90,6 @@ def _prefix_kernel(
 # ----------------------------------------------------------------------------- host side
 
 
-@dataclass(frozen=True, kw_only=True, eq=False)
-class PrefixMetadata:
-    """Groups of packed query rows and their shared paged prefixes, on the device with host sizes.
-
-    Invariant: every block id covering ``[0, prefix_len)`` of a group lies in ``[0, num_blocks)``,
-    and ``cu_seqlens_q`` is non-decreasing from 0 to the number of query rows.
-    """
-
-    block_tables: torch.Tensor  # [G, Wp] int32 each group's prefix blocks
-    prefix_lens: torch.Tensor  # [G] int32 tokens of the shared prefix
-    cu_seqlens_q: torch.Tensor  # [G + 1] int32 offsets of each group's query rows
-    host_prefix_lens: np.ndarray  # [G] int64
-    host_query_counts: np.ndarray  # [G] int64 query rows per group
-    block_size: int
-    num_blocks: int
-
-    @property
-    def num_groups(self) -> int:
-        """Groups G."""
-        return len(self.host_prefix_lens)
-
-    @property
-    def num_rows(self) -> int:
-        """Packed query rows T."""
-        return int(self.host_query_counts.sum())
-
-
 def prefix_tile(group: int, max_queries: int) -> tuple[int, int]:
     """(BLOCK_M, Q_TILE): tile rows (>= 16, power of 2, <= MAX_TILE_ROWS or one GROUP), queries per tile."""
     block_m = max(16, min(MAX_TILE_ROWS, triton.next_power_of_2(group * max(1, max_queries))))
@@ -130,15 +103,15 @@ def prefix_tile_key(d_pad: int, cache_bytes: int, dtype: tl.dtype) -> str:
 
 
 def prefix_launch(d_pad: int, cache_bytes: int, dtype: tl.dtype, device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) of the prefix kernel: the tuned entry, else decode's built-in tile."""
-    block_n, num_warps, num_stages = decode_tile(d_pad, cache_bytes, dtype)
+    """(BLOCK_N, num_warps, num_stages) of the prefix kernel: the tuned entry, else the built-in split tile."""
+    block_n, num_warps, num_stages = split_tile(d_pad, cache_bytes, dtype)
     defaults = {"BLOCK_N": block_n, "num_warps": num_warps, "num_stages": num_stages}
     tile = tuned_values(prefix_tile_key(d_pad, cache_bytes, dtype), device, defaults)
     return tile["BLOCK_N"], tile["num_warps"], tile["num_stages"]
 
 
 def _prefix_triton(q, k_cache, v_cache, meta: PrefixMetadata, geo: CacheGeometry, opts, k_scale, v_scale, splits):
-    """Launch the prefix kernel (and decode's split merge when splits > 1); returns (out, lse)."""
+    """Launch the prefix kernel (and the split merge when splits > 1); returns (out, lse)."""
     num_rows, num_q_heads, head_dim = q.shape
     scale, _, soft_cap = opts
     group = num_q_heads // geo.num_kv_heads
@@ -146,13 +119,7 @@ def _prefix_triton(q, k_cache, v_cache, meta: PrefixMetadata, geo: CacheGeometry
     widest = int(meta.host_query_counts.max(initial=0))
     block_m, q_tile = prefix_tile(group, widest)
     num_qtiles = max(1, -(-widest // q_tile))
-    out = torch.empty_like(q)  # [T, Hq, D]
-    lse = torch.empty(num_rows, num_q_heads, device=q.device, dtype=torch.float32)
-    if splits == 1:
-        part, part_lse = out.unsqueeze(2), lse.unsqueeze(2)  # [T, Hq, 1, D], [T, Hq, 1]
-    else:
-        part = torch.empty(num_rows, num_q_heads, splits, head_dim, device=q.device, dtype=torch.float32)
-        part_lse = torch.empty(num_rows, num_q_heads, splits, device=q.device, dtype=torch.float32)
+    out, lse, part, part_lse = split_outputs(q, splits)  # [T, Hq, D], [T, Hq], [T, Hq, splits, D], [T, Hq, splits]
     qk_a, qk_b = logit_coefficients(scale, soft_cap)
     dtype = dot_dtype(q, k_cache)
     block_n, num_warps, num_stages = prefix_launch(d_pad, k_cache.element_size(), dtype, q.device)
@@ -166,12 +133,7 @@ def _prefix_triton(q, k_cache, v_cache, meta: PrefixMetadata, geo: CacheGeometry
         SOFT_CAP=soft_cap is not None, PRECISION=dot_precision(q, k_cache), num_warps=num_warps,
         num_stages=num_stages,
     )  # fmt: skip
-    if splits > 1:
-        _merge_splits_kernel[(num_rows, num_q_heads)](
-            part, part_lse, out, lse, *part.stride(), *part_lse.stride(), *out.stride(), *lse.stride(), splits,
-            S_PAD=triton.next_power_of_2(splits), HEAD_DIM=head_dim, D_PAD=d_pad,
-        )  # fmt: skip
-    return out, lse
+    return merge_splits(out, lse, part, part_lse, d_pad)
 
 
 def _prefix_torch(q, k_cache, v_cache, meta: PrefixMetadata, opts, k_scale, v_scale):
@@ -204,18 +166,23 @@ def _prefix_torch(q, k_cache, v_cache, meta: PrefixMetadata, opts, k_scale, v_sc
     return out.to(q.dtype), lse
 
 
-def _run(q, k_cache, v_cache, meta: PrefixMetadata, geo, opts, k_scale, v_scale, num_splits, backend):
-    """Dispatch a validated call to Triton or torch; returns (out ``[T, Hq, D]``, lse ``[T, Hq]``)."""
-    run_triton = use_triton(backend, q, k_cache, v_cache, meta.block_tables, meta.prefix_lens)
-    if q.shape[0] == 0:
-        return torch.empty_like(q), torch.empty(0, q.shape[1], device=q.device, dtype=torch.float32)
-    if run_triton:
-        check_triton_device(q)
+def _bind(q, k_cache, v_cache, k_scale, v_scale, meta: PrefixMetadata, geo, opts, num_splits, backend) -> BoundCall:
+    """The launch of a checked prefix call, bound to everything but its layer's q and caches (host values only)."""
+    run_triton = launches_triton(backend, q, k_cache, v_cache, meta.block_tables, meta.prefix_lens)
+    if run_triton and q.shape[0]:
         widest = int(meta.host_query_counts.max())
         tiles = meta.num_groups * -(-widest // prefix_tile(q.shape[1] // geo.num_kv_heads, widest)[1])
-        splits = num_splits or choose_num_splits(tiles, geo.num_kv_heads, int(meta.host_prefix_lens.max()), q.device)
-        return _prefix_triton(q, k_cache, v_cache, meta, geo, opts, k_scale, v_scale, splits)
-    return _prefix_torch(q, k_cache, v_cache, meta, opts, k_scale, v_scale)
+        longest = int(meta.host_prefix_lens.max())
+        num_splits = num_splits or choose_num_splits(tiles, geo.num_kv_heads, longest, q.device)
+
+    def run(q, k_cache, v_cache, k_scale=None, v_scale=None) -> tuple[torch.Tensor, torch.Tensor]:
+        if q.shape[0] == 0:
+            return torch.empty_like(q), torch.empty(0, q.shape[1], device=q.device, dtype=torch.float32)
+        if run_triton:
+            return _prefix_triton(q, k_cache, v_cache, meta, geo, opts, k_scale, v_scale, num_splits)
+        return _prefix_torch(q, k_cache, v_cache, meta, opts, k_scale, v_scale)
+
+    return BoundCall(run, q, k_cache, v_cache, k_scale, v_scale)
 
 
 def _validate(q, k_cache, v_cache, block_tables, prefix_lens, cu_seqlens_q, k_scale, v_scale, scale, cap, splits):
@@ -270,93 +237,39 @@ def paged_prefix_attention(
     ``block_tables[g]``. out has q's dtype; lse is the float32 natural-log logsumexp of the
     (soft-capped) logits, -inf (and out 0) for a group with an empty prefix. Query head h uses KV
     head ``h // (Hq // Hkv)``; logits are ``scale * q.k`` (default 1/sqrt(D)). One host sync.
+    ``backend="torch"`` is the torch reference (the dense path).
     """
     geo, opts, meta = _validate(
         q, k_cache, v_cache, block_tables, prefix_lens, cu_seqlens_q, k_scale, v_scale, scale, soft_cap, num_splits
     )
-    return _run(q, k_cache, v_cache, meta, geo, opts, k_scale, v_scale, num_splits, backend)
+    args = (q, k_cache, v_cache, k_scale, v_scale)
+    return _bind(*args, meta, geo, opts, num_splits, backend).run(*args)
 
 
-def paged_prefix_attention_reference(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    prefix_lens: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    *,
-    scale: float | None = None,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    soft_cap: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch reference of :func:`paged_prefix_attention`: same contract, always the dense torch path."""
-    return paged_prefix_attention(
-        q, k_cache, v_cache, block_tables, prefix_lens, cu_seqlens_q, scale=scale, k_scale=k_scale,
-        v_scale=v_scale, soft_cap=soft_cap, backend="torch",
-    )  # fmt: skip
+def bind_prefix_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PrefixMetadata, *, scale: float | None = None,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, soft_cap: float | None = None,
+    num_splits: int | None = None, backend: Backend = "auto",
+) -> BoundCall:  # fmt: skip
+    """The checks of :func:`paged_prefix_attention_prepared` done once: a BoundCall run per layer."""
+    geo = check_cache(q, k_cache, v_cache, k_scale, v_scale)
+    opts = check_options(geo.head_dim, scale, None, soft_cap)
+    check_metadata(meta, PrefixMetadata, device=q.device, num_blocks=geo.num_blocks, block_size=geo.block_size)
+    if meta.num_rows != q.shape[0]:
+        raise InvalidArgumentError(describe("q.shape[0]", q.shape[0], f"the metadata's {meta.num_rows} query rows"))
+    if num_splits is not None:
+        check_int("num_splits", num_splits, low=1, high=MAX_SPLITS)
+    return _bind(q, k_cache, v_cache, k_scale, v_scale, meta, geo, opts, num_splits, backend)
 
 
 def paged_prefix_attention_prepared(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: PrefixMetadata,
-    *,
-    scale: float | None = None,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    soft_cap: float | None = None,
-    num_splits: int | None = None,
-    backend: Backend = "auto",
-) -> tuple[torch.Tensor, torch.Tensor]:
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PrefixMetadata, *, scale: float | None = None,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, soft_cap: float | None = None,
+    num_splits: int | None = None, backend: Backend = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """:func:`paged_prefix_attention` over host-validated :class:`PrefixMetadata`: host checks only, no device read."""
-    geo = check_cache(q, k_cache, v_cache, k_scale, v_scale)
-    opts = check_options(geo.head_dim, scale, None, soft_cap)
-    check_prefix_metadata(meta, geo, q)
-    if num_splits is not None:
-        check_int("num_splits", num_splits, low=1, high=MAX_SPLITS)
-    return _run(q, k_cache, v_cache, meta, geo, opts, k_scale, v_scale, num_splits, backend)
-
-
-def check_prefix_metadata(meta: object, geo: CacheGeometry, q: torch.Tensor) -> PrefixMetadata:
-    """Check prepared prefix metadata against the cache and the queries, from host values only."""
-    if not isinstance(meta, PrefixMetadata):
-        raise InvalidArgumentError(describe("meta", type(meta).__name__, "a PrefixMetadata"))
-    if meta.block_size != geo.block_size:
-        raise InvalidArgumentError(describe("meta.block_size", meta.block_size, f"the cache's {geo.block_size}"))
-    if meta.num_blocks > geo.num_blocks:
-        raise OutOfRangeError(describe("meta.num_blocks", meta.num_blocks, f"<= the cache's {geo.num_blocks} blocks"))
-    if meta.block_tables.device != q.device:
-        raise InvalidArgumentError(describe("meta.device", meta.block_tables.device, f"{q.device}"))
-    if meta.num_rows != q.shape[0]:
-        raise InvalidArgumentError(describe("q.shape[0]", q.shape[0], f"the metadata's {meta.num_rows} query rows"))
-    return meta
-
-
-def prepare_prefix_metadata(
-    tables: np.ndarray,
-    prefix_lens: np.ndarray,
-    query_counts: np.ndarray,
-    *,
-    block_size: int,
-    num_blocks: int,
-    device: torch.device,
-) -> PrefixMetadata:
-    """Validate host prefix groups (tables ``[G, W]``, lengths, query rows per group) and upload them."""
-    tables = check_host_ints("tables", tables, 2)
-    plens, counts = check_host_ints("prefix_lens", prefix_lens, 1), check_host_ints("query_counts", query_counts, 1)
-    if plens.shape != (len(tables),) or counts.shape != plens.shape:
-        got = (tables.shape, plens.shape, counts.shape)
-        raise InvalidArgumentError(describe("tables, prefix_lens, query_counts shapes", got, "[G, W], [G], [G]"))
-    if (plens < 0).any() or (plens > tables.shape[1] * block_size).any() or (counts < 0).any():
-        raise OutOfRangeError(describe("prefix_lens", plens.tolist(), f"in [0, {tables.shape[1] * block_size}]"))
-    used = np.arange(tables.shape[1])[None, :] < -(-plens[:, None] // block_size)  # [G, W]
-    if ((tables < 0) | (tables >= num_blocks))[used].any():
-        raise OutOfRangeError(describe("tables", tables[used].tolist(), f"block ids in [0, {num_blocks}) where used"))
-    flat = torch.from_numpy(np.concatenate([tables.ravel(), plens, offsets(counts)]).astype(np.int32)).to(device)
-    bt, pl, cu = flat.split([tables.size, len(plens), len(plens) + 1])
-    return PrefixMetadata(
-        block_tables=bt.view(tables.shape), prefix_lens=pl, cu_seqlens_q=cu, host_prefix_lens=plens,
-        host_query_counts=counts, block_size=block_size, num_blocks=num_blocks,
+    bound = bind_prefix_attention(
+        q, k_cache, v_cache, meta, scale=scale, k_scale=k_scale, v_scale=v_scale, soft_cap=soft_cap,
+        num_splits=num_splits, backend=backend,
     )  # fmt: skip
+    return bound.run(q, k_cache, v_cache, k_scale, v_scale)

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PRODUCT = ("paged_kv", "kernels", "scheduler")
 
 
-@pytest.mark.parametrize("contract", ["layers", "allocator"])
+@pytest.mark.parametrize("contract", ["layers", "kernel-tiers", "allocator"])
 def test_import_contract_is_kept(contract: str) -> None:
     """``lint-imports`` reports the contract kept (its output names the broken import otherwise)."""
     script = "import sys; from importlinter.cli import lint_imports; sys.exit(lint_imports(" \
@@ -111,34 +111,10 @@ def describe_cycles(cycles: list[list[str]]) -> str:
     return "import cycles:\n" + "\n".join(f"  {len(c)} modules: {', '.join(c)}" for c in cycles)
 
 
-class KnownOffenders(AssertionError):
-    """What a known-offenders xfail expects: only the offenders that other branches are removing."""
-
-
-def known_offenders_xfail(reason: str) -> pytest.MarkDecorator:
-    """A strict xfail of KnownOffenders only: any other offender fails for real, and so does the test passing."""
-    return pytest.mark.xfail(strict=True, raises=KnownOffenders, reason=reason)
-
-
-def assert_none(offenders: list[object], message: str, *, known: bool) -> None:
-    """No offenders; if there are, fail with ``message`` (as KnownOffenders when ``known``)."""
-    if offenders:
-        raise (KnownOffenders if known else AssertionError)(message)
-
-
-# the cycle as it stands: attention_metadata imports CascadeMetadata under TYPE_CHECKING
-KERNELS_CYCLE = ["kernels.attention_checks", "kernels.attention_metadata", "kernels.cascade_attention",
-                 "kernels.decode_attention", "kernels.prefix_attention"]  # fmt: skip
-
-
-@known_offenders_xfail(
-    "kernels.attention_metadata -> cascade_attention (TYPE_CHECKING) -> attention_checks / decode_attention / "
-    "prefix_attention -> attention_metadata is a cycle another branch removes; drop this mark and KERNELS_CYCLE then"
-)
 def test_no_import_cycle_among_the_product_modules() -> None:
     """No product module imports, directly or through others, a module that imports it back."""
     cycles = import_cycles(*PRODUCT)
-    assert_none(cycles, describe_cycles(cycles), known=cycles == [KERNELS_CYCLE])
+    assert not cycles, describe_cycles(cycles)
 
 
 def write_package(root: Path, name: str, files: dict[str, str]) -> None:
@@ -222,18 +198,10 @@ def imports_of_test_modules(root: Path) -> list[str]:
     ]
 
 
-OTHER_BRANCHES = ("tests/kernels/",)  # their test-module imports are being removed there
-
-
-@known_offenders_xfail(
-    "tests/kernels (test_attention_torch) still imports test modules; the branch that owns it moves those "
-    "helpers out: drop this mark then (offenders anywhere else fail now)"
-)
 def test_no_module_imports_a_test_module() -> None:
     """Shared test code lives in helper modules: nothing imports a ``test_*`` module (a test module is no library)."""
     offenders = imports_of_test_modules(ROOT)
-    message = "imports of test modules:\n" + "\n".join(offenders)
-    assert_none(offenders, message, known=all(o.startswith(OTHER_BRANCHES) for o in offenders))
+    assert not offenders, "imports of test modules:\n" + "\n".join(offenders)
 
 
 def test_the_test_module_import_scan_finds_every_form(tmp_path) -> None:

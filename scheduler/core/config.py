@@ -46,7 +46,7 @@ class CacheConfig:
     # decode steps whose sequences share long prefixes (forks, a cached system prompt) attend them once per group
     enable_cascade_attention: bool = True
     # prompts with no cached prefix attend their own K/V with the device's dense kernel (FlashAttention varlen)
-    enable_chunk_attention: bool = True
+    enable_dense_prefill: bool = True
     # K/V bytes per layer a cascade step must save to run (it costs kernels and a merge per layer, and on
     # CUDA the decode graph). None: the device's default, scheduler.runner.cascade_plan.MIN_SAVED_BYTES
     cascade_min_saved_bytes: int | None = None
@@ -69,7 +69,7 @@ class CacheConfig:
         check_real("watermark", self.watermark, low=0.0, high=1.0, open_high=True)
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
         check_bool("enable_cascade_attention", self.enable_cascade_attention)
-        check_bool("enable_chunk_attention", self.enable_chunk_attention)
+        check_bool("enable_dense_prefill", self.enable_dense_prefill)
         if self.cascade_min_saved_bytes is not None:
             check_int("cascade_min_saved_bytes", self.cascade_min_saved_bytes, low=0)
         if self.dtype is not None:

@@ -119,12 +119,12 @@ class LLMEngine:
         floor = min_saved_tokens(per_token, self.device.type, cc.cascade_min_saved_bytes)
         inputs = StepInputBuilder(self.block_manager, self.device, width, cascade=cc.enable_cascade_attention,
                                   min_saved_tokens=floor)  # fmt: skip
-        runner = ModelRunner(model, gpu_cache, cpu_cache, chunk_attention=cc.enable_chunk_attention, inputs=inputs,
+        runner = ModelRunner(model, gpu_cache, cpu_cache, dense_prefill=cc.enable_dense_prefill, inputs=inputs,
                              group=self.executor)  # fmt: skip
         if self.executor is not None:
             self.executor.attach_caches(gpu_cache, cpu_cache)
-            chunk = cc.enable_chunk_attention
-            self.executor.setup(WorkerSetup(num_blocks, cc.num_cpu_blocks, cc.block_size, cc.dtype, width, chunk))
+            dense = cc.enable_dense_prefill
+            self.executor.setup(WorkerSetup(num_blocks, cc.num_cpu_blocks, cc.block_size, cc.dtype, width, dense))
         if graphs:
             captured = runner.capture_graphs(self.config.scheduler.max_num_seqs, width)
             logger.info("captured %d decode CUDA graphs (batch 1..%d) in %.1f s, %.2f GiB",

@@ -13,7 +13,9 @@ goes to cascade decode. Otherwise each sequence gets a route, from host lengths 
   the decode rows (one query each, route ``decode``) take the decode kernel apart.
 
 A step whose sequences share one route runs as one part; otherwise each route is a part with
-the packed rows it owns. The routes are computed once per step and reused by every layer.
+the packed rows it owns. The routes are computed once per step and reused by every layer, and
+so are the kernels' host checks: each paged call is bound on the step's first layer
+(``kernels.*.bind_*``) and the other layers run it with an O(1) shape comparison.
 """
 
 from __future__ import annotations
@@ -23,12 +25,13 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from kernels.attention_metadata import AttentionMetadata, offsets
-from kernels.cache_write import write_kv_prepared
-from kernels.cascade_attention import cascade_decode_attention_prepared
-from kernels.chunk_attention import ChunkMetadata, dense_chunk_attention_prepared
-from kernels.decode_attention import paged_decode_attention_prepared
-from kernels.prefill_attention import paged_prefill_attention_prepared
+from kernels.cache_write import bind_write_kv
+from kernels.cascade_attention import bind_cascade_decode_attention
+from kernels.checks import BoundCall
+from kernels.chunk_attention import dense_chunk_attention_prepared
+from kernels.decode_attention import bind_decode_attention
+from kernels.metadata import AttentionMetadata, ChunkMetadata, offsets
+from kernels.prefill_attention import bind_prefill_attention
 from paged_kv.kv_cache import LayerKV
 
 CHUNK, DECODE, PAGED = 0, 1, 2  # routes
@@ -48,6 +51,7 @@ class AttentionPlan:
 
     def __init__(self, meta: AttentionMetadata, chunk_backend: str | None = None) -> None:
         self.meta, self.chunk_backend = meta, chunk_backend
+        self._bound: dict[tuple, BoundCall] = {}  # (part, scale) -> its call, checked on the first layer
         routes = step_routes(meta, chunk_backend is not None)
         kinds = np.unique(routes)
         if len(kinds) <= 1:
@@ -57,7 +61,9 @@ class AttentionPlan:
 
     def write(self, kv: LayerKV, k: torch.Tensor, v: torch.Tensor) -> None:
         """Scatter the step's new K/V ``[T, Hkv, D]`` into one layer's pages."""
-        write_kv_prepared(k, v, kv.k, kv.v, self.meta, k_scale=kv.k_scale, v_scale=kv.v_scale)
+        if ("write",) not in self._bound:
+            self._bound[("write",)] = bind_write_kv(k, v, kv.k, kv.v, self.meta, k_scale=kv.k_scale, v_scale=kv.v_scale)
+        self._bound[("write",)](k, v, *kv)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, scale: float) -> torch.Tensor:
         """Attention of the step's queries q ``[T, Hq, D]`` over one layer -> ``[T, Hq, D]``.
@@ -65,21 +71,28 @@ class AttentionPlan:
         k, v ``[T, Hkv, D]`` are the step's new K/V (already written by :meth:`write`).
         """
         if len(self.parts) == 1:
-            return self._run(self.parts[0], q, k, v, kv, scale)
+            return self._run(0, q, k, v, kv, scale)
         out = torch.empty_like(q)
-        for part in self.parts:
-            out[part.rows] = self._run(part, q[part.rows], k[part.rows], v[part.rows], kv, scale)
+        for i, part in enumerate(self.parts):
+            out[part.rows] = self._run(i, q[part.rows], k[part.rows], v[part.rows], kv, scale)
         return out
 
-    def _run(self, part: _Part, q, k, v, kv: LayerKV, scale: float) -> torch.Tensor:
-        if part.chunk is not None:
+    def _run(self, index: int, q, k, v, kv: LayerKV, scale: float) -> torch.Tensor:
+        part = self.parts[index]
+        if part.chunk is not None:  # its checks are of this layer's own K/V
             return dense_chunk_attention_prepared(q, k, v, part.chunk, scale=scale, backend=self.chunk_backend)[0]
-        meta, scales = part.meta, {"k_scale": kv.k_scale, "v_scale": kv.v_scale, "scale": scale}
-        if meta.cascade is not None:
-            return cascade_decode_attention_prepared(q, kv.k, kv.v, meta.cascade, **scales)
-        if meta.is_decode:
-            return paged_decode_attention_prepared(q, kv.k, kv.v, meta, **scales)
-        return paged_prefill_attention_prepared(q, kv.k, kv.v, meta, **scales)
+        if (index, scale) not in self._bound:
+            self._bound[(index, scale)] = _bind(part.meta, q, kv, scale)
+        return self._bound[(index, scale)](q, *kv)
+
+
+def _bind(meta: AttentionMetadata, q: torch.Tensor, kv: LayerKV, scale: float) -> BoundCall:
+    """A part's paged attention call, checked on this layer for every layer of the step."""
+    options = {"scale": scale, "k_scale": kv.k_scale, "v_scale": kv.v_scale}
+    if meta.cascade is not None:
+        return bind_cascade_decode_attention(q, kv.k, kv.v, meta.cascade, **options)
+    bind = bind_decode_attention if meta.is_decode else bind_prefill_attention
+    return bind(q, kv.k, kv.v, meta, **options)
 
 
 def step_routes(meta: AttentionMetadata, chunk: bool) -> np.ndarray:

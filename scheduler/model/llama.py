@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.attention_metadata import AttentionMetadata
+from kernels.metadata import AttentionMetadata
 from kernels.chunk_attention import best_chunk_backend
 from paged_kv.errors import InvalidArgumentError, check_bool, check_int, check_real, check_type, describe
 from paged_kv.kv_cache import KVCacheSpec, PagedKVCache
@@ -189,7 +189,7 @@ class LlamaModel(nn.Module):
             self.lm_head.weight = self.embed.weight
         self.chunk_backend: str | None = None  # dense kernel of fresh prefill chunks; None: paged kernels only
 
-    def enable_chunk_attention(self, enabled: bool = True) -> str | None:
+    def enable_dense_prefill(self, enabled: bool = True) -> str | None:
         """Probe (once per geometry; reads device values) the dense kernel fresh prefill chunks use, or turn it off."""
         check_bool("enabled", enabled)
         attn, weight = self.layers[0].attn, self.embed.weight

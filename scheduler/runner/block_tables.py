@@ -19,7 +19,7 @@ from collections.abc import Hashable
 import numpy as np
 import torch
 
-from kernels.attention_metadata import host_positions, offsets
+from kernels.metadata import host_positions, offsets
 from paged_kv.block_manager import BlockManager
 from paged_kv.errors import OutOfRangeError, describe
 

@@ -21,8 +21,8 @@ import time
 import numpy as np
 import torch
 
-from kernels.attention_metadata import AttentionMetadata
-from kernels.decode_attention import choose_num_splits
+from kernels.metadata import AttentionMetadata
+from kernels.splits import choose_num_splits
 from paged_kv.kv_cache import PagedKVCache
 from scheduler.model.llama import LlamaModel
 from scheduler.runner.step_input import StepInput

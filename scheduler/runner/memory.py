@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attention_metadata import prepare_attention_metadata
+from kernels.metadata import prepare_attention_metadata
 from paged_kv.errors import OutOfBlocksError, describe
 from paged_kv.kv_cache import KVCacheSpec, PagedKVCache
 from scheduler.model.llama import LlamaModel

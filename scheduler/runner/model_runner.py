@@ -56,9 +56,9 @@ class ModelRunner:
 
     def __init__(
         self, model: LlamaModel, gpu_cache: PagedKVCache, cpu_cache: PagedKVCache | None = None, *,
-        chunk_attention: bool = True, inputs: StepInputBuilder | None = None, group: StepGroup | None = None,
+        dense_prefill: bool = True, inputs: StepInputBuilder | None = None, group: StepGroup | None = None,
     ) -> None:  # fmt: skip
-        model.enable_chunk_attention(chunk_attention)  # probes once, before any step (the hot path reads nothing)
+        model.enable_dense_prefill(dense_prefill)  # probes once, before any step (the hot path reads nothing)
         self.model = model
         self.gpu_cache = gpu_cache
         self.cpu_cache = cpu_cache

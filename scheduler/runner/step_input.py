@@ -17,8 +17,15 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from kernels.attention_metadata import AttentionMetadata, host_positions, host_slot_mapping, offsets
-from kernels.cascade_attention import CascadeArrays, build_cascade_metadata, cascade_host_arrays
+from kernels.metadata import (
+    AttentionMetadata,
+    CascadeArrays,
+    build_cascade_metadata,
+    cascade_host_arrays,
+    host_positions,
+    host_slot_mapping,
+    offsets,
+)
 from paged_kv.block_manager import BlockManager, CopyOp
 from scheduler.core.scheduler_output import SchedulerOutput
 from scheduler.runner.block_tables import BlockTables, DeviceRows

@@ -40,7 +40,7 @@ class WorkerSetup:
     block_size: int
     kv_dtype: torch.dtype | None
     width: int  # block-table columns
-    chunk_attention: bool  # fresh prompts attend their own K/V with the dense kernel (CacheConfig)
+    dense_prefill: bool  # fresh prompts attend their own K/V with the dense kernel (CacheConfig)
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ def run_worker(model: LlamaModel, groups: Groups, device: torch.device) -> None:
     spec = model.kv_cache_spec(setup.block_size, setup.kv_dtype)
     gpu = PagedKVCache(spec, setup.num_gpu_blocks, device)
     cpu = PagedKVCache(spec, setup.num_cpu_blocks, "cpu") if setup.num_cpu_blocks else None
-    runner = ModelRunner(model, gpu, cpu, chunk_attention=setup.chunk_attention)
+    runner = ModelRunner(model, gpu, cpu, dense_prefill=setup.dense_prefill)
     steps = StepMaterializer(DeviceRows(setup.width, device), device, setup.block_size)
     while True:
         msg = receive(groups)

@@ -82,7 +82,7 @@ def prefix_args() -> dict[str, Arg]:
 
 def prefix_meta(num_blocks: int = 8):
     """Host-validated prefix metadata matching prefix_args."""
-    from kernels.prefix_attention import prepare_prefix_metadata
+    from kernels.metadata import prepare_prefix_metadata
 
     return prepare_prefix_metadata([[0, 1], [2, 3]], [8, 4], [2, 1], block_size=4, num_blocks=num_blocks,
                                    device="cpu")  # fmt: skip

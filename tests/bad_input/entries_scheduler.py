@@ -131,7 +131,7 @@ def _rows() -> list[Entry]:
             "num_gpu_blocks": Arg("opt_int", 8, bad={OUT_OF_RANGE: [0, 1 << 62]}),
             "kv_cache_bytes": Arg("int", 1 << 20, bad={OUT_OF_RANGE: [0]}), "num_cpu_blocks": Arg("int", 0),
             "watermark": Arg("real", 0.01, bad={OUT_OF_RANGE: [1.0, -0.1]}), "enable_prefix_caching": Arg("bool", True),
-            "enable_cascade_attention": Arg("bool", True), "enable_chunk_attention": Arg("bool", True),
+            "enable_cascade_attention": Arg("bool", True), "enable_dense_prefill": Arg("bool", True),
             "cascade_min_saved_bytes": Arg("opt_int", 0, bad={OUT_OF_RANGE: [-1]}),
             "dtype": Arg("dtype", torch.float16, bad={BAD_DTYPE: [torch.complex64, torch.int16, torch.float64]}),
             "gpu_memory_utilization": Arg("real", None, skip=(WRONG_TYPE,),
@@ -170,7 +170,7 @@ def _rows() -> list[Entry]:
         Entry("scheduler.LlamaModel.kv_cache_spec", "kv_cache_spec", {
             "block_size": Arg("int", 4, bad={OUT_OF_RANGE: [0, -1]}), "dtype": Arg("dtype", torch.float16)},
                 tiny_model),
-        Entry("scheduler.LlamaModel.enable_chunk_attention", "enable_chunk_attention", {
+        Entry("scheduler.LlamaModel.enable_dense_prefill", "enable_dense_prefill", {
             "enabled": Arg("bool", True)}, tiny_model),
         Entry("scheduler.LLMEngine", scheduler.LLMEngine, {
             "model": Arg("obj", tiny_model, bad={WRONG_TYPE: [None, "x"]}),

@@ -3,7 +3,9 @@
 ``build_paged`` puts sequences in shuffled physical blocks, shares prefix blocks between
 sequences, and fills every slot no sequence owns, every unused block and every padding
 table entry's block with NaN, so any stale read shows up as NaN. ``naive_attention`` is
-the dense float64 truth; ``build_for_gpu`` compiles the kernels for CUDA without a GPU.
+the dense float64 truth (``naive_decode`` and ``naive_prefill`` over a ``Paged`` bundle);
+``run_decode`` and ``run_prefill`` call the checked kernels on one; ``build_for_gpu``
+compiles the kernels for CUDA without a GPU.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import triton
 from backend_device import call_on_backend
 
 from kernels.decode_attention import paged_decode_attention
+from kernels.prefill_attention import paged_prefill_attention
 from kernels.quant import quantize_per_token_head
 from paged_kv.errors import PagedKVError
 
@@ -164,7 +167,7 @@ import contextlib, io, re, sys, torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import kernels.decode_attention as dec, kernels.prefill_attention as pre, kernels.merge_states as ms
-import kernels.prefix_attention as pfx, kernels.cascade_attention as cas
+import kernels.prefix_attention as pfx, kernels.cascade_attention as cas, kernels.splits as spl, kernels.checks as chk
 
 TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int8: "i8",
          torch.uint8: "u8", torch.int32: "i32", torch.int64: "i64", torch.float8_e5m2: "fp8e5",
@@ -208,10 +211,10 @@ class Build:
             built.append(self.fn.__name__)
         return launch
 
-for module, name in ((dec, "_decode_split_kernel"), (dec, "_merge_splits_kernel"), (pre, "_prefill_kernel"),
-                     (ms, "_merge_kernel"), (pfx, "_prefix_kernel"), (pfx, "_merge_splits_kernel")):
+for module, name in ((dec, "_decode_split_kernel"), (spl, "_merge_splits_kernel"), (pre, "_prefill_kernel"),
+                     (ms, "_merge_kernel"), (pfx, "_prefix_kernel")):
     setattr(module, name, Build(getattr(module, name)))
-for module in (dec, pre, ms, pfx):
+for module in (ms, chk):
     module.check_triton_device = lambda t: None
 exec(sys.argv[2])
 print(" ".join(built))
@@ -259,6 +262,50 @@ def run_decode(q, paged: Paged, **kwargs):
         paged_decode_attention, q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens,
         k_scale=paged.k_scale, v_scale=paged.v_scale, **kwargs,
     )  # fmt: skip
+
+
+def naive_decode(q, paged: Paged, *, exact=False, scale=None, **opts):
+    """Naive decode over the dense truth: q [S, Hq, D] -> (out [S, Hq, D], lse [S, Hq]) float64."""
+    ks, vs = (paged.exact_k, paged.exact_v) if exact else (paged.dense_k, paged.dense_v)
+    scale = 1 / math.sqrt(q.shape[2]) if scale is None else scale
+    outs = [
+        naive_attention(q[s : s + 1], ks[s], vs[s], [ks[s].shape[0] - 1], scale=scale, **opts) for s in range(len(ks))
+    ]
+    return torch.cat([o for o, _ in outs]), torch.cat([lse for _, lse in outs])
+
+
+def cu_seqlens(q_lens) -> torch.Tensor:
+    """[0, q_len_0, q_len_0 + q_len_1, ...] as int32."""
+    return torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def naive_prefill(q, paged: Paged, q_lens, *, scale=None, **opts):
+    """Naive prefill over the dense truth: packed q [T, Hq, D] -> (out [T, Hq, D], lse [T, Hq]) float64."""
+    scale = 1 / math.sqrt(q.shape[2]) if scale is None else scale
+    outs, lses, start = [], [], 0
+    for s, q_len in enumerate(q_lens):
+        length = paged.dense_k[s].shape[0]
+        q_pos = list(range(length - q_len, length))
+        kv = (paged.dense_k[s], paged.dense_v[s])
+        out, lse = naive_attention(q[start : start + q_len], *kv, q_pos, scale=scale, **opts)
+        outs.append(out)
+        lses.append(lse)
+        start += q_len
+    return torch.cat(outs), torch.cat(lses)
+
+
+def run_prefill(q, paged: Paged, q_lens, **kwargs):
+    """Call paged_prefill_attention on a Paged bundle, on the backend's device (results on the CPU)."""
+    return call_on_backend(
+        paged_prefill_attention, q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens,
+        cu_seqlens(q_lens), k_scale=paged.k_scale, v_scale=paged.v_scale, **kwargs,
+    )  # fmt: skip
+
+
+def random_q(q_lens, num_heads, head_dim, dtype, seed, gain=1.0):
+    """Packed random queries [sum(q_lens), Hq, D]."""
+    gen = torch.Generator().manual_seed(seed)
+    return (gain * torch.randn(sum(q_lens), num_heads, head_dim, generator=gen)).to(dtype)
 
 
 def assert_close(actual, expected, tol):

@@ -10,10 +10,20 @@ import math
 
 import pytest
 import torch
-from attention_cases import F32, I8, TOL, assert_close, build_paged, run_decode
+from attention_cases import (
+    F32,
+    I8,
+    TOL,
+    assert_close,
+    build_paged,
+    cu_seqlens,
+    naive_decode,
+    naive_prefill,
+    random_q,
+    run_decode,
+    run_prefill,
+)
 from no_host_reads import forbid_host_reads
-from test_decode_attention import naive_decode
-from test_prefill_attention import cu_seqlens, naive_prefill, random_q, run_prefill
 
 import kernels.attention_torch as core
 import kernels.decode_attention as dec

@@ -7,7 +7,7 @@ import torch
 from backend_device import TRITON_DEVICE, call_on_backend, gpu_test
 
 import kernels.block_copy as copy_module
-from kernels.block_copy import copy_blocks, copy_blocks_reference, mapping_to_pairs, swap_blocks
+from kernels.block_copy import copy_blocks, mapping_to_pairs, swap_blocks
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError
 
 NUM_BLOCKS = 7
@@ -84,7 +84,7 @@ def test_tensor_mapping_and_reference_agree(mapping_dtype: torch.dtype) -> None:
     a, b = layer_tensors(seed=5), layer_tensors(seed=5)
     mapping = torch.tensor(PAIRS, dtype=mapping_dtype)
     call_on_backend(copy_blocks, a, mapping, backend="triton")
-    copy_blocks_reference(b, mapping)
+    copy_blocks(b, mapping, backend="torch")
     assert all(torch.equal(raw(x), raw(y)) for x, y in zip(a, b))
     assert torch.equal(mapping, torch.tensor(PAIRS, dtype=mapping_dtype))  # input untouched
 
@@ -253,7 +253,7 @@ def test_cuda_copy_matches_reference() -> None:
     on_gpu = [t.cuda() for t in layer_tensors(seed=13, extra=EXTRAS["words8-2chunks"])]
     reference = [t.clone() for t in on_gpu]
     copy_blocks(on_gpu, torch.tensor(PAIRS, device="cuda"))  # auto: Triton
-    copy_blocks_reference(reference, PAIRS)
+    copy_blocks(reference, PAIRS, backend="torch")
     assert all(torch.equal(raw(a), raw(b)) for a, b in zip(on_gpu, reference))
 
 

@@ -9,7 +9,7 @@ import torch
 from backend_device import call_on_backend
 
 import kernels.cache_write as write_kv_module
-from kernels.cache_write import write_kv, write_kv_reference
+from kernels.cache_write import write_kv
 from kernels.quant import as_storage, is_quantized, quant_max, quantize_per_token_head
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError
 
@@ -127,7 +127,7 @@ def test_input_dtype_differs_from_cache(key_dtype: torch.dtype, cache_dtype: tor
     expected = naive_expectation(caches[0], key, value, slots)
     run(caches[0], key, value, slots, "triton")
     ref = caches[1]
-    write_kv_reference(key, value, ref.k, ref.v, slots, k_scale=ref.k_scale, v_scale=ref.v_scale)
+    write_kv(key, value, ref.k, ref.v, slots, k_scale=ref.k_scale, v_scale=ref.v_scale, backend="torch")
     for cache in caches:
         assert all(torch.equal(raw(g), w) for g, w in zip(cache.tensors(), expected))
 

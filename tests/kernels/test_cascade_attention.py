@@ -31,12 +31,11 @@ from no_host_reads import forbid_host_reads
 
 import kernels.cascade_attention as cas
 from kernels.cascade_attention import (
+    bind_cascade_decode_attention,
     cascade_decode_attention,
     cascade_decode_attention_prepared,
-    cascade_decode_attention_reference,
-    cascade_host_arrays,
-    prepare_cascade_metadata,
 )
+from kernels.metadata import cascade_host_arrays, prepare_cascade_metadata
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError
 
 
@@ -105,8 +104,8 @@ def test_reference_is_the_torch_path():
     forked = build_forked([(8, [9, 12])], block_size=8, num_kv_heads=1, head_dim=16, seed=8)
     q = torch.randn(2, 2, 16, generator=torch.Generator().manual_seed(9))
     p = forked.paged
-    out = cascade_decode_attention_reference(
-        q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, forked.seq_groups, forked.prefix_lens
+    out = cascade_decode_attention(
+        q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, forked.seq_groups, forked.prefix_lens, backend="torch"
     )
     assert_close(out, naive_decode(q, p)[0], TOL[F32])
 
@@ -128,6 +127,27 @@ def test_prepared_reads_no_device_value(backend):
 
     out = call_on_backend(prepared, q, p.k_cache, p.v_cache, backend=backend)
     assert_close(out, naive_decode(q, p)[0], TOL[F32])
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_bound_once_runs_every_layer_like_the_prepared_call(backend):
+    forked = build_forked([(16, [17, 30]), (0, [9]), (8, [12, 9])], block_size=8, num_kv_heads=2, head_dim=16)
+    q = torch.randn(5, 4, 16, generator=torch.Generator().manual_seed(11))
+    p = forked.paged
+    other = [torch.randn(p.k_cache.shape, generator=torch.Generator().manual_seed(s)) for s in (12, 13)]
+
+    def per_layer(q, layers, backend):
+        meta = prepare_cascade_metadata(
+            p.block_tables.numpy(), p.seq_lens.numpy(), forked.seq_groups.numpy(), forked.prefix_lens.numpy(),
+            block_size=8, num_blocks=p.k_cache.shape[0], device=q.device,
+        )  # fmt: skip
+        bound = bind_cascade_decode_attention(q, *layers[0], meta, return_lse=True, backend=backend)
+        with forbid_host_reads():
+            return [(bound(q, k, v, None, None), cascade_decode_attention_prepared(
+                q, k, v, meta, return_lse=True, backend=backend)) for k, v in layers]  # fmt: skip
+
+    for got, expected in call_on_backend(per_layer, q, [(p.k_cache, p.v_cache), tuple(other)], backend=backend):
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
 def test_host_arrays_lay_out_groups_and_suffixes():
@@ -161,7 +181,7 @@ def test_checked_call_rejects_before_any_launch(monkeypatch):
     p = forked.paged
     inputs = dict(q=torch.randn(2, 2, 16), k_cache=p.k_cache, v_cache=p.v_cache, block_tables=p.block_tables,
                   seq_lens=p.seq_lens, seq_groups=forked.seq_groups, prefix_lens=torch.tensor([16]))  # fmt: skip
-    paths = ["paged_decode_attention_prepared", "paged_prefix_attention_prepared"]
+    paths = ["bind_decode_attention", "bind_prefix_attention"]
     assert_rejected(monkeypatch, cas, paths, cascade_decode_attention, inputs, OutOfRangeError)
     inputs["prefix_lens"], inputs["block_tables"] = torch.tensor([8]), p.block_tables.clone().fill_(99)
     assert_rejected(monkeypatch, cas, paths, cascade_decode_attention, inputs, OutOfRangeError)

@@ -15,16 +15,11 @@ import torch
 from attention_cases import BF16, F16, F32, TOL, assert_close, build_paged, naive_attention
 
 import kernels.chunk_attention as chunk
-from kernels.chunk_attention import (
-    best_chunk_backend,
-    dense_chunk_attention,
-    dense_chunk_attention_prepared,
-    dense_chunk_attention_reference,
-    prepare_chunk_metadata,
-)
+from kernels.chunk_attention import best_chunk_backend, dense_chunk_attention, dense_chunk_attention_prepared
 from kernels.merge_states import merge_attention_states
-from kernels.prefill_attention import paged_prefill_attention_reference
-from kernels.prefix_attention import paged_prefix_attention_reference
+from kernels.metadata import prepare_chunk_metadata
+from kernels.prefill_attention import paged_prefill_attention
+from kernels.prefix_attention import paged_prefix_attention
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError
 
 CUDA = torch.cuda.is_available()
@@ -65,7 +60,7 @@ def test_chunk_matches_naive(backend, lens, hq, hkv, head_dim, dtype):
 
 def test_reference_is_the_dense_path_and_default_scale():
     q, k, v, _, _ = chunk_case([6, 4], 4, 2, 16)
-    out, lse = dense_chunk_attention_reference(q, k, v, [6, 4])
+    out, lse = dense_chunk_attention(q, k, v, [6, 4], backend="torch")
     truth, truth_lse = naive_attention(q[:6], k[:6], v[:6], list(range(6)), scale=1 / math.sqrt(16))
     assert_close(out[:6], truth, TOL[F32])
     assert_close(lse[:6], truth_lse, TOL[F32])
@@ -138,13 +133,13 @@ def test_chunk_merged_with_the_cached_prefix_equals_paged_prefill(dtype):
     k_new, v_new = (torch.cat([kv[i] for kv in new]).to(dtype) for i in (0, 1))  # [T, Hkv, D]
     caches = dict(k_cache=paged.k_cache, v_cache=paged.v_cache)
     prefix_lens = paged.seq_lens - torch.tensor(q_lens, dtype=torch.int32)
-    pre, pre_lse = paged_prefix_attention_reference(q, **caches, block_tables=paged.block_tables,
-                                                    prefix_lens=prefix_lens, cu_seqlens_q=cu, scale=0.3)  # fmt: skip
+    pre, pre_lse = paged_prefix_attention(q, **caches, block_tables=paged.block_tables, prefix_lens=prefix_lens,
+                                          cu_seqlens_q=cu, scale=0.3, backend="torch")  # fmt: skip
     own, own_lse = dense_chunk_attention(q, k_new, v_new, q_lens, scale=0.3)
     out, lse = merge_attention_states(pre, pre_lse, own, own_lse)
-    whole, whole_lse = paged_prefill_attention_reference(
+    whole, whole_lse = paged_prefill_attention(
         q, **caches, block_tables=paged.block_tables, seq_lens=paged.seq_lens, cu_seqlens_q=cu, scale=0.3,
-        return_lse=True,
+        return_lse=True, backend="torch",
     )  # fmt: skip
     assert_close(out, whole.float(), TOL[dtype])
     assert_close(lse, whole_lse, TOL[dtype])

@@ -1,7 +1,7 @@
 """Paged decode attention: Triton kernel (interpreter on CPU) and torch reference vs a dense float64 softmax.
 
 Caches come from :mod:`attention_cases` (shuffled, shared prefix blocks, NaN in every
-slot no sequence owns), the truth from its dense float64 ``naive_attention``.
+slot no sequence owns), the truth from its dense float64 ``naive_decode``.
 """
 
 from __future__ import annotations
@@ -19,36 +19,20 @@ from attention_cases import (
     F32,
     I8,
     TOL,
-    Paged,
     assert_close,
     assert_rejected,
     build_for_gpu,
     build_paged,
     fail_launch,
-    naive_attention,
+    naive_decode,
     run_decode,
 )
 from backend_device import call_on_backend
 
 import kernels.decode_attention as dec
 from kernels.attention_triton import dot_dtype
-from kernels.decode_attention import (
-    choose_num_splits,
-    choose_split_tokens,
-    paged_decode_attention,
-    paged_decode_attention_reference,
-)
+from kernels.decode_attention import paged_decode_attention
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError
-
-
-def naive_decode(q, paged: Paged, *, exact=False, scale=None, **opts):
-    """Naive decode over the dense truth: q [S, Hq, D] -> (out [S, Hq, D], lse [S, Hq]) float64."""
-    ks, vs = (paged.exact_k, paged.exact_v) if exact else (paged.dense_k, paged.dense_v)
-    scale = 1 / math.sqrt(q.shape[2]) if scale is None else scale
-    outs = [
-        naive_attention(q[s : s + 1], ks[s], vs[s], [ks[s].shape[0] - 1], scale=scale, **opts) for s in range(len(ks))
-    ]
-    return torch.cat([o for o, _ in outs]), torch.cat([lse for _, lse in outs])
 
 
 # (q dtype, cache dtype, Hq, Hkv, head_dim, block_size, seq_lens, shared blocks)
@@ -155,8 +139,8 @@ def test_auto_backend_on_cpu_runs_torch(monkeypatch):
     expected = run_decode(q, paged, backend="torch")
     monkeypatch.setattr(dec, "_decode_triton", fail_launch)
     torch.testing.assert_close(run_decode(q, paged), expected, atol=0, rtol=0)
-    torch.testing.assert_close(paged_decode_attention_reference(
-        q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens), expected, atol=0, rtol=0)
+    torch.testing.assert_close(paged_decode_attention(
+        q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, backend="torch"), expected, atol=0, rtol=0)
 
 
 def test_empty_batch():
@@ -205,30 +189,6 @@ def test_dot_dtype_keeps_16_bit_operands_where_exact(q_dtype, cache_dtype, expec
 def _on_fake_cuda(t):
     """A stand-in with ``t``'s dtype whose device reads as CUDA (dot_dtype only looks at dtype and device)."""
     return SimpleNamespace(dtype=t.dtype, device=torch.device("cuda", 0))
-
-
-def test_choose_num_splits(monkeypatch):
-    cpu = torch.device("cpu")
-    assert choose_num_splits(4, 8, 100, cpu) == 1
-    assert choose_num_splits(4, 8, 100_000, cpu) == 2
-    props = SimpleNamespace(multi_processor_count=132)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
-    cuda = torch.device("cuda", 0)
-    assert choose_num_splits(1, 8, 8192, cuda) == 32  # few programs, long context: split widely
-    assert choose_num_splits(1, 8, 1024, cuda) == 4  # capped by >= 256 tokens per split
-    assert choose_num_splits(64, 8, 8192, cuda) == 1  # 512 programs already fill 132 SMs
-
-
-def test_choose_split_tokens(monkeypatch):
-    cpu = torch.device("cpu")
-    assert choose_split_tokens(1000, 700, 8, 64, cpu) == 384  # at most two splits, tile-aligned
-    props = SimpleNamespace(multi_processor_count=132)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
-    cuda = torch.device("cuda", 0)
-    assert choose_split_tokens(32768, 32768, 8, 64, cuda) == 1024  # 1 x 32k: 32 splits x 8 heads ~ 2 waves
-    assert choose_split_tokens(64 * 32768, 32768, 8, 64, cuda) == 63552  # big batch: one split per sequence
-    assert choose_split_tokens(600, 600, 8, 128, cuda) == 256  # at least MIN_TOKENS_PER_SPLIT
-    assert choose_split_tokens(2**20, 2**20, 1, 64, cuda) == 8192  # at most MAX_SPLITS splits
 
 
 def test_ragged_batch_splits_by_tokens_not_by_longest():

@@ -18,54 +18,22 @@ from attention_cases import (
     F32,
     I8,
     TOL,
-    Paged,
     assert_close,
     assert_rejected,
     build_for_gpu,
     build_paged,
+    cu_seqlens,
     fail_launch,
-    naive_attention,
+    naive_prefill,
+    random_q,
     run_decode,
+    run_prefill,
 )
 from backend_device import call_on_backend
 
 import kernels.prefill_attention as pre
-from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_reference
+from kernels.prefill_attention import paged_prefill_attention
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError
-
-
-def cu_seqlens(q_lens) -> torch.Tensor:
-    """[0, q_len_0, q_len_0 + q_len_1, ...] as int32."""
-    return torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-
-
-def naive_prefill(q, paged: Paged, q_lens, *, scale=None, **opts):
-    """Naive prefill over the dense truth: packed q [T, Hq, D] -> (out [T, Hq, D], lse [T, Hq]) float64."""
-    scale = 1 / math.sqrt(q.shape[2]) if scale is None else scale
-    outs, lses, start = [], [], 0
-    for s, q_len in enumerate(q_lens):
-        length = paged.dense_k[s].shape[0]
-        q_pos = list(range(length - q_len, length))
-        kv = (paged.dense_k[s], paged.dense_v[s])
-        out, lse = naive_attention(q[start : start + q_len], *kv, q_pos, scale=scale, **opts)
-        outs.append(out)
-        lses.append(lse)
-        start += q_len
-    return torch.cat(outs), torch.cat(lses)
-
-
-def run_prefill(q, paged: Paged, q_lens, **kwargs):
-    """Call paged_prefill_attention on a Paged bundle, on the backend's device (results on the CPU)."""
-    return call_on_backend(
-        paged_prefill_attention, q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens,
-        cu_seqlens(q_lens), k_scale=paged.k_scale, v_scale=paged.v_scale, **kwargs,
-    )  # fmt: skip
-
-
-def random_q(q_lens, num_heads, head_dim, dtype, seed, gain=1.0):
-    """Packed random queries [sum(q_lens), Hq, D]."""
-    gen = torch.Generator().manual_seed(seed)
-    return (gain * torch.randn(sum(q_lens), num_heads, head_dim, generator=gen)).to(dtype)
 
 
 # (q dtype, cache dtype, Hq, Hkv, head_dim, block_size, seq_lens, q_lens)
@@ -155,8 +123,8 @@ def test_auto_backend_on_cpu_runs_torch(monkeypatch):
     expected = run_prefill(q, paged, [4, 5], backend="torch")
     monkeypatch.setattr(pre, "_prefill_triton", fail_launch)
     torch.testing.assert_close(run_prefill(q, paged, [4, 5]), expected, atol=0, rtol=0)
-    ref = paged_prefill_attention_reference(
-        q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, cu_seqlens([4, 5])
+    ref = paged_prefill_attention(
+        q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, cu_seqlens([4, 5]), backend="torch"
     )
     torch.testing.assert_close(ref, expected, atol=0, rtol=0)
 

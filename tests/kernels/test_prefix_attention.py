@@ -27,13 +27,8 @@ from attention_cases import (
 from backend_device import call_on_backend
 
 import kernels.prefix_attention as pfx
-from kernels.prefix_attention import (
-    paged_prefix_attention,
-    paged_prefix_attention_prepared,
-    paged_prefix_attention_reference,
-    prefix_tile,
-    prepare_prefix_metadata,
-)
+from kernels.metadata import prepare_prefix_metadata
+from kernels.prefix_attention import paged_prefix_attention, paged_prefix_attention_prepared, prefix_tile
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError
 
 
@@ -130,7 +125,7 @@ def test_prepared_matches_checked_and_reads_nothing_back(backend):
 
 def test_reference_is_the_torch_path():
     q, caches, tables, plens, cu, expected, _ = prefix_case([(8, [9, 10])], [2], hq=2, hkv=2, head_dim=16, block_size=8)
-    out, _ = paged_prefix_attention_reference(q, **_args(caches, tables, plens, cu))
+    out, _ = paged_prefix_attention(q, **_args(caches, tables, plens, cu), backend="torch")
     assert_close(out, expected, TOL[F32])
 
 

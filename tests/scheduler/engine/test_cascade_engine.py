@@ -24,10 +24,10 @@ from scheduler.runner.step_input import StepInput
 
 @pytest.fixture
 def cascade_calls(monkeypatch):
-    """Counts the layers' calls of cascade decode."""
+    """Counts the steps' cascade decode calls (bound on a step's first layer, run by every layer)."""
     calls = []
-    original = attention.cascade_decode_attention_prepared
-    monkeypatch.setattr(attention, "cascade_decode_attention_prepared",
+    original = attention.bind_cascade_decode_attention
+    monkeypatch.setattr(attention, "bind_cascade_decode_attention",
                         lambda *a, **k: calls.append(1) or original(*a, **k))  # fmt: skip
     return calls
 

@@ -17,7 +17,7 @@ from no_host_reads import forbid_host_reads
 from sched_helpers import NUM_NEW, VOCAB
 
 import scheduler.model.attention as attention
-from kernels.attention_metadata import prepare_attention_metadata
+from kernels.metadata import prepare_attention_metadata
 from paged_kv.kv_cache import KVCacheSpec, PagedKVCache
 from scheduler import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from scheduler.model.attention import CHUNK, DECODE, PAGED, AttentionPlan, step_routes
@@ -66,6 +66,24 @@ def test_a_mixed_step_attends_like_the_paged_kernels(chunk_backend):
     torch.testing.assert_close(dense.attend(q, k, v, layer, 0.25), expected, atol=2e-6, rtol=2e-6)
 
 
+def test_a_step_checks_each_kernel_call_once_for_all_its_layers(monkeypatch):
+    meta = step_meta([7, 12], [1, 4])  # a decode and an extend: two parts on the CPU
+    spec = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=16, block_size=4, dtype=torch.float32)
+    cache, gen = PagedKVCache(spec, meta.num_blocks, "cpu"), torch.Generator().manual_seed(1)
+    binds = []
+    for name in ("bind_write_kv", "bind_decode_attention", "bind_prefill_attention"):
+        original = getattr(attention, name)
+        monkeypatch.setattr(attention, name, lambda *a, _f=original, _n=name, **k: binds.append(_n) or _f(*a, **k))
+    plan, q = AttentionPlan(meta), torch.randn(5, 4, 16, generator=gen)
+    for layer in cache.layers:
+        k, v = (torch.randn(5, 2, 16, generator=gen) for _ in range(2))
+        plan.write(layer, k, v)
+        out = plan.attend(q, k, v, layer, 0.25)
+    assert sorted(binds) == ["bind_decode_attention", "bind_prefill_attention", "bind_write_kv"]
+    expected = AttentionPlan(meta).attend(q, k, v, cache.layers[-1], 0.25)  # checked on the last layer itself
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+
+
 @pytest.fixture
 def chunk_calls(monkeypatch):
     """Counts the layers' dense chunk calls, with the number of new tokens each attended."""
@@ -82,7 +100,7 @@ def chunk_calls(monkeypatch):
 
 def engine(tiny_hf, chunk: bool, device: str = "cpu", **sched) -> LLMEngine:
     """An engine (CPU unless told) over the tiny model with the dense chunk path on or off."""
-    cache = CacheConfig(block_size=4, num_gpu_blocks=256, watermark=0.0, enable_chunk_attention=chunk)
+    cache = CacheConfig(block_size=4, num_gpu_blocks=256, watermark=0.0, enable_dense_prefill=chunk)
     config = EngineConfig(cache=cache, scheduler=SchedulerConfig(**sched), device=device)
     return LLMEngine.from_hf(tiny_hf, config)
 
@@ -133,7 +151,7 @@ def test_a_fresh_prefill_step_reads_no_device_value_and_gives_the_models_logits(
 def test_the_model_probes_once_and_can_turn_the_path_off(tiny_hf):
     eng = engine(tiny_hf, False)
     assert eng.model.chunk_backend is None
-    assert eng.model.enable_chunk_attention() == "sdpa"
+    assert eng.model.enable_dense_prefill() == "sdpa"
     assert np.all(step_routes(step_meta([0], [3]), chunk=eng.model.chunk_backend is not None) == CHUNK)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.attention_metadata import prepare_attention_metadata
+from kernels.metadata import prepare_attention_metadata
 from paged_kv.errors import InvalidArgumentError
 from paged_kv.kv_cache import PagedKVCache
 from scheduler import ModelConfig, from_hf_model, from_state_dict

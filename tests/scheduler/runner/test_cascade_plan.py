@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.cascade_attention import cascade_host_arrays
+from kernels.metadata import cascade_host_arrays
 from paged_kv import BlockManager, BlockManagerConfig
 from scheduler.runner.cascade_plan import may_share, min_saved_tokens, plan_cascade
 

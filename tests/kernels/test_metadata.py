@@ -2,6 +2,7 @@
 
 The prepared wrappers take block ids and lengths validated on the host and must give exactly the
 checked wrappers' results (same kernels, same inputs), while reading no device value themselves.
+Bound once on a step's first layer (``bind_*``), a call runs every layer like the prepared call.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from no_host_reads import LaunchRecorder, forbid_host_reads
 
 import kernels.decode_attention as dec
 import kernels.prefill_attention as pre
+import kernels.splits as spl
+from attention_cases import fail_launch
 from kernels import (
     AttentionMetadata,
     paged_decode_attention,
@@ -167,6 +170,59 @@ def test_prepared_write_equals_checked(backend, cache_dtype):
         assert torch.equal(pair[0].view(torch.uint8), pair[1].view(torch.uint8))
 
 
+# -- bound once per step, run per layer -------------------------------------------------------
+
+
+def _layers(cache: torch.Tensor, count: int, seed: int) -> list[torch.Tensor]:
+    """``count`` caches of ``cache``'s geometry and dtype: the cache, then ones of other random values."""
+    gen = torch.Generator().manual_seed(seed)
+    noise = [torch.randn(cache.shape, generator=gen) for _ in range(count - 1)]
+    return [cache] + [(64 * n).round().to(cache.dtype) if cache.dtype == I8 else n.to(cache.dtype) for n in noise]
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("cache_dtype", [F32, I8])
+def test_calls_bound_on_the_first_layer_run_every_layer_like_the_prepared_ones(backend, cache_dtype):
+    device = DEVICE if backend == "triton" else torch.device("cpu")
+    paged = build_paged([9, 23, 5], block_size=4, num_kv_heads=2, head_dim=16, dtype=cache_dtype, shared_blocks=1)
+    layers = list(zip(_layers(paged.k_cache, 3, seed=5), _layers(paged.v_cache, 3, seed=6)))
+    decode, prefill = _meta(paged, [1, 1, 1], device), _meta(paged, [4, 7, 2], device)
+    q, new = torch.randn(13, 4, 16), torch.randn(13, 2, 16)
+
+    def run(q, new, layers, scales, backend):
+        """Per call: (bound result, prepared result) on every layer."""
+        kw = {"k_scale": scales[0], "v_scale": scales[1], "backend": backend}
+        attend = ((dec.bind_decode_attention, paged_decode_attention_prepared, q[:3], decode),
+                  (pre.bind_prefill_attention, paged_prefill_attention_prepared, q, prefill))  # fmt: skip
+        results = []
+        for bind, prepared, x, meta in attend:
+            bound = bind(x, *layers[0], meta, **kw)
+            results += [(bound(x, k, v, *scales), prepared(x, k, v, meta, **kw)) for k, v in layers]
+        written = [(k.clone(), v.clone()) for k, v in layers]
+        bound = wkv.bind_write_kv(new, new, *layers[0], prefill, **kw)
+        for (k, v), (k2, v2) in zip(layers, written):
+            bound(new, new, k, v, *scales)
+            write_kv_prepared(new, new, k2, v2, prefill, **kw)
+            results += [(k, k2), (v, v2)]
+        return results
+
+    scales = [paged.k_scale, paged.v_scale]
+    for got, expected in call_on_backend(run, q, new, layers, scales, backend=backend):
+        assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+
+
+def test_a_bound_call_rejects_a_layer_of_another_geometry_before_any_launch(monkeypatch):
+    paged = build_paged([9, 4], block_size=4, num_kv_heads=2, head_dim=16)
+    meta = _meta(paged, [1, 1], torch.device("cpu"))
+    q = torch.randn(2, 4, 16)
+    bound = dec.bind_decode_attention(q, paged.k_cache, paged.v_cache, meta, backend="torch")
+    monkeypatch.setattr(dec, "_decode_torch", fail_launch)
+    wider = torch.zeros(paged.k_cache.shape[0] + 1, *paged.k_cache.shape[1:])
+    for layer in ((q[:1], paged.k_cache, paged.v_cache), (q, wider, wider), (q.half(), paged.k_cache, paged.v_cache)):
+        with pytest.raises(InvalidArgumentError):
+            bound(*layer, None, None)
+
+
 # -- no host reads ----------------------------------------------------------------------------
 
 
@@ -182,12 +238,21 @@ def test_prepared_torch_paths_read_no_device_value():
         write_kv_prepared(k, k, paged.k_cache, paged.v_cache, prefill, backend="torch")
 
 
+def test_binding_and_bound_torch_calls_read_no_device_value():
+    paged = build_paged([9, 30, 1], block_size=4, num_kv_heads=2, head_dim=16, shared_blocks=1)
+    decode, q = _meta(paged, [1, 1, 1], torch.device("cpu")), torch.randn(3, 4, 16)
+    with forbid_host_reads():
+        bound = dec.bind_decode_attention(q, paged.k_cache, paged.v_cache, decode, backend="torch")
+        out = bound(q, paged.k_cache.clone(), paged.v_cache.clone(), None, None)  # another layer, same values
+    assert torch.equal(out, paged_decode_attention_prepared(q, paged.k_cache, paged.v_cache, decode, backend="torch"))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU launch check; on a GPU the sync-debug engine test covers it")
 def test_prepared_triton_wrappers_launch_without_reading_device_values(monkeypatch):
     paged = build_paged([9, 300, 1], block_size=4, num_kv_heads=2, head_dim=16)
     decode, prefill = _meta(paged, [1, 1, 1], torch.device("cpu")), _meta(paged, [4, 1, 1], torch.device("cpu"))
     kernels = {}
-    for module, name in ((dec, "_decode_split_kernel"), (dec, "_merge_splits_kernel"), (pre, "_prefill_kernel"),
+    for module, name in ((dec, "_decode_split_kernel"), (spl, "_merge_splits_kernel"), (pre, "_prefill_kernel"),
                          (wkv, "_write_kv_kernel")):  # fmt: skip
         kernels[name] = LaunchRecorder()
         monkeypatch.setattr(module, name, kernels[name])
@@ -204,5 +269,5 @@ def test_prepared_triton_wrappers_launch_without_reading_device_values(monkeypat
 
 def test_host_lengths_drive_the_split_count_not_the_device():
     meta = prepare_attention_metadata([[0] * 64], [1023], [1], block_size=16, num_blocks=1)
-    assert dec.choose_num_splits(meta.num_seqs, 8, meta.max_seq_len, torch.device("cpu")) == 2
+    assert spl.choose_num_splits(meta.num_seqs, 8, meta.max_seq_len, torch.device("cpu")) == 2
     assert isinstance(meta.host_seq_lens, np.ndarray) and meta.host_seq_lens.tolist() == [1024]
