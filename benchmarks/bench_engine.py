@@ -79,7 +79,7 @@ def run_static(hf, requests, batch: int, eos: int, pad: int) -> tuple[float, lis
 
 def peak_concurrency(requests, answers: list[list[int]], num_blocks: int, eos: int) -> int:
     """Most sequences running at once when the recorded answers replay through scheduler + block manager."""
-    bm = BlockManager(BlockManagerConfig(num_blocks=num_blocks, block_size=BLOCK_SIZE))
+    bm = BlockManager(BlockManagerConfig(num_blocks=num_blocks, block_size=BLOCK_SIZE), track_changes=True)
     sched = Scheduler(SchedulerConfig(max_num_seqs=len(requests), max_num_batched_tokens=max(512, len(requests))),
                       bm, eos_token_ids=[eos])  # fmt: skip
     replay = {}  # request id -> the tokens its sequence is given, in order

@@ -30,6 +30,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 
+from paged_kv.block_hash import BlockHashes
 from paged_kv.block_manager import BlockManager, CopyOp
 from paged_kv.errors import DuplicateSequenceError, OutOfBlocksError, UnknownSequenceError, describe
 from scheduler.core.config import SchedulerConfig
@@ -39,7 +40,10 @@ from scheduler.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
 class Scheduler:
-    """Decides, step by step, which tokens of which sequences run through the model."""
+    """Decides, step by step, which tokens of which sequences run through the model.
+
+    Its block manager must record table changes (``track_changes=True``): each output carries them.
+    """
 
     def __init__(
         self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: Iterable[int] = ()
@@ -52,7 +56,6 @@ class Scheduler:
         self.running: list[SequenceGroup] = []  # admission order: the tail is preempted first
         self.swapped: deque[SequenceGroup] = deque()
         self.num_preemptions = {"recompute": 0, "swap": 0}
-        self._released: list[int] = []  # seq ids whose blocks were freed or moved since the last step
         self._ids = itertools.count()
 
     # -- requests ---------------------------------------------------------
@@ -66,13 +69,17 @@ class Scheduler:
         """
         if request_id in self.requests:
             raise DuplicateSequenceError(describe("request_id", request_id, "an id not already in use"))
-        seq = Sequence(next(self._ids), 0, prompt)
+        seq = Sequence(next(self._ids), 0, prompt, self._new_hashes(params.cache_salt))
         unforked = params.n - 1 if fork_samples else 0
         group = SequenceGroup(request_id, [seq], params, max_seqs=params.n, num_unforked=unforked)
         self.requests[request_id] = group
         group.set_status(SequenceStatus.WAITING)
         self.waiting.append(group)
         return group
+
+    def _new_hashes(self, cache_salt: str | None) -> BlockHashes | None:
+        """A request's block hashes, kept with it and grown by the block manager (None: no prefix caching)."""
+        return BlockHashes(self.bm.block_size, cache_salt=cache_salt) if self.bm.config.enable_prefix_caching else None
 
     def abort(self, request_id: str, now: float | None = None) -> SequenceGroup:
         """Stop a request now: every unfinished sequence ends with "abort" and frees its blocks."""
@@ -100,7 +107,7 @@ class Scheduler:
         """Add to ``group`` a child sharing every block of ``parent`` (no KV copied)."""
         child = parent.fork(next(self._ids), len(group.seqs))
         if parent.seq_id in self.bm:
-            self.bm.fork(parent.seq_id, child.seq_id)
+            self.bm.fork(parent.seq_id, child.seq_id, hashes=child.block_hashes)
         group.seqs.append(child)
         return child
 
@@ -110,10 +117,9 @@ class Scheduler:
         self._free(seq)
 
     def _free(self, seq: Sequence) -> None:
-        """Release a sequence's blocks, if it holds any, and its block-table row."""
+        """Release a sequence's blocks, if it holds any."""
         if seq.seq_id in self.bm:
             self.bm.free(seq.seq_id)
-        self._released.append(seq.seq_id)
 
     # -- after a step -----------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, sampled: list[SampledToken]) -> list[SequenceGroup]:
@@ -155,8 +161,7 @@ class Scheduler:
         if not (step.scheduled or step.preempted or self.running) and self.has_unfinished():
             queued = f"{len(self.waiting)} waiting, {len(self.swapped)} swapped"
             raise RuntimeError(f"scheduler stalled: {queued}, none runnable")
-        released, self._released = self._released, []
-        return step.output(released)
+        return step.output(self.bm.take_table_changes())
 
     def _schedule_running(self, step: StepBudget) -> None:
         decode = [g for g in self.running if _is_decode(g)]
@@ -240,7 +245,10 @@ class Scheduler:
     def _unpark(self, group: SequenceGroup, root: Sequence) -> None:
         """Fork every parked sequence from ``root``, which now holds the ``fork_at`` tokens they start with."""
         for seq in group.parked:
-            self.bm.fork(root.seq_id, seq.seq_id)  # root holds exactly fork_at tokens: whole blocks, shared
+            if seq.block_hashes is not None and seq.block_hashes.num_tokens < group.fork_at:
+                seq.block_hashes.extend(seq.token_ids[seq.block_hashes.num_tokens : group.fork_at])
+            # root holds exactly fork_at tokens: whole blocks, all shared
+            self.bm.fork(root.seq_id, seq.seq_id, hashes=seq.block_hashes)
             seq.num_computed, seq.status = group.fork_at, root.status
         group.parked, group.fork_at = [], 0
 
@@ -262,7 +270,6 @@ class Scheduler:
         ids = [seq.seq_id for seq in seqs]
         if self.config.preemption_mode == "swap" and self.bm.can_swap_out(ids):
             step.swap_out += self.bm.swap_out(ids)  # blocks shared within the group move once
-            self._released += ids
             group.set_status(SequenceStatus.SWAPPED)
             _insert_by_arrival(self.swapped, group)
             self.num_preemptions["swap"] += 1
@@ -298,22 +305,25 @@ class Scheduler:
             self.waiting.popleft()
             salt = group.params.cache_salt
             for seq, cached, n in plan:
-                start = self.bm.allocate(seq.seq_id, seq.token_ids[: cached + n], cache_salt=salt)  # >= cached
+                ids = seq.token_ids[: cached + n]
+                start = self.bm.allocate(seq.seq_id, ids, cache_salt=salt, hashes=seq.block_hashes)  # >= cached
                 self._scheduled(step, group, seq, start, cached + n - start)
             group.set_status(SequenceStatus.RUNNING)
             self.running.append(group)
 
     def _plan_prefill(self, group: SequenceGroup, step: StepBudget) -> list[tuple[Sequence, int, int]] | None:
-        """(seq, cached tokens, new tokens) for every sequence of a waiting group, or None if it cannot start.
+        """(seq, cached tokens, new tokens) for every active sequence of a waiting group, or None if it cannot start.
 
-        Each sequence gets at least one token: the budget keeps one token per later sequence in reserve.
+        One admission query answers from the sequences' kept block hashes (nothing hashed twice):
+        their cached tokens, then whether the tokens planned fit above the watermark. Each
+        sequence gets at least one token: the budget keeps one per later sequence in reserve.
         """
-        seqs, salt = group.active(), group.params.cache_salt
+        seqs = group.active()
+        tokens = [s.token_ids[: s.num_computed + _num_to_compute(group, s)] for s in seqs]  # to fork_at if parked
+        admission = self.bm.admission(zip(tokens, (s.block_hashes for s in seqs)), cache_salt=group.params.cache_salt)
         plan, left = [], step.tokens_left
-        for i, seq in enumerate(seqs):
-            tokens = seq.token_ids[: seq.num_computed + _num_to_compute(group, seq)]  # up to fork_at when parked
-            cached = self.bm.num_cached_tokens(tokens, cache_salt=salt)
-            n, mine = len(tokens) - cached, left - (len(seqs) - 1 - i)
+        for i, (seq, cached) in enumerate(zip(seqs, admission.cached)):
+            n, mine = len(tokens[i]) - cached, left - (len(seqs) - 1 - i)
             if n > mine and not self.config.enable_chunked_prefill:
                 return None
             n = min(n, mine)
@@ -321,12 +331,7 @@ class Scheduler:
                 return None
             plan.append((seq, cached, n))
             left -= n
-        if len(plan) == 1:
-            seq, cached, n = plan[0]
-            return plan if self.bm.can_allocate(seq.token_ids[: cached + n], cache_salt=salt) else None
-        bs = self.bm.block_size
-        upper = sum(-(-(c + n) // bs) for _, c, n in plan)  # counts every hit as a fresh block
-        return plan if self.bm.gpu.num_free - upper >= self.bm.config.watermark_blocks else None
+        return plan if admission.fits([c + n for _, c, n in plan]) else None
 
     def _fits_seqs(self, group: SequenceGroup) -> bool:
         """Whether the running groups' reserved sequences leave room for ``group``'s."""

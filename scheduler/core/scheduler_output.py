@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from paged_kv.block_manager import CopyOp
+from paged_kv.block_manager import CopyOp, TableEntry
 from scheduler.core.sequence import Sequence, SequenceGroup
 
 
@@ -49,7 +49,9 @@ class SchedulerOutput:
     swap_in: list[CopyOp]  # (cpu, gpu)
     copies: list[CopyOp]  # copy-on-write (src, dst) in the GPU pool, in the order they were made
     preempted: list[SequenceGroup]
-    released: list[int] = field(default_factory=list)  # seq ids whose block tables went away since the last step
+    # the block manager's journal since the last step, in order: (seq_id, index, block) entries set, and
+    # (seq_id, RELEASED, RELEASED) for a table gone; the runner's block tables apply it and read nothing else
+    table_changes: list[TableEntry] = field(default_factory=list)
 
     @property
     def samples(self) -> list[tuple[SequenceGroup, Sequence, int]]:
@@ -105,8 +107,8 @@ class StepBudget:
         self.scheduled.add(item.group)
         self.num_tokens += item.num_tokens
 
-    def output(self, released: list[int]) -> SchedulerOutput:
-        """Freeze the step, with the sequences released since the last one."""
+    def output(self, table_changes: list[TableEntry]) -> SchedulerOutput:
+        """Freeze the step, with the block tables' changes since the last one."""
         return SchedulerOutput(
-            self.scheduled_seqs, self.swap_out, self.swap_in, self.copies, self.preempted, released
+            self.scheduled_seqs, self.swap_out, self.swap_in, self.copies, self.preempted, table_changes
         )

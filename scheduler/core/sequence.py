@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from paged_kv.block_hash import BlockHashes
 from scheduler.core.params import SamplingParams
 
 
@@ -30,11 +31,16 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """One token stream with the KV bookkeeping of its cached prefix."""
 
-    def __init__(self, seq_id: int, index: int, prompt_token_ids: list[int]) -> None:
+    def __init__(
+        self, seq_id: int, index: int, prompt_token_ids: list[int], block_hashes: BlockHashes | None = None
+    ) -> None:
         self.seq_id = seq_id  # the block manager's id for this sequence
         self.index = index  # sample index inside its group
         self.prompt_len = len(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)  # prompt followed by outputs
+        # the chained hashes of its full blocks, computed once each and kept across preemption; the block
+        # manager extends them as the sequence grows (None: prefix caching is off)
+        self.block_hashes = block_hashes
         self.num_computed = 0  # leading tokens whose KV is in the cache (written by the scheduler only)
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
@@ -82,7 +88,8 @@ class Sequence:
 
     def fork(self, seq_id: int, index: int) -> Sequence:
         """A copy of this sequence's tokens and cache bookkeeping under a new id (generator not shared)."""
-        child = Sequence(seq_id, index, self.token_ids[: self.prompt_len])
+        hashes = self.block_hashes.copy() if self.block_hashes is not None else None  # hashes nothing again
+        child = Sequence(seq_id, index, self.token_ids[: self.prompt_len], hashes)
         child.token_ids = list(self.token_ids)
         child.num_computed = self.num_computed
         child.status = self.status

@@ -88,7 +88,7 @@ class LLMEngine:
         self.block_manager = BlockManager(BlockManagerConfig(
             num_blocks=num_blocks, block_size=cc.block_size, num_cpu_blocks=cc.num_cpu_blocks,
             watermark=cc.watermark, enable_prefix_caching=cc.enable_prefix_caching,
-        ))  # fmt: skip
+        ), track_changes=True)  # fmt: skip
         self.runner = self._make_runner(spec, num_blocks, graphs)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, eos_ids)
         self.metrics = EngineMetrics()
@@ -117,7 +117,7 @@ class LLMEngine:
         width = min(-(-model.config.max_position_embeddings // cc.block_size), num_blocks)
         per_token = spec.bytes_per_block // (spec.num_layers * spec.block_size)  # K+V bytes of a token in a layer
         floor = min_saved_tokens(per_token, self.device.type, cc.cascade_min_saved_bytes)
-        inputs = StepInputBuilder(self.block_manager, self.device, width, cascade=cc.enable_cascade_attention,
+        inputs = StepInputBuilder(cc.block_size, num_blocks, self.device, width, cascade=cc.enable_cascade_attention,
                                   min_saved_tokens=floor)  # fmt: skip
         runner = ModelRunner(model, gpu_cache, cpu_cache, dense_prefill=cc.enable_dense_prefill, inputs=inputs,
                              group=self.executor)  # fmt: skip
@@ -204,7 +204,7 @@ class LLMEngine:
         logits = self.runner.run(out)  # [R, vocab]
         sampled = (select or self.sample)(out, logits)
         finished = self.scheduler.update_from_output(out, sampled)
-        usage = self.block_manager.gpu.num_used / self.block_manager.gpu.num_blocks
+        usage = self.block_manager.usage
         self.metrics.record_step(start, out.num_prompt_tokens, len(sampled), len(out.scheduled), usage)
         return [self._retire(group) for group in finished]
 

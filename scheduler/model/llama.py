@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.metadata import AttentionMetadata
 from kernels.chunk_attention import best_chunk_backend
+from kernels.metadata import AttentionMetadata
 from paged_kv.errors import InvalidArgumentError, check_bool, check_int, check_real, check_type, describe
 from paged_kv.kv_cache import KVCacheSpec, PagedKVCache
 from scheduler.distributed.parallel_state import TPShard

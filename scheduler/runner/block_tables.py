@@ -1,26 +1,25 @@
-"""Persistent block tables: one device row per live sequence, updated with what a step changed.
+"""Persistent block tables: one device row per live sequence, told what changed, never re-read.
 
-A step's block tables are gathered on the device from these rows, so the host work of a
-step grows with the entries that changed (a new block, a copy-on-write replacement), not
-with the blocks the batch holds. A host mirror of the rows gives the slot mapping without
-reading the device. Block ids are validated here, on the host, as they enter a row.
+A step's block tables are gathered on the device from these rows. The block manager keeps a
+journal of every table entry it sets and every table it drops (``take_table_changes``), the
+scheduler hands it over in each :class:`~scheduler.core.scheduler_output.SchedulerOutput`, and
+:meth:`BlockTables.apply` replays it here: the host work of a step grows with the entries that
+changed (a new block, a copy-on-write replacement, a fork), not with the blocks the batch holds.
+A host mirror of the rows gives the slot mapping and the cascade plan without reading the device.
+Block ids are validated here, on the host, as they enter a row.
 
-Invariant: for a sequence with a row, entries ``[0, synced)`` of the row equal its block
-manager table, except that the last synced entry may since have been replaced by
-copy-on-write (appends only touch the block holding the next token and later ones), so a
-sync rewrites from ``synced - 1``. Whatever replaces earlier blocks of a sequence (swap,
-preemption, free) must :meth:`release` its row first.
+Invariant: after applying a step's journal, entries ``[0, len(table))`` of every live
+sequence's row equal its block-manager table; entries past them are stale and never read.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 import numpy as np
 import torch
 
-from kernels.metadata import host_positions, offsets
-from paged_kv.block_manager import BlockManager
+from paged_kv.block_manager import RELEASED, TableEntry
 from paged_kv.errors import OutOfRangeError, describe
 
 
@@ -56,68 +55,46 @@ class DeviceRows:
 class BlockTables:
     """Rows ``[R, width]`` int32 of block ids on the device, with a host mirror and a row per sequence."""
 
-    def __init__(self, bm: BlockManager, width: int, device: torch.device, rows: int = 64) -> None:
-        self.bm, self.width, self.device = bm, width, device
-        self.block_size = bm.block_size
-        self.host = np.zeros((rows, width), dtype=np.int32)  # mirror of self.table
+    def __init__(self, width: int, num_blocks: int, device: torch.device, rows: int = 64) -> None:
+        self.width, self.num_blocks, self.device = width, num_blocks, device
+        self.host = np.zeros((rows, width), dtype=np.int32)  # mirror of the device rows
         self.device_rows = DeviceRows(width, device, rows)
-        self.synced = np.zeros(rows, dtype=np.int64)  # entries of each row known current
         self._rows: dict[Hashable, int] = {}
         self._free = list(range(rows - 1, -1, -1))
-        self._updates: list[tuple[int, int, list[int]]] = []  # (row, first column, ids) not yet on the device
+        self._updates: list[np.ndarray] = []  # [3, U] (row, column, id) not yet on the device
 
     def __len__(self) -> int:
         return len(self._rows)
 
-    def sync(self, seq_id: Hashable, num_tokens: int, force: bool = False) -> int:
-        """Bring a sequence's row up to its ``num_tokens`` tokens; return the row.
+    def apply(self, changes: Sequence[TableEntry]) -> None:
+        """Replay a journal slice in order: ``(seq, index, block)`` sets an entry, ``RELEASED`` drops the row.
 
-        A known row is re-read only when it lacks blocks for ``num_tokens`` or ``force``
-        (the step made copy-on-write copies, which may have replaced its last block).
+        Every entry is checked first (index within the width, block in the pool): on a bad one
+        nothing is applied and OutOfRangeError names it.
         """
-        row = self._rows.get(seq_id)
-        if row is not None and not force and self.synced[row] * self.block_size >= num_tokens:
-            return row
-        if row is None:
-            row = self._new_row(seq_id)
-        start = max(0, int(self.synced[row]) - 1)
-        ids = self.bm.block_table(seq_id, start)
-        end = start + len(ids)
-        if end > self.width or (ids and not 0 <= min(ids) <= max(ids) < self.bm.gpu.num_blocks):
-            self.release(seq_id)
-            bad = end if end > self.width else (min(ids) if min(ids) < 0 else max(ids))
-            raise OutOfRangeError(describe(f"block table of {seq_id!r}", bad, "block ids in the pool, within width"))
-        self.host[row, start:end] = ids
-        self.synced[row] = end
-        self._updates.append((row, start, ids))
-        return row
+        if not changes:
+            return
+        index = np.fromiter((c[1] for c in changes), np.int64, len(changes))
+        block = np.fromiter((c[2] for c in changes), np.int64, len(changes))
+        self._check(changes, index, block)
+        rows = np.fromiter((self._row_of(seq_id, i) for seq_id, i, _ in changes), np.int64, len(changes))
+        keep = _last_of_each(rows * self.width + index, index != RELEASED)  # a later entry wins over an earlier one
+        self.host[rows[keep], index[keep]] = block[keep]
+        self._updates.append(np.stack([rows[keep], index[keep], block[keep]]))
 
-    def sync_all(self, seq_ids: list[Hashable], num_tokens: np.ndarray, force: bool = False) -> np.ndarray:
-        """:meth:`sync` for a step's sequences; returns their rows ``[S]`` int64 (only stale rows are re-read)."""
-        rows = np.fromiter((self._rows.get(i, -1) for i in seq_ids), np.int64, len(seq_ids))
-        stale = (rows < 0) | (self.synced[rows] * self.block_size < num_tokens) | force
-        for i in np.flatnonzero(stale).tolist():
-            rows[i] = self.sync(seq_ids[i], int(num_tokens[i]), force=True)
-        return rows
-
-    def release(self, seq_id: Hashable) -> None:
-        """Forget a sequence's row (its blocks were freed, swapped or preempted); a no-op without one."""
-        row = self._rows.pop(seq_id, None)
-        if row is not None:
-            self.synced[row] = 0
-            self._free.append(row)
+    def rows(self, seq_ids: Sequence[Hashable]) -> np.ndarray:
+        """The rows ``[S]`` int64 of a step's sequences (each holds blocks, so each has a row)."""
+        return np.fromiter((self._rows[i] for i in seq_ids), np.int64, len(seq_ids))
 
     def take_updates(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(rows, columns, ids) int64 of every entry synced since the last call, to apply on the device."""
+        """(rows, columns, ids) int64 of every entry set since the last call, to apply on the device."""
         if not self._updates:
             empty = np.zeros(0, dtype=np.int64)
             return empty, empty, empty
-        rows, first, ids = zip(*self._updates)
-        counts = np.fromiter(map(len, ids), np.int64, len(ids))
-        which, cols = host_positions(np.array(first, np.int64), counts, offsets(counts))  # update, column [U]
+        rows, cols, ids = np.concatenate(self._updates, axis=1) if len(self._updates) > 1 else self._updates[0]
         self._updates.clear()
-        flat = np.fromiter((b for block_ids in ids for b in block_ids), np.int64, len(cols))
-        return np.array(rows, np.int64)[which], cols, flat
+        keep = _last_of_each(rows * self.width + cols, np.ones(len(rows), dtype=bool))
+        return rows[keep], cols[keep], ids[keep]
 
     @property
     def table(self) -> torch.Tensor:
@@ -128,17 +105,41 @@ class BlockTables:
         """Write :meth:`take_updates`' entries, already on the device, into the device rows."""
         self.device_rows.apply_updates(rows, cols, ids)
 
-    def _new_row(self, seq_id: Hashable) -> int:
-        if not self._free:
-            self._grow()
-        row = self._free.pop()
-        self._rows[seq_id] = row
+    def _check(self, changes: Sequence[TableEntry], index: np.ndarray, block: np.ndarray) -> None:
+        """OutOfRangeError on the first entry whose index or block does not fit the rows or the pool."""
+        bad = (index != RELEASED) & ((index < 0) | (index >= self.width) | (block < 0) | (block >= self.num_blocks))
+        if bad.any():
+            seq_id, i, b = changes[int(np.flatnonzero(bad)[0])]
+            expected = f"index in [0, {self.width}) and block id in [0, {self.num_blocks})"
+            raise OutOfRangeError(describe(f"block table entry of {seq_id!r}", (i, b), expected))
+
+    def _row_of(self, seq_id: Hashable, index: int) -> int:
+        """The row an entry goes to (a new one for a sequence without); a release frees it and returns -1."""
+        if index == RELEASED:
+            row = self._rows.pop(seq_id, None)
+            if row is not None:
+                self._free.append(row)
+            return -1
+        row = self._rows.get(seq_id)
+        if row is None:
+            if not self._free:
+                self._grow()
+            row = self._rows[seq_id] = self._free.pop()
         return row
 
     def _grow(self) -> None:
         """Double the rows (device rows copied on the device, host rows on the host)."""
         old = self.host.shape[0]
         self.host = np.concatenate([self.host, np.zeros_like(self.host)])
-        self.synced = np.concatenate([self.synced, np.zeros_like(self.synced)])
         self.device_rows.grow_to(2 * old)
         self._free.extend(range(2 * old - 1, old - 1, -1))
+
+
+def _last_of_each(keys: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """Indices, in order, of the last valid occurrence of each key (numpy leaves repeated assignments undefined)."""
+    where = np.flatnonzero(valid)
+    if len(where) == len(np.unique(keys[where])):
+        return where
+    last = len(where) - 1 - np.unique(keys[where][::-1], return_index=True)[1]
+    return where[np.sort(last)]
+

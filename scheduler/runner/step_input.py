@@ -1,8 +1,9 @@
 """A scheduled step as device inputs: built on the host from Python ints, one host->device copy.
 
-:class:`StepInputBuilder` runs in the driver. It reads the block manager's tables into
-persistent rows (:mod:`scheduler.runner.block_tables`), computes positions, slots and lengths
-with numpy, and uploads them in one pinned, non-blocking copy. A decode step whose request
+:class:`StepInputBuilder` runs in the driver. It applies the step's block-table changes (the
+block manager's journal, carried by the scheduler's output) to persistent rows
+(:mod:`scheduler.runner.block_tables`), computes positions, slots and lengths with numpy,
+and uploads them in one pinned, non-blocking copy. A decode step whose request
 sequences share long prefixes (forks of one request, or requests whose prompts hit the same
 cached blocks) also gets a cascade plan (:mod:`scheduler.runner.cascade_plan`), planned from the host
 mirror of the tables; its index arrays travel in the same copy. The result, a
@@ -26,7 +27,7 @@ from kernels.metadata import (
     host_slot_mapping,
     offsets,
 )
-from paged_kv.block_manager import BlockManager, CopyOp
+from paged_kv.block_manager import CopyOp
 from scheduler.core.scheduler_output import SchedulerOutput
 from scheduler.runner.block_tables import BlockTables, DeviceRows
 from scheduler.runner.cascade_plan import may_share, plan_cascade
@@ -133,32 +134,31 @@ class StepMaterializer:
 
 
 class StepInputBuilder:
-    """Builds each step's :class:`StepInput` from the scheduler's decisions and the block manager."""
+    """Builds each step's :class:`StepInput` from the scheduler's decisions (block tables as it says they changed)."""
 
     def __init__(
-        self, bm: BlockManager, device: torch.device, max_blocks_per_seq: int, cascade: bool = False,
+        self, block_size: int, num_blocks: int, device: torch.device, max_blocks_per_seq: int, cascade: bool = False,
         min_saved_tokens: int = 0,
     ) -> None:  # fmt: skip
-        self.bm, self.device, self.cascade = bm, device, cascade
-        self.min_saved_tokens = min_saved_tokens  # K/V tokens a cascade step must save (see scheduler.runner.cascade_plan)
-        self.tables = BlockTables(bm, max_blocks_per_seq, device)
-        self.materializer = StepMaterializer(self.tables.device_rows, device, bm.block_size)
+        self.block_size, self.num_blocks, self.device, self.cascade = block_size, num_blocks, device, cascade
+        self.min_saved_tokens = min_saved_tokens  # K/V tokens a cascade step must save (see runner.cascade_plan)
+        self.tables = BlockTables(max_blocks_per_seq, num_blocks, device)
+        self.materializer = StepMaterializer(self.tables.device_rows, device, block_size)
 
     def build(self, out: SchedulerOutput) -> StepInput:
-        """Sync the step's table rows, compute its tensors on the host, upload them in one copy."""
+        """Apply the step's table changes, compute its tensors on the host, upload them in one copy."""
         return self.materializer.materialize(self.build_payload(out))
 
     def build_payload(self, out: SchedulerOutput) -> StepPayload:
-        """Sync the step's table rows and compute everything the step needs on the host."""
-        for seq_id in out.released:
-            self.tables.release(seq_id)
+        """Apply the step's table changes and compute everything the step needs on the host."""
+        self.tables.apply(out.table_changes)
         items = out.scheduled
         n = len(items)
         computed = np.fromiter((s.start for s in items), np.int64, n)
         new = np.fromiter((s.num_tokens for s in items), np.int64, n)
         seq_lens = computed + new  # [S]
         samples = seq_lens == np.fromiter((s.seq.num_tokens for s in items), np.int64, n)
-        rows = self.tables.sync_all([s.seq.seq_id for s in items], seq_lens, force=bool(out.copies))
+        rows = self.tables.rows([s.seq.seq_id for s in items])
         ids = [t for s in items for t in s.seq.token_ids[s.start : s.start + s.num_tokens]]
         cascade = self._plan_cascade(rows, new, seq_lens)
         return self._pack(out, rows, computed, new, seq_lens, samples, ids, cascade)
@@ -167,7 +167,7 @@ class StepInputBuilder:
         """The step's cascade arrays when it is a decode step whose sequences share enough blocks, else None."""
         if not self.cascade or len(new) < 2 or (new != 1).any():
             return None
-        bs = self.bm.block_size
+        bs = self.block_size
         if not may_share(self.tables.host, rows, seq_lens, bs, min_saved_tokens=self.min_saved_tokens):
             return None  # one column of the mirror and the lengths: no sharing, or too little to pay
         tables = self.tables.host[rows, : -(-int(seq_lens.max()) // bs)]  # [S, W] host mirror, current for the step
@@ -179,13 +179,13 @@ class StepInputBuilder:
     def _pack(self, out, rows, computed, new, seq_lens, samples, ids, cascade: CascadeArrays | None) -> StepPayload:
         cu = offsets(new)
         seq_of_token, positions = host_positions(computed, new, cu)  # [T], [T]
-        slots = host_slot_mapping(self.tables.host, rows, seq_of_token, positions, self.bm.block_size)
+        slots = host_slot_mapping(self.tables.host, rows, seq_of_token, positions, self.block_size)
         upd_rows, upd_cols, upd_ids = self.tables.take_updates()
         parts = [np.asarray(ids, dtype=np.int64), positions, slots, seq_lens, cu, rows, cu[1:][samples] - 1,
                  upd_rows, upd_cols, upd_ids, *(cascade.parts() if cascade else [])]  # fmt: skip
         return StepPayload(
             flat=np.concatenate(parts), sizes=tuple(len(p) for p in parts), host_seq_lens=seq_lens,
-            host_query_lens=new, max_seq_len=int(seq_lens.max(initial=0)), num_blocks=self.bm.gpu.num_blocks,
+            host_query_lens=new, max_seq_len=int(seq_lens.max(initial=0)), num_blocks=self.num_blocks,
             table_rows=self.tables.host.shape[0],
             swap_out=out.swap_out, swap_in=out.swap_in, copies=out.copies, cascade=cascade,
         )  # fmt: skip

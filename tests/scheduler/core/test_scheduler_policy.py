@@ -203,3 +203,23 @@ def test_swap_preemption_moves_each_shared_block_of_a_group_once(tiny_hf):
     assert [[c.token_ids for c in o.outputs] for o in tight.generate(prompts, params, use_tqdm=False)] == expected
     assert tight.scheduler.num_preemptions["swap"] >= 2
     assert any(distinct < entries for distinct, entries in moved)  # shared blocks were counted and moved once
+
+
+def test_each_block_of_a_request_is_hashed_once(tiny_hf, prompts, monkeypatch):
+    """A request's block hashes are computed once and kept on it: admission, chunked allocation, decode appends
+    and a re-admission after recompute preemption hash no block twice."""
+    import paged_kv.block_hash as block_hash
+
+    engine = make_engine(tiny_hf, num_blocks=40, max_num_batched_tokens=16, max_num_seqs=4)  # chunked prefill
+    calls, real = [], block_hash.sha256
+    monkeypatch.setattr(block_hash, "sha256", lambda data=b"": calls.append(1) or real(data))
+    block_hash._root_cached.cache_clear()
+    params = SamplingParams(max_tokens=8, ignore_eos=True, cache_salt="hashed-once")
+    chosen = [prompts[2], prompts[6], prompts[3]]  # 33, 64 and 63 tokens: more than the pool holds at once
+    for i, p in enumerate(chosen):
+        engine.add_request(str(i), p, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.scheduler.num_preemptions["recompute"] > 0
+    computed_blocks = sum((len(p) + 8 - 1) // 4 for p in chosen)  # a sample's last token is never computed
+    assert len(calls) == computed_blocks + 1  # every full block once, and the salt's root once

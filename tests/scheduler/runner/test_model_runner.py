@@ -32,7 +32,7 @@ def test_order_free_batches_equal_copying_in_list_order():
 
 
 def test_step_input_builds_positions_slots_and_sampled_rows():
-    bm = BlockManager(BlockManagerConfig(num_blocks=16, block_size=4, watermark=0.0))
+    bm = BlockManager(BlockManagerConfig(num_blocks=16, block_size=4, watermark=0.0), track_changes=True)
     a, b = Sequence(0, 0, list(range(10, 20))), Sequence(1, 0, [7, 8, 9])
     bm.allocate(0, a.token_ids[:6])  # a: prefill chunk 0..6 of 10
     bm.allocate(1, b.token_ids)
@@ -40,8 +40,9 @@ def test_step_input_builds_positions_slots_and_sampled_rows():
     b.append_token(42, 0.0)  # b decodes its sampled token at position 3
     bm.append(1, [42])
     group = SequenceGroup("g", [a], SamplingParams())
-    out = SchedulerOutput([ScheduledSeq(a, group, 0, 6), ScheduledSeq(b, group, 3, 1)], [], [], [], [])
-    step = StepInputBuilder(bm, torch.device("cpu"), max_blocks_per_seq=8).build(out)
+    scheduled = [ScheduledSeq(a, group, 0, 6), ScheduledSeq(b, group, 3, 1)]
+    out = SchedulerOutput(scheduled, [], [], [], [], bm.take_table_changes())
+    step = StepInputBuilder(4, 16, torch.device("cpu"), max_blocks_per_seq=8).build(out)
     assert step.input_ids.tolist() == list(range(10, 16)) + [42]
     assert step.positions.tolist() == [0, 1, 2, 3, 4, 5, 3]
     assert step.logits_indices.tolist() == [6]  # a's chunk stops short of its last token: not sampled
