@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from paged_kv.errors import InvalidArgumentError, check_bool, check_int, check_real, describe
 from paged_kv.tokens import as_id_list
 
 MAX_SAMPLES = 256
 MAX_LOGPROBS = 64
+P = TypeVar("P")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,3 +80,15 @@ def _stop_tuple(stop: object) -> tuple[str, ...]:
     if not all(isinstance(s, str) and s for s in stop):
         raise InvalidArgumentError(describe("stop", stop, "non-empty strings"))
     return stop
+
+
+def per_prompt(params: P | Sequence[P] | None, n: int, kind: type[P], name: str) -> list[P]:
+    """The parameters of each of ``n`` prompts: one ``kind`` for all (None: the default one), or ``n`` of them."""
+    if params is None or isinstance(params, kind):
+        return [params or kind()] * n
+    if isinstance(params, (str, bytes)) or not isinstance(params, Sequence):
+        raise InvalidArgumentError(describe(name, params, f"a {kind.__name__} or {n} of them (one per prompt)"))
+    params = list(params)
+    if len(params) != n or not all(isinstance(p, kind) for p in params):
+        raise InvalidArgumentError(describe(name, params, f"a {kind.__name__} or {n} of them (one per prompt)"))
+    return params

@@ -35,7 +35,7 @@ from paged_kv.block_manager import BlockManager, CopyOp
 from paged_kv.errors import DuplicateSequenceError, OutOfBlocksError, UnknownSequenceError, describe
 from scheduler.core.config import SchedulerConfig
 from scheduler.core.params import SamplingParams
-from scheduler.core.scheduler_output import SampledToken, ScheduledSeq, SchedulerOutput, StepBudget
+from scheduler.core.scheduler_output import SampledToken, ScheduledSeq, SchedulerOutput
 from scheduler.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
@@ -152,7 +152,7 @@ class Scheduler:
     # -- one step ---------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Pick this step's work and record it with the block manager."""
-        step = StepBudget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        step = SchedulerOutput()
         self._schedule_running(step)
         if not step.preempted:
             self._schedule_swapped(step)
@@ -161,26 +161,31 @@ class Scheduler:
         if not (step.scheduled or step.preempted or self.running) and self.has_unfinished():
             queued = f"{len(self.waiting)} waiting, {len(self.swapped)} swapped"
             raise RuntimeError(f"scheduler stalled: {queued}, none runnable")
-        return step.output(self.bm.take_table_changes())
+        step.table_changes = self.bm.take_table_changes()
+        return step
 
-    def _schedule_running(self, step: StepBudget) -> None:
+    def _tokens_left(self, step: SchedulerOutput) -> int:
+        """The step's token budget not yet used."""
+        return self.config.max_num_batched_tokens - step.num_batched_tokens
+
+    def _schedule_running(self, step: SchedulerOutput) -> None:
         decode = [g for g in self.running if _is_decode(g)]
         rest = [g for g in self.running if not _is_decode(g)]
         for group in rest if self._commit_all(decode, step) else decode + rest:
             if group in step.preempted:
                 continue
-            plan = self._plan_running(group, step.tokens_left, step.num_seqs)
+            plan = self._plan_running(group, self._tokens_left(step), len(step.scheduled))
             if plan and self._make_room(group, plan, step):
                 self._commit(group, plan, step)
 
-    def _commit_all(self, groups: list[SequenceGroup], step: StepBudget) -> bool:
+    def _commit_all(self, groups: list[SequenceGroup], step: SchedulerOutput) -> bool:
         """Commit every group's plan with one ``append_all`` if the pool holds them all; else change nothing.
 
         Plans are made in turn against the budgets the earlier ones leave, and
         ``append_all`` takes exactly what the per-group commits would: when it
         fits, the per-group loop would have preempted nothing and made the same steps.
         """
-        plans, left, num_seqs = [], step.tokens_left, step.num_seqs
+        plans, left, num_seqs = [], self._tokens_left(step), len(step.scheduled)
         for group in groups:
             plan = self._plan_running(group, left, num_seqs)
             plans.append((group, plan))
@@ -211,10 +216,11 @@ class Scheduler:
             left -= n
         return plan
 
-    def _make_room(self, group: SequenceGroup, plan: list[tuple[Sequence, int]], step: StepBudget) -> bool:
+    def _make_room(self, group: SequenceGroup, plan: list[tuple[Sequence, int]], step: SchedulerOutput) -> bool:
         """Preempt later groups until ``plan`` fits; preempt ``group`` itself if nothing else can go."""
         while not self._fits(plan):
-            victim = next((g for g in reversed(self.running) if g is not group and g not in step.scheduled), None)
+            scheduled = {s.group for s in step.scheduled}
+            victim = next((g for g in reversed(self.running) if g is not group and g not in scheduled), None)
             self._preempt(victim or group, step)
             if victim is None:
                 return False
@@ -224,13 +230,13 @@ class Scheduler:
         """Whether the pool holds the blocks ``append`` will take for ``plan`` (new blocks and copy-on-write copies)."""
         return self.bm.can_append_all((seq.seq_id, n) for seq, n in plan)
 
-    def _commit(self, group: SequenceGroup, plan: list[tuple[Sequence, int]], step: StepBudget) -> None:
+    def _commit(self, group: SequenceGroup, plan: list[tuple[Sequence, int]], step: SchedulerOutput) -> None:
         for seq, n in plan:
             start = seq.num_computed
             step.copies += self.bm.append(seq.seq_id, seq.token_ids[start : start + n])
             self._scheduled(step, group, seq, start, n)
 
-    def _scheduled(self, step: StepBudget, group: SequenceGroup, seq: Sequence, start: int, n: int) -> None:
+    def _scheduled(self, step: SchedulerOutput, group: SequenceGroup, seq: Sequence, start: int, n: int) -> None:
         """Count ``n`` recorded tokens of ``seq`` in the step; at its first sample, fork the group's other samples."""
         seq.num_computed = start + n
         group.first_scheduled_time = group.first_scheduled_time or time.perf_counter()
@@ -261,7 +267,7 @@ class Scheduler:
         group.parked = seqs[1:] if group.fork_at else []
 
     # -- preemption -------------------------------------------------------
-    def _preempt(self, group: SequenceGroup, step: StepBudget) -> None:
+    def _preempt(self, group: SequenceGroup, step: SchedulerOutput) -> None:
         """Take a group off the GPU: swap its blocks to the CPU pool, or drop them for recompute."""
         self.running.remove(group)
         step.preempted.append(group)
@@ -282,7 +288,7 @@ class Scheduler:
         self.num_preemptions["recompute"] += 1
 
     # -- swapped and waiting ----------------------------------------------
-    def _schedule_swapped(self, step: StepBudget) -> None:
+    def _schedule_swapped(self, step: SchedulerOutput) -> None:
         while self.swapped:
             group = self.swapped[0]
             ids = [seq.seq_id for seq in group.active()]
@@ -292,11 +298,11 @@ class Scheduler:
             step.swap_in += self.bm.swap_in(ids)
             group.set_status(SequenceStatus.RUNNING)
             self.running.append(group)
-            plan = self._plan_running(group, step.tokens_left, step.num_seqs)
+            plan = self._plan_running(group, self._tokens_left(step), len(step.scheduled))
             if plan and self._fits(plan):
                 self._commit(group, plan, step)
 
-    def _schedule_waiting(self, step: StepBudget) -> None:
+    def _schedule_waiting(self, step: SchedulerOutput) -> None:
         while self.waiting and self._fits_seqs(self.waiting[0]):
             group = self.waiting[0]
             plan = self._plan_prefill(group, step)
@@ -311,7 +317,7 @@ class Scheduler:
             group.set_status(SequenceStatus.RUNNING)
             self.running.append(group)
 
-    def _plan_prefill(self, group: SequenceGroup, step: StepBudget) -> list[tuple[Sequence, int, int]] | None:
+    def _plan_prefill(self, group: SequenceGroup, step: SchedulerOutput) -> list[tuple[Sequence, int, int]] | None:
         """(seq, cached tokens, new tokens) for every active sequence of a waiting group, or None if it cannot start.
 
         One admission query answers from the sequences' kept block hashes (nothing hashed twice):
@@ -321,7 +327,7 @@ class Scheduler:
         seqs = group.active()
         tokens = [s.token_ids[: s.num_computed + _num_to_compute(group, s)] for s in seqs]  # to fork_at if parked
         admission = self.bm.admission(zip(tokens, (s.block_hashes for s in seqs)), cache_salt=group.params.cache_salt)
-        plan, left = [], step.tokens_left
+        plan, left = [], self._tokens_left(step)
         for i, (seq, cached) in enumerate(zip(seqs, admission.cached)):
             n, mine = len(tokens[i]) - cached, left - (len(seqs) - 1 - i)
             if n > mine and not self.config.enable_chunked_prefill:

@@ -42,16 +42,22 @@ class SampledToken:
 
 @dataclass(eq=False)
 class SchedulerOutput:
-    """One step's work, in the order the model runner must apply it."""
+    """One step's work, in the order the model runner must apply it; built up as the scheduler fills its budgets."""
 
-    scheduled: list[ScheduledSeq]
-    swap_out: list[CopyOp]  # (gpu, cpu): copy first, before anything reuses the GPU blocks
-    swap_in: list[CopyOp]  # (cpu, gpu)
-    copies: list[CopyOp]  # copy-on-write (src, dst) in the GPU pool, in the order they were made
-    preempted: list[SequenceGroup]
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    swap_out: list[CopyOp] = field(default_factory=list)  # (gpu, cpu): copy first, before the GPU blocks are reused
+    swap_in: list[CopyOp] = field(default_factory=list)  # (cpu, gpu)
+    copies: list[CopyOp] = field(default_factory=list)  # copy-on-write (src, dst) in the GPU pool, in order made
+    preempted: list[SequenceGroup] = field(default_factory=list)
     # the block manager's journal since the last step, in order: (seq_id, index, block) entries set, and
     # (seq_id, RELEASED, RELEASED) for a table gone; the runner's block tables apply it and read nothing else
     table_changes: list[TableEntry] = field(default_factory=list)
+    num_batched_tokens: int = 0  # new tokens the step runs through the model
+
+    def add(self, item: ScheduledSeq) -> None:
+        """Schedule ``item`` (counted against the step's token budget)."""
+        self.scheduled.append(item)
+        self.num_batched_tokens += item.num_tokens
 
     @property
     def samples(self) -> list[tuple[SequenceGroup, Sequence, int]]:
@@ -62,11 +68,6 @@ class SchedulerOutput:
         return out
 
     @property
-    def num_batched_tokens(self) -> int:
-        """New tokens the step runs through the model."""
-        return sum(s.num_tokens for s in self.scheduled)
-
-    @property
     def num_prompt_tokens(self) -> int:
         """Prompt tokens the step computes (prefix-cache hits excluded)."""
         return sum(s.num_prompt_tokens for s in self.scheduled)
@@ -75,40 +76,3 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         """Whether the step has nothing to run and no block to move."""
         return not (self.scheduled or self.swap_out or self.swap_in or self.copies)
-
-
-@dataclass(eq=False)
-class StepBudget:
-    """Accumulates a step while the scheduler fills its token and sequence budgets."""
-
-    max_tokens: int
-    max_seqs: int
-    scheduled_seqs: list[ScheduledSeq] = field(default_factory=list)
-    scheduled: set[SequenceGroup] = field(default_factory=set)
-    preempted: list[SequenceGroup] = field(default_factory=list)
-    swap_out: list[CopyOp] = field(default_factory=list)
-    swap_in: list[CopyOp] = field(default_factory=list)
-    copies: list[CopyOp] = field(default_factory=list)
-    num_tokens: int = 0
-
-    @property
-    def tokens_left(self) -> int:
-        """Token budget not yet used."""
-        return self.max_tokens - self.num_tokens
-
-    @property
-    def num_seqs(self) -> int:
-        """Sequences scheduled so far."""
-        return len(self.scheduled_seqs)
-
-    def add(self, item: ScheduledSeq) -> None:
-        """Count a scheduled sequence against the budgets."""
-        self.scheduled_seqs.append(item)
-        self.scheduled.add(item.group)
-        self.num_tokens += item.num_tokens
-
-    def output(self, table_changes: list[TableEntry]) -> SchedulerOutput:
-        """Freeze the step, with the block tables' changes since the last one."""
-        return SchedulerOutput(
-            self.scheduled_seqs, self.swap_out, self.swap_in, self.copies, self.preempted, table_changes
-        )

@@ -41,7 +41,7 @@ from paged_kv.errors import (
     check_type,
     describe,
 )
-from scheduler.core.params import MAX_SAMPLES, SamplingParams
+from scheduler.core.params import MAX_SAMPLES, SamplingParams, per_prompt
 from scheduler.core.scheduler_output import SampledToken, SchedulerOutput
 from scheduler.core.sequence import Sequence, SequenceGroup
 from scheduler.engine.llm_engine import LLMEngine
@@ -260,18 +260,18 @@ class BeamSearch:
         engine = self.engine
         if engine.has_unfinished_requests():
             raise SequenceStateError(describe("engine", "busy", "an engine with no unfinished request"))
-        per_prompt = _per_prompt(params, len(prompts))
+        each = per_prompt(params, len(prompts), BeamSearchParams, "params")
         no_eos = frozenset()
-        eos = [frozenset(p.stop_token_ids) | (no_eos if p.ignore_eos else engine.scheduler.eos_token_ids) for p in per_prompt]
+        eos = [frozenset(p.stop_token_ids) | (no_eos if p.ignore_eos else engine.scheduler.eos_token_ids) for p in each]
         checked = []
-        for prompt, p, stops in zip(prompts, per_prompt, eos):
+        for prompt, p, stops in zip(prompts, each, eos):
             request_id = f"beam-search-{next(self._ids)}"
             checked.append((request_id, *engine.check_request(request_id, prompt, p.engine_params())))
             k = max(2, 1 + len(stops)) * p.width
             if k > engine.model.config.vocab_size:
                 raise InvalidArgumentError(describe("width", p.width, f"at most vocab_size / {k // p.width}"))
         requests = []
-        for (request_id, prompt, sp), p, stops in zip(checked, per_prompt, eos):
+        for (request_id, prompt, sp), p, stops in zip(checked, each, eos):
             group = engine.add_request(request_id, prompt, sp, fork_samples=False)  # the search forks its beams
             requests.append(_Request(group, p, stops))
         return requests
@@ -389,14 +389,3 @@ def _should_stop(req: _Request, running: torch.Tensor, length: int) -> bool:
     best_length = p.max_tokens if p.early_stopping == "never" and p.length_penalty > 0 else length
     best_possible = running[0] / (best_length**p.length_penalty)  # float32
     return not bool(best_possible > req.finished[-1].score)
-
-
-def _per_prompt(params: BeamSearchParams | Seq[BeamSearchParams] | None, n: int) -> list[BeamSearchParams]:
-    if params is None or isinstance(params, BeamSearchParams):
-        return [params or BeamSearchParams()] * n
-    if isinstance(params, (str, bytes)) or not isinstance(params, Seq):
-        raise InvalidArgumentError(describe("params", params, f"a BeamSearchParams or {n} of them (one per prompt)"))
-    params = list(params)
-    if len(params) != n or not all(isinstance(p, BeamSearchParams) for p in params):
-        raise InvalidArgumentError(describe("params", params, f"a BeamSearchParams or {n} of them (one per prompt)"))
-    return params

@@ -44,7 +44,7 @@ from paged_kv.kv_cache import KVCacheSpec, PagedKVCache
 from paged_kv.tokens import as_id_list
 from scheduler.core.config import EngineConfig
 from scheduler.core.outputs import RequestOutput
-from scheduler.core.params import SamplingParams
+from scheduler.core.params import SamplingParams, per_prompt
 from scheduler.core.scheduler import Scheduler
 from scheduler.core.scheduler_output import SampledToken, SchedulerOutput
 from scheduler.core.sequence import Sequence, SequenceGroup
@@ -242,7 +242,7 @@ class LLMEngine:
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Seq):
             raise InvalidArgumentError(describe("prompts", type(prompts).__name__, "a list of token id lists"))
         check_bool("use_tqdm", use_tqdm)
-        params = _per_prompt(sampling_params, len(prompts))
+        params = per_prompt(sampling_params, len(prompts), SamplingParams, "sampling_params")
         ids = [f"generate-{next(self._auto_ids)}" for _ in prompts]
         checked = [self.check_request(i, prompt, p) for i, prompt, p in zip(ids, prompts, params)]  # all or none
         for request_id, (prompt, p) in zip(ids, checked):
@@ -280,15 +280,6 @@ class LLMEngine:
         if group is None:
             raise UnknownSequenceError(describe("request_id", request_id, "the id of an unfinished request"))
         return group
-
-
-def _per_prompt(params: SamplingParams | Seq[SamplingParams] | None, n: int) -> list[SamplingParams]:
-    if params is None or isinstance(params, SamplingParams):
-        return [params or SamplingParams()] * n
-    params = list(params)
-    if len(params) != n:
-        raise InvalidArgumentError(describe("len(sampling_params)", len(params), f"{n} (one per prompt)"))
-    return params
 
 
 def _as_id_set(ids: int | Iterable[int] | None) -> frozenset[int]:

@@ -17,8 +17,8 @@ from tqdm.auto import tqdm
 from paged_kv.errors import InvalidArgumentError, check_bool, check_type, describe
 from paged_kv.tokens import as_id_list
 from scheduler.core.config import EngineConfig
-from scheduler.core.params import SamplingParams
-from scheduler.engine.llm_engine import LLMEngine, _per_prompt
+from scheduler.core.params import SamplingParams, per_prompt
+from scheduler.engine.llm_engine import LLMEngine
 from scheduler.entrypoints.output_processor import OutputProcessor, TextRequestOutput
 from scheduler.model.loader import LoadedModel, load_model
 
@@ -88,7 +88,7 @@ class LLM:
         return self._run(prompts, [None] * len(prompts), sampling_params, use_tqdm)
 
     def _run(self, prompts: list[list[int]], texts: list[str | None], sampling_params, use_tqdm: bool):
-        params = _per_prompt(sampling_params, len(prompts))
+        params = per_prompt(sampling_params, len(prompts), SamplingParams, "sampling_params")
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
         for rid, prompt, p in zip(ids, prompts, params):
             self.engine.check_request(rid, prompt, p)  # all or none
