@@ -176,7 +176,7 @@ class Scheduler:
                 continue
             plan = self._plan_running(group, self._tokens_left(step), len(step.scheduled))
             if plan and self._make_room(group, plan, step):
-                self._commit([(group, plan)], step)
+                self._commit(group, plan, step)
 
     def _commit_all(self, groups: list[SequenceGroup], step: SchedulerOutput) -> bool:
         """Commit every group's plan with one ``append_all`` if the pool holds them all; else change nothing.
@@ -190,10 +190,14 @@ class Scheduler:
             plan = self._plan_running(group, left, num_seqs)
             plans.append((group, plan))
             left, num_seqs = left - sum(n for _, n in plan), num_seqs + len(plan)
+        requests = [(s.seq_id, s.token_ids[s.num_computed : s.num_computed + n]) for _, p in plans for s, n in p]
         try:
-            self._commit(plans, step)
+            step.copies += self.bm.append_all(requests)
         except OutOfBlocksError:
             return False
+        for group, plan in plans:
+            for seq, n in plan:
+                self._scheduled(step, group, seq, seq.num_computed, n)
         return True
 
     def _plan_running(self, group: SequenceGroup, tokens_left: int, num_seqs: int) -> list[tuple[Sequence, int]]:
@@ -226,13 +230,11 @@ class Scheduler:
         """Whether the pool holds the blocks ``append`` will take for ``plan`` (new blocks and copy-on-write copies)."""
         return self.bm.can_append_all((seq.seq_id, n) for seq, n in plan)
 
-    def _commit(self, plans: list[tuple[SequenceGroup, list[tuple[Sequence, int]]]], step: SchedulerOutput) -> None:
-        """Record the plans' tokens with the block manager, all or nothing (OutOfBlocksError), and schedule them."""
-        requests = [(s.seq_id, s.token_ids[s.num_computed : s.num_computed + n]) for _, p in plans for s, n in p]
-        step.copies += self.bm.append_all(requests)
-        for group, plan in plans:
-            for seq, n in plan:
-                self._scheduled(step, group, seq, seq.num_computed, n)
+    def _commit(self, group: SequenceGroup, plan: list[tuple[Sequence, int]], step: SchedulerOutput) -> None:
+        for seq, n in plan:
+            start = seq.num_computed
+            step.copies += self.bm.append(seq.seq_id, seq.token_ids[start : start + n])
+            self._scheduled(step, group, seq, start, n)
 
     def _scheduled(self, step: SchedulerOutput, group: SequenceGroup, seq: Sequence, start: int, n: int) -> None:
         """Count ``n`` recorded tokens of ``seq`` in the step; at its first sample, fork the group's other samples."""
@@ -298,7 +300,7 @@ class Scheduler:
             self.running.append(group)
             plan = self._plan_running(group, self._tokens_left(step), len(step.scheduled))
             if plan and self._fits(plan):
-                self._commit([(group, plan)], step)
+                self._commit(group, plan, step)
 
     def _schedule_waiting(self, step: SchedulerOutput) -> None:
         while self.waiting and self._fits_seqs(self.waiting[0]):
