@@ -204,7 +204,7 @@ class BlockManager(PositionalEdits):
 
     def allocate(
         self, seq_id: SeqId, token_ids: Tokens, *, cache_salt: str | None = None, hashes: BlockHashes | None = None,
-        num_lookahead_slots: int = 0,
+        num_lookahead_slots: int = 0, num_queried: int | None = None,
     ) -> int:
         """Give a new sequence blocks for its prompt; return how many leading tokens were cached.
 
@@ -215,13 +215,17 @@ class BlockManager(PositionalEdits):
         ids, and may cover more). It is extended only where it does not cover them, and the
         manager keeps it, extending it as the sequence grows: kept across preemption, no block
         is hashed twice. One object per live sequence: sequences that may diverge (samples of
-        one prompt) each take their own (``copy()`` hashes nothing). Raises OutOfBlocksError
-        (nothing changed) when the blocks do not fit.
+        one prompt) each take their own (``copy()`` hashes nothing). ``num_queried``: the tokens
+        the hit rate counts as looked up (default: those allocated); a caller allocating the
+        first chunk of a longer prompt passes the whole prompt, whose hits the chunk holds.
+        Raises OutOfBlocksError (nothing changed) when the blocks do not fit.
         """
         self._check_new_id("seq_id", seq_id)
         check_int("num_lookahead_slots", num_lookahead_slots, low=0, high=1 << 20)
         ids = as_token_array("token_ids", token_ids)
-        n, h, gpu = _count(ids, token_ids), self._stream(ids, cache_salt, hashes), self.gpu
+        n = _count(ids, token_ids)
+        queried = n if num_queried is None else check_int("num_queried", num_queried, low=n, high=1 << 40)
+        h, gpu = self._stream(ids, cache_salt, hashes), self.gpu
         hits = self._hits_of(h, n)
         num_new = self._blocks_for(n + num_lookahead_slots) - len(hits)
         num_revived = gpu.count_evictable(hits)
@@ -236,7 +240,7 @@ class BlockManager(PositionalEdits):
         if h is not None:
             self._grow(seq, ids, len(hits))
         if ids is not None:
-            self._hits.record(n, len(hits) * self.block_size)
+            self._hits.record(queried, len(hits) * self.block_size)
         return len(hits) * self.block_size
 
     def _stream(self, ids: array | None, cache_salt: str | None, hashes: BlockHashes | None) -> BlockHashes | None:
@@ -621,6 +625,7 @@ class BlockManager(PositionalEdits):
             num_cached=gpu.num_cached, num_evictable=gpu.num_evictable,
             num_cpu_used=self.cpu.num_used, num_sequences=len(self._seqs),
             hit_rate=self._hits.lifetime_rate(), hit_rate_since_reset=self._hits.rate(),
+            num_queried_tokens=self._hits.total_queried, num_hit_tokens=self._hits.total_hits,
             fragmentation=self._fragmentation(), num_cow_copies=self.num_cow_copies,
             num_evictions=gpu.num_evictions,
         )

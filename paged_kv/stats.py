@@ -18,6 +18,8 @@ class BlockManagerStats:
     num_sequences: int
     hit_rate: float
     hit_rate_since_reset: float
+    num_queried_tokens: int  # prompt tokens looked up in the prefix cache, over the manager's life
+    num_hit_tokens: int  # of those, tokens found cached
     fragmentation: float
     num_cow_copies: int
     num_evictions: int

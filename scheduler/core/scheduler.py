@@ -312,7 +312,9 @@ class Scheduler:
             salt = group.params.cache_salt
             for seq, cached, n in plan:
                 ids = seq.token_ids[: cached + n]
-                start = self.bm.allocate(seq.seq_id, ids, cache_salt=salt, hashes=seq.block_hashes)  # >= cached
+                looked_up = seq.num_computed + _num_to_compute(group, seq)  # the whole prompt, once per admission
+                start = self.bm.allocate(seq.seq_id, ids, cache_salt=salt, hashes=seq.block_hashes,
+                                         num_queried=looked_up)  # >= cached  # fmt: skip
                 self._scheduled(step, group, seq, start, cached + n - start)
             group.set_status(SequenceStatus.RUNNING)
             self.running.append(group)

@@ -777,6 +777,17 @@ def test_stats_hit_rates_lifetime_and_since_reset():
     assert m.stats().hit_rate == 16 / 36
 
 
+def test_a_first_chunk_counts_its_whole_prompt_as_looked_up():
+    m = make(num_blocks=16)
+    prompt = list(range(17))
+    m.allocate("a", prompt)  # registers 4 full blocks
+    assert m.allocate("b", prompt[:9], num_queried=17) == 8  # a chunk of the prompt: 2 blocks hit
+    m.allocate("c", prompt[:5])  # another caller: the tokens allocated are the lookup
+    s = m.stats()
+    assert (s.num_queried_tokens, s.num_hit_tokens) == (17 + 17 + 5, 8 + 4)
+    assert s.hit_rate == 12 / 39
+
+
 def test_stats_evictions_and_cow_counts():
     m = make(num_blocks=2)
     m.allocate("a", [1, 2, 3, 4, 5])
