@@ -13,7 +13,7 @@ class CompletionOutput:
 
     index: int
     token_ids: list[int]  # a stop token / EOS that ended the sample is its last token
-    finish_reason: str | None  # "stop", "length", "abort", or None while running
+    finish_reason: str | None  # "stop", "length", "abort", "error", or None while running
     cumulative_logprob: float
     logprobs: list[float]  # log-probability of each output token under the model
     top_logprobs: list[dict[int, float]]  # per output token, when SamplingParams.logprobs > 0
@@ -31,6 +31,7 @@ class RequestOutput:
     first_token_time: float | None
     finish_time: float | None
     num_preemptions: int
+    error: str | None = None  # why the request failed alone (its samples' finish reason is "error"), else None
 
     @classmethod
     def from_group(cls, group: SequenceGroup) -> RequestOutput:

@@ -81,8 +81,8 @@ class Scheduler:
         """A request's block hashes, kept with it and grown by the block manager (None: no prefix caching)."""
         return BlockHashes(self.bm.block_size, cache_salt=cache_salt) if self.bm.config.enable_prefix_caching else None
 
-    def abort(self, request_id: str, now: float | None = None) -> SequenceGroup:
-        """Stop a request now: every unfinished sequence ends with "abort" and frees its blocks."""
+    def abort(self, request_id: str, now: float | None = None, reason: str = "abort") -> SequenceGroup:
+        """Stop a request now: every unfinished sequence ends with ``reason`` and frees its blocks."""
         group = self.requests.pop(request_id, None) if isinstance(request_id, str) else None
         if group is None:
             raise UnknownSequenceError(describe("request_id", request_id, "the id of an unfinished request"))
@@ -91,7 +91,7 @@ class Scheduler:
                 queue.remove(group)
         now = time.perf_counter() if now is None else now
         for seq in group.unfinished():
-            self.finish(seq, "abort", now)
+            self.finish(seq, reason, now)
         group.finish_time = now
         return group
 
@@ -122,16 +122,32 @@ class Scheduler:
             self.bm.free(seq.seq_id)
 
     # -- after a step -----------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, sampled: list[SampledToken]) -> list[SequenceGroup]:
-        """Append the tokens chosen after ``out``, end the samples they stop, retire finished groups; return those."""
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: list[SampledToken], failed: dict[SequenceGroup, Exception] | None = None
+    ) -> list[SequenceGroup]:
+        """Append the tokens chosen after ``out``, end the samples they stop, retire finished groups; return those.
+
+        With ``failed``, a token whose bookkeeping raises fails its request alone: the exception
+        goes into ``failed``, the request's later tokens are skipped, and the caller aborts it.
+        """
         now = time.perf_counter()
         for t in sampled:
-            t.seq.append_token(t.token_id, t.logprob, t.top_logprobs)
-            t.group.first_token_time = t.group.first_token_time or now
-            reason = self._stop_reason(t.group.params, t.seq, t.token_id)
-            if reason is not None:
-                self.finish(t.seq, reason, now)
+            if failed is None:
+                self._record(t, now)
+            elif t.group not in failed:
+                try:
+                    self._record(t, now)
+                except Exception as e:
+                    failed[t.group] = e
         return self._retire_finished()
+
+    def _record(self, t: SampledToken, now: float) -> None:
+        """Append one sampled token and apply the stop conditions to its sequence."""
+        t.seq.append_token(t.token_id, t.logprob, t.top_logprobs)
+        t.group.first_token_time = t.group.first_token_time or now
+        reason = self._stop_reason(t.group.params, t.seq, t.token_id)
+        if reason is not None:
+            self.finish(t.seq, reason, now)
 
     def _stop_reason(self, params: SamplingParams, seq: Sequence, token_id: int) -> str | None:
         """"stop" for a stop token (or EOS unless ignored), "length" at ``max_tokens``, else None."""

@@ -7,6 +7,9 @@ One step is four calls, each owned by one module::
     sampled = select(out, logits)                       # runner/sampler.py (or a beam search's own selection)
     finished = scheduler.update_from_output(out, sampled)  # append, stop, free, retire
 
+A request's own failure (its sampling, its token's bookkeeping) fails it alone; a failure of
+the step itself aborts every live request (:mod:`scheduler.engine.faults`).
+
 The scheduler and the block manager live here, in the driver; the runner gets the step's
 decisions, builds device inputs on the host, and the only device->host transfer of a step is
 the sampled tokens. On CUDA, decode steps replay captured graphs
@@ -21,6 +24,7 @@ each step's payload to the workers before running its forward with them. Call
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -49,6 +53,7 @@ from scheduler.core.scheduler import Scheduler
 from scheduler.core.scheduler_output import SampledToken, SchedulerOutput
 from scheduler.core.sequence import Sequence, SequenceGroup
 from scheduler.distributed.parallel_state import TPShard
+from scheduler.engine.faults import Failure, isolate, restoring
 from scheduler.engine.metrics import EngineMetrics, MetricsSummary
 from scheduler.engine.request_checks import check_prompt, check_request_fits
 from scheduler.model.llama import LlamaModel
@@ -174,6 +179,20 @@ class LLMEngine:
         """Stop a request now and free its blocks; returns what it had generated."""
         return RequestOutput.from_group(self.scheduler.abort(request_id))
 
+    def fail(self, request_id: str, error: str) -> RequestOutput:
+        """Abort a request that failed outside the engine (its text layer): unfinished samples end with "error",
+        blocks freed; returns its output with ``error`` set."""
+        group = self._live(request_id)
+        if not (isinstance(error, str) and error):
+            raise InvalidArgumentError(describe("error", error, "a non-empty str"))
+        return self._failed(group, error)
+
+    def _failed(self, group: SequenceGroup, error: str) -> RequestOutput:
+        """Abort ``group`` (if still live) with reason "error"; its output with ``error``."""
+        if group.request_id in self.scheduler.requests:
+            self.scheduler.abort(group.request_id, reason="error")
+        return dataclasses.replace(RequestOutput.from_group(group), error=error)
+
     def stop_samples(self, request_id: str, indices: Iterable[int], reason: str = "stop") -> None:
         """End some samples of a live request now and free their blocks (a text layer matched a stop string)."""
         group = self._live(request_id)
@@ -191,32 +210,81 @@ class LLMEngine:
 
     # -- the loop ---------------------------------------------------------
     def step(self, select: Selector | None = None) -> list[RequestOutput]:
-        """Run one continuous-batching step; return the requests that finished in it.
+        """Run one continuous-batching step; return the requests that finished in it, or failed.
 
         ``select`` replaces sampling: given the step and its logits (one row per entry of
         ``out.samples``) it returns the chosen tokens, and may fork and finish sequences through
         the scheduler first (a beam search does).
+
+        A request whose sampling or token bookkeeping raises is aborted alone (blocks freed) and
+        returned with ``error`` set and its unfinished samples' finish reason "error"; the others
+        get the tokens they would have had without it. Anything else that raises (scheduling, the
+        model step, a ``select`` hook) aborts every live request first, logs the cause and propagates.
         """
         if select is not None and not callable(select):
             raise InvalidArgumentError(describe("select", select, "None or a callable (out, logits) -> tokens"))
         start = time.perf_counter()
-        out = self.scheduler.schedule()
-        logits = self.runner.run(out)  # [R, vocab]
-        sampled = (select or self.sample)(out, logits)
-        finished = self.scheduler.update_from_output(out, sampled)
+        failures: dict[SequenceGroup, Failure] = {}
+        try:
+            out = self.scheduler.schedule()
+            logits = self.runner.run(out)  # [R, vocab]
+            sampled = select(out, logits) if select is not None else self._sample_each(out, logits, failures)
+            finished = self._update_each(out, sampled, failures)
+        except BaseException as e:
+            self._abort_all(e)
+            raise
         usage = self.block_manager.usage
-        self.metrics.record_step(start, out.num_prompt_tokens, len(sampled), len(out.scheduled), usage)
-        return [self._retire(group) for group in finished]
+        self.metrics.record_step(start, out, len(sampled), usage)
+        failed = [self._failed(g, f.describe()) for g, f in failures.items()]
+        return [self._retire(group) for group in finished if group not in failures] + failed
+
+    def _sample_each(self, out: SchedulerOutput, logits: torch.Tensor,
+                     failures: dict[SequenceGroup, Failure]) -> list[SampledToken]:  # fmt: skip
+        """Sample the step; a request whose rows fail (found by halving the batch) goes into ``failures``."""
+        errors: dict[SequenceGroup, BaseException] = {}
+        sampled = isolate(out.samples, lambda samples: self._draw(samples, logits), lambda s: s[0], errors)
+        self._note_failures(failures, "sampling", errors)
+        return sampled
+
+    def _update_each(self, out: SchedulerOutput, sampled: list[SampledToken],
+                     failures: dict[SequenceGroup, Failure]) -> list[SequenceGroup]:  # fmt: skip
+        """Record the tokens; a request whose bookkeeping raises goes into ``failures``."""
+        errors: dict[SequenceGroup, Exception] = {}
+        finished = self.scheduler.update_from_output(out, sampled, errors)
+        self._note_failures(failures, "token bookkeeping", errors)
+        return finished
+
+    @staticmethod
+    def _note_failures(failures: dict[SequenceGroup, Failure], phase: str,
+                       errors: dict[SequenceGroup, BaseException]) -> None:  # fmt: skip
+        for group, error in errors.items():
+            failures[group] = failure = Failure(phase, error)
+            logger.error("request %s failed and is aborted alone: %s", group.request_id, failure.describe(),
+                         exc_info=error)  # fmt: skip
+
+    def _abort_all(self, cause: BaseException) -> None:
+        """After a failed step: abort every live request (reason "error"), logging the cause."""
+        ids = list(self.scheduler.requests)
+        logger.error("engine step failed (%s: %s); aborting all %d live requests", type(cause).__name__, cause,
+                     len(ids), exc_info=cause)  # fmt: skip
+        for request_id in ids:
+            try:
+                self.scheduler.abort(request_id, reason="error")
+            except Exception:  # the request is gone from the scheduler; keep freeing the others
+                logger.exception("freeing %s after the failed step failed", request_id)
 
     def sample(self, out: SchedulerOutput, logits: torch.Tensor) -> list[SampledToken]:
         """Sample every sequence that reached its last token (forked samples draw from their parent's row)."""
-        samples = out.samples
-        if not samples:
-            return []
+        return self._draw(out.samples, logits) if out.samples else []
+
+    def _draw(self, samples: list[tuple[SequenceGroup, Sequence, int]], logits: torch.Tensor) -> list[SampledToken]:
+        """Sample these entries of ``out.samples`` (any subset); seeded generators are untouched if it raises."""
         rows = [row for _, _, row in samples]
         if rows != list(range(logits.shape[0])):
             logits = logits[torch.tensor(rows).to(logits.device, non_blocking=True)]
-        result = sample(logits, [g.params for g, _, _ in samples], [self._generator(g, s) for g, s, _ in samples])
+        generators = [self._generator(g, s) for g, s, _ in samples]
+        with restoring(generators):
+            result = sample(logits, [g.params for g, _, _ in samples], generators)
         chosen = zip(result.token_ids, result.logprobs, result.top_logprobs)
         return [SampledToken(g, s, *c) for (g, s, _), c in zip(samples, chosen)]
 

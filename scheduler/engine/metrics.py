@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from paged_kv.stats import BlockManagerStats
+from scheduler.core.scheduler_output import SchedulerOutput
 from scheduler.core.sequence import SequenceGroup
 
 _SPARK = " ▁▂▃▄▅▆▇█"
@@ -23,6 +24,7 @@ class StepRecord:
     num_generated_tokens: int  # tokens sampled
     num_seqs: int
     kv_usage: float  # fraction of GPU blocks referenced after the step
+    num_batched_tokens: int  # tokens run through the model: prefill chunks and decode tokens
 
 
 @dataclass
@@ -35,11 +37,13 @@ class EngineMetrics:
     num_prompt_tokens: int = 0  # prompt lengths of finished requests
     start_time: float | None = None
 
-    def record_step(self, start: float, prompt_tokens: int, generated: int, num_seqs: int, usage: float) -> None:
-        """Add one step."""
+    def record_step(self, start: float, out: SchedulerOutput, generated: int, usage: float) -> None:
+        """Add one step: its output ``out``, ``generated`` tokens sampled, the pool's usage after it."""
         end = time.perf_counter()
         self.start_time = start if self.start_time is None else self.start_time
-        self.steps.append(StepRecord(end, end - start, prompt_tokens, generated, num_seqs, usage))
+        record = StepRecord(end, end - start, out.num_prompt_tokens, generated, len(out.scheduled), usage,
+                            out.num_batched_tokens)  # fmt: skip
+        self.steps.append(record)
 
     def record_finished(self, group: SequenceGroup) -> None:
         """Add a finished request's time to first token and per-token times."""

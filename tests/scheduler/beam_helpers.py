@@ -31,11 +31,3 @@ def assert_same_beams(output, ref_seqs, ref_scores, ref_steps):
     assert [h.token_ids for h in output.hypotheses] == ref_seqs
     assert [h.score for h in output.hypotheses] == pytest.approx(ref_scores, rel=1e-5, abs=1e-5)
     assert output.num_steps == ref_steps
-
-
-def assert_all_freed(engine):
-    """Nothing is left referenced: every block is free or only cached."""
-    stats = engine.block_manager.stats()
-    assert stats.num_used == 0 and stats.num_sequences == 0
-    engine.block_manager.check()
-    assert not engine.has_unfinished_requests()

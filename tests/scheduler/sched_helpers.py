@@ -39,3 +39,11 @@ def make_engine(
         distributed_timeout_s=30.0,
     )  # fmt: skip
     return LLMEngine.from_hf(hf_model, config)
+
+
+def assert_all_freed(engine):
+    """Nothing is left referenced: every block is free or only cached."""
+    stats = engine.block_manager.stats()
+    assert stats.num_used == 0 and stats.num_sequences == 0
+    engine.block_manager.check()
+    assert not engine.has_unfinished_requests()

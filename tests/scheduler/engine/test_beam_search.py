@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-from beam_helpers import NEW, WIDTH, assert_all_freed, assert_same_beams, hf_beams
-from sched_helpers import VOCAB, make_engine
+from beam_helpers import NEW, WIDTH, assert_same_beams, hf_beams
+from sched_helpers import VOCAB, assert_all_freed, make_engine
 from torch.overrides import TorchFunctionMode
 
 import scheduler.engine.beam_search as beam_search

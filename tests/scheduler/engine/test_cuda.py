@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 from backend_device import needs_cuda
-from beam_helpers import NEW, WIDTH, assert_all_freed, assert_same_beams, hf_beams
-from sched_helpers import VOCAB, make_engine
+from beam_helpers import NEW, WIDTH, assert_same_beams, hf_beams
+from sched_helpers import VOCAB, assert_all_freed, make_engine
 
 import scheduler.entrypoints.main_job as main_job
 from scheduler import SamplingParams
