@@ -67,7 +67,12 @@ class LLM:
     def generate(
         self, prompts: Prompt | Sequence[Prompt], sampling_params: Params = None, *, use_tqdm: bool = False
     ) -> list[TextRequestOutput]:  # fmt: skip
-        """Complete every prompt (strings or token id lists); outputs in prompt order, with ``.text``."""
+        """Complete every prompt (strings or token id lists); outputs in prompt order, with ``.text``.
+
+        A request that fails on its own (its sampling or detokenization raised) comes back with
+        ``.error`` set and finish reason "error" on its unfinished samples; the others are not
+        affected. A failure of the model step itself raises (every request was aborted).
+        """
         check_bool("use_tqdm", use_tqdm)
         if isinstance(prompts, bytes) or not isinstance(prompts, (str, Sequence)) or not prompts:
             raise InvalidArgumentError(describe("prompts", type(prompts).__name__, "a prompt or a non-empty list"))

@@ -6,17 +6,25 @@ reads each live request's samples, detokenizes the new tokens, ends samples
 at a stop string (aborting the request in the engine once every sample has
 stopped, so its blocks are freed at once) and returns what each stream may
 release. Text that could still turn into a stop string is held back.
+
+A request whose own failure the engine reports (``RequestOutput.error``), or whose
+detokenization or stop-string check raises here, ends alone with ``error`` set (blocks freed);
+a failed engine step propagates, and every request is dropped (the engine aborted them all).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from paged_kv.errors import UnknownSequenceError
 from scheduler.core.outputs import CompletionOutput, RequestOutput
 from scheduler.core.params import SamplingParams
 from scheduler.engine.llm_engine import LLMEngine
 from scheduler.entrypoints.detokenizer import IncrementalDetokenizer, find_stop, holdback
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,6 +69,7 @@ class TextRequestOutput:
     arrival_time: float
     first_token_time: float | None
     finish_time: float | None
+    error: str | None = None  # why the request failed alone (its unfinished samples end with "error")
 
 
 @dataclass
@@ -90,6 +99,7 @@ class TextRequest:
         self.tokenizer = tokenizer
         self.samples: dict[int, _Sample] = {}
         self.last: RequestOutput | None = None
+        self.error: str | None = None
 
     @property
     def all_stopped(self) -> bool:
@@ -98,7 +108,7 @@ class TextRequest:
 
     def update(self, out: RequestOutput) -> list[SampleDelta]:
         """Consume an engine snapshot; return a delta for every sample that produced tokens or finished."""
-        self.last = out
+        self.last, self.error = out, out.error
         deltas = []
         for o in out.outputs:
             sample = self.samples.get(o.index)
@@ -131,6 +141,12 @@ class TextRequest:
             finish_reason=s.finish_reason, stop_reason=s.stop_reason,
         )  # fmt: skip
 
+    def fail(self, error: str) -> None:
+        """End the request with ``error``: its unfinished samples finish with "error"."""
+        self.error = error
+        for s in self.samples.values():
+            s.finish_reason = s.finish_reason or "error"
+
     def result(self) -> TextRequestOutput:
         """The request's final text outputs."""
         last = self.last
@@ -145,6 +161,7 @@ class TextRequest:
             request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
             outputs=outputs, arrival_time=last.arrival_time if last else 0.0,
             first_token_time=last.first_token_time if last else None, finish_time=last.finish_time if last else None,
+            error=self.error,
         )  # fmt: skip
 
 
@@ -176,22 +193,49 @@ class OutputProcessor:
         return bool(self.requests)
 
     def step(self) -> list[tuple[TextRequest, list[SampleDelta], bool]]:
-        """One engine step; (request, its deltas, whether it is done) for every request that changed."""
-        finished = {o.request_id: o for o in self.engine.step()}
+        """One engine step; (request, its deltas, whether it is done) for every request that changed.
+
+        A request whose text processing raises is failed alone: no deltas, done, ``error`` set.
+        """
+        try:
+            finished = {o.request_id: o for o in self.engine.step()}
+        except BaseException:  # the engine aborted every request
+            self.requests.clear()
+            raise
         changed = []
         for rid, req in list(self.requests.items()):
             out = finished.get(rid) or self.engine.request_output(rid)
-            deltas = req.update(out)
-            done = out.finished or req.all_stopped
-            if not done:
-                self._finish_stopped_samples(req, deltas)
-            if done:
-                del self.requests[rid]
-                if not out.finished:  # every sample hit a stop string: free its blocks now
-                    req.last = self.engine.abort(rid)
+            try:
+                deltas, done = self._update(req, out)
+            except Exception as e:
+                deltas, done = [], self._fail(req, e)
             if deltas or done:
                 changed.append((req, deltas, done))
         return changed
+
+    def _update(self, req: TextRequest, out: RequestOutput) -> tuple[list[SampleDelta], bool]:
+        """Detokenize one request's new tokens and apply its stop strings; (its deltas, whether it is done)."""
+        deltas = req.update(out)
+        done = out.finished or req.all_stopped
+        if not done:
+            self._finish_stopped_samples(req, deltas)
+        if done:
+            del self.requests[req.request_id]
+            if not out.finished:  # every sample hit a stop string: free its blocks now
+                req.last = self.engine.abort(req.request_id)
+        return deltas, done
+
+    def _fail(self, req: TextRequest, error: Exception) -> bool:
+        """Fail a request whose text processing raised: abort it in the engine ("error"), keep the error."""
+        message = f"detokenization failed: {type(error).__name__}: {error}"
+        logger.error("request %s failed and is aborted alone: %s", req.request_id, message, exc_info=error)
+        self.requests.pop(req.request_id, None)
+        try:
+            req.last = self.engine.fail(req.request_id, message)
+        except UnknownSequenceError:  # it finished in the engine this step: its blocks are already freed
+            pass
+        req.fail(message)
+        return True
 
     def _finish_stopped_samples(self, req: TextRequest, deltas: list[SampleDelta]) -> None:
         """Free the blocks of samples a stop string just ended while their siblings run on (``n > 1``)."""
