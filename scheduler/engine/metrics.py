@@ -27,6 +27,24 @@ class StepRecord:
     num_batched_tokens: int  # tokens run through the model: prefill chunks and decode tokens
 
 
+@dataclass(frozen=True)
+class RequestTimes:
+    """A request's phases in seconds, from the engine's timestamps (vLLM's intervals: first scheduling counts)."""
+
+    queue: float  # arrival -> first scheduled
+    prefill: float  # first scheduled -> first token
+    decode: float  # first token -> end (its last token, or the stop string / abort after it)
+    inference: float  # first scheduled -> end
+
+    @classmethod
+    def of(cls, group: SequenceGroup) -> RequestTimes | None:
+        """The phases of a finished request; None if it never produced a token."""
+        scheduled, first, end = group.first_scheduled_time, group.first_token_time, group.finish_time
+        if scheduled is None or first is None or end is None:
+            return None
+        return cls(scheduled - group.arrival_time, first - scheduled, end - first, end - scheduled)
+
+
 @dataclass
 class EngineMetrics:
     """Accumulates step records and per-request latencies over a run."""

@@ -83,7 +83,8 @@ def entries() -> list[Entry]:
         Entry("paged_kv.BlockManager.allocate", "allocate", {
             "seq_id": Arg("new_seq_id", "n", bad={BAD_ID: [["l"], "a", "s"]}), "token_ids": Arg("ids", [0, 1, 2]),
             "cache_salt": Arg("opt_str", None), "hashes": Arg("obj", lambda: stream(2), bad=OTHER_STREAMS),
-            "num_lookahead_slots": Arg("int", 0), "num_queried": Arg("opt_int", 5, bad={OUT_OF_RANGE: [2, -1, 1 << 62]})}, m),
+            "num_lookahead_slots": Arg("int", 0),
+            "num_queried": Arg("opt_int", 5, bad={OUT_OF_RANGE: [2, -1, 1 << 62]})}, m),  # at least the 3 tokens
         Entry("paged_kv.BlockManager.append", "append", {
             "seq_id": Arg("seq_id", "a", bad={BAD_ID: [["l"], "zz", "s"]}), "token_ids": Arg("ids", [7]),
             "num_lookahead_slots": Arg("int", 0)}, m),

@@ -217,6 +217,9 @@ def _rows() -> list[Entry]:
             "use_tqdm": Arg("bool", False)}, tiny_llm),
         Entry("scheduler.LLMEngine.abort", "abort",
             {"request_id": Arg("obj", "r0", bad={BAD_ID: ["zz", ["r0"], None]})}, engine),
+        Entry("scheduler.LLMEngine.fail", "fail", {
+            "request_id": Arg("obj", "r0", bad={BAD_ID: ["zz", ["r0"], None]}),
+            "error": Arg("obj", "detokenization failed", bad={WRONG_TYPE: [None, 3, ""]})}, engine),
         Entry("scheduler.LLMEngine.generate", "generate", {
             "prompts": Arg("obj", [[1, 2]], bad={WRONG_TYPE: [None, "ab", iter([[1]]), [5]], BOOL_FOR_INT: [[[True]]],
                                                 NONINTEGRAL: [[[1.5]]], OUT_OF_RANGE: [[[1], [-1]], [[99]]]}),

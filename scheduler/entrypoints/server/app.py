@@ -35,7 +35,8 @@ class ModelNotFound(InvalidArgumentError):
 
 def build_app(llm: LLM, *, max_in_flight: int = 256, model_names: tuple[str, ...] = ()) -> FastAPI:
     """The app serving ``llm``'s model from one engine thread, named ``model_names[0]`` (default: its own name)."""
-    engine = AsyncEngine(llm.engine, llm.tokenizer, max_in_flight=max_in_flight)
+    names = (*model_names, llm.model_name)
+    engine = AsyncEngine(llm.engine, llm.tokenizer, max_in_flight=max_in_flight, model_name=names[0])
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -46,7 +47,6 @@ def build_app(llm: LLM, *, max_in_flight: int = 256, model_names: tuple[str, ...
 
     app = FastAPI(title="paged-kv", lifespan=lifespan)
     app.state.engine, app.state.llm = engine, llm
-    names = (*model_names, llm.model_name)
     _add_error_handlers(app)
 
     def check_model(name: str) -> None:

@@ -5,6 +5,11 @@ thread-safe queue; the worker thread applies them between steps, runs
 ``engine.step``, detokenizes through an :class:`OutputProcessor` and hands
 each request's deltas back to its handler's asyncio queue with
 ``call_soon_threadsafe``. Only the worker thread touches the engine.
+
+A request that fails on its own (its sampling, its detokenization: see
+:mod:`scheduler.engine.faults`) gets an error event (:class:`RequestFailed`, a 500 or a stream's
+error event) while the others are served on; a failed engine step aborted every request, and
+each gets an error event naming the cause.
 """
 
 from __future__ import annotations
@@ -16,13 +21,21 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from scheduler.core.params import SamplingParams
+from scheduler.core.sequence import SequenceGroup
 from scheduler.engine.llm_engine import LLMEngine
+from scheduler.engine.metrics import RequestTimes
 from scheduler.engine.request_checks import check_prompt, check_request_fits
-from scheduler.entrypoints.output_processor import OutputProcessor, SampleDelta, TextRequest, TextRequestOutput
-from scheduler.entrypoints.server.metrics import EngineSnapshot, ServerMetrics
+from scheduler.entrypoints.output_processor import (
+    OutputProcessor,
+    SampleDelta,
+    TextCompletion,
+    TextRequest,
+    TextRequestOutput,
+)
+from scheduler.entrypoints.server.metrics import EngineSnapshot, FinishedRequest, ServerMetrics
 
 log = logging.getLogger("paged_kv.server")
 _STOP = object()
@@ -31,6 +44,10 @@ SNAPSHOT_INTERVAL_S = 0.1  # how stale /metrics gauges may be while the engine i
 
 class Overloaded(Exception):
     """The server holds as many requests as it may; the client should retry later."""
+
+
+class RequestFailed(RuntimeError):
+    """The request failed on its own inside the engine (answered with a 500 or a stream's error event)."""
 
 
 @dataclass(frozen=True)
@@ -45,23 +62,26 @@ class Event:
 
 @dataclass
 class _Live:
-    """Worker-side state of a request: where its events go and its timings."""
+    """Worker-side state of a request: where its events go, its engine group and its timings."""
 
     sink: Callable[[Event], None]
     key: int
     arrival: float
+    group: SequenceGroup | None = None
     first_token: float | None = None
+    last_token: dict[int, float] = field(default_factory=dict)  # per sample: when its latest tokens came
 
 
 class AsyncEngine:
     """Serves concurrent requests from one engine stepped by one worker thread."""
 
-    def __init__(self, engine: LLMEngine, tokenizer, *, max_in_flight: int = 256,
-                 metrics: ServerMetrics | None = None) -> None:  # fmt: skip
+    def __init__(self, engine: LLMEngine, tokenizer, *, max_in_flight: int = 256, metrics: ServerMetrics | None = None,
+                 model_name: str = "paged-kv") -> None:  # fmt: skip
+        """``model_name``: the served name, the ``model_name`` label of the metrics made here (unless ``metrics``)."""
         self.engine = engine
         self.processor = OutputProcessor(engine, tokenizer)
         self.max_in_flight = max_in_flight
-        self.metrics = metrics or ServerMetrics()
+        self.metrics = metrics or ServerMetrics(model_name, engine.model.config.max_position_embeddings)
         self.num_in_flight = 0  # requests admitted and not yet done; event-loop thread only
         self.num_aborted = 0  # requests aborted by their client; worker thread only
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -142,8 +162,9 @@ class AsyncEngine:
                     return
                 self._apply(command)
             if self.processor.has_unfinished():
-                self._step()
-            self._snapshot()
+                self._step()  # publishes the gauges itself
+            else:
+                self._snapshot()
 
     def _snapshot(self) -> None:
         """Publish the engine's gauges: when idle, else at most every SNAPSHOT_INTERVAL_S (stats cost O(blocks))."""
@@ -160,49 +181,85 @@ class AsyncEngine:
             except Exception as e:  # PagedKVError: a bad request (400); anything else: a bug, still answered
                 _send(live, Event(live.key, [], error=e))
                 return
+            live.group = self.engine.scheduler.requests[rid]  # its timestamps, for the metrics
             self._live[rid] = live
         elif command[1] in self._live:  # abort of a request still running
-            self._live.pop(command[1])
+            live = self._live.pop(command[1])
             try:
-                self.processor.abort(command[1])
+                req = self.processor.abort(command[1])
             except Exception:  # a bug; the loop must keep serving the others
                 log.exception("abort of %s failed", command[1])
+                req = None
+            self._record(live, _outputs(req), time.perf_counter(), "abort")
             self.num_aborted += 1
 
     def _step(self) -> None:
         try:
             changed = self.processor.step()
-        except Exception as e:  # an engine bug: fail every live request, keep serving
-            log.exception("engine step failed")
-            self._abort_all(RuntimeError(f"engine step failed: {e}"))
+        except Exception as e:  # the engine aborted every request (it logged the cause): fail them all
+            log.error("engine step failed, every live request aborted: %s: %s", type(e).__name__, e)
+            self._abort_all(RuntimeError(f"engine step failed, every request aborted: {type(e).__name__}: {e}"))
+            self._snapshot()
             return
         now = time.perf_counter()
-        for req, deltas, done in changed:
-            live = self._live[req.request_id]
-            if live.first_token is None and any(d.token_ids for d in deltas):
-                live.first_token = now
-            result = req.result() if done else None
-            if done:
-                del self._live[req.request_id]
-                self._record(req, live, now)
-            _send(live, Event(live.key, deltas, result))
+        self.metrics.record_step(self.engine.metrics.steps[-1].num_batched_tokens)
+        events = [self._update(req, deltas, done, now) for req, deltas, done in changed]
+        self._snapshot()  # before the events: a client's last answer is never ahead of /metrics
+        for live, event in events:
+            _send(live, event)
 
-    def _record(self, req: TextRequest, live: _Live, now: float) -> None:
-        outputs = list(req.samples.values())
-        self.metrics.record_finished(
-            reason=outputs[0].finish_reason if outputs else "abort", prompt_tokens=len(req.prompt_token_ids),
-            output_tokens=max((len(s.token_ids) for s in outputs), default=0), arrival=live.arrival,
-            first_token=live.first_token, finish=now,
-        )  # fmt: skip
+    def _update(self, req: TextRequest, deltas: list[SampleDelta], done: bool, now: float) -> tuple[_Live, Event]:
+        """Count a request's new tokens (and its end); the event for its handler."""
+        live = self._live[req.request_id]
+        self._count_tokens(req, live, deltas, now)
+        if not done:
+            return live, Event(live.key, deltas)
+        del self._live[req.request_id]
+        result = req.result()
+        self._record(live, result.outputs, now, "abort" if result.error is None else "error")
+        if result.error is not None:  # this request alone failed
+            return live, Event(live.key, [], error=RequestFailed(f"request failed: {result.error}"))
+        return live, Event(live.key, deltas, result)
+
+    def _count_tokens(self, req: TextRequest, live: _Live, deltas: list[SampleDelta], now: float) -> None:
+        """Token counters: the request's first token (prefill done), each sample's new tokens and their interval."""
+        for d in deltas:
+            if not d.token_ids:
+                continue
+            if live.first_token is None:
+                live.first_token = now
+                self.metrics.record_first_token(len(req.prompt_token_ids), now - live.arrival)
+            last = live.last_token.get(d.index)
+            self.metrics.record_tokens(len(d.token_ids), None if last is None else now - last)
+            live.last_token[d.index] = now
+
+    def _record(self, live: _Live, samples: list[TextCompletion], now: float, default: str) -> None:
+        """Count a request at its end: every one of its ``n`` samples by finish reason (``default`` if unknown)."""
+        params = live.group.params
+        reasons = [s.finish_reason or default for s in samples]
+        tokens = [len(s.token_ids) for s in samples]
+        missing = params.n - len(samples)  # samples never forked or never seen
+        self.metrics.record_finished(FinishedRequest(
+            reasons=(*reasons, *[default] * missing), prompt_tokens=len(live.group.prompt_token_ids),
+            generation_tokens=(*tokens, *[0] * missing), max_tokens=params.max_tokens, e2e=now - live.arrival,
+            times=RequestTimes.of(live.group),
+        ))  # fmt: skip
 
     def _abort_all(self, error: Exception | None = None) -> None:
+        reason = "abort" if error is None else "error"
         for rid, live in list(self._live.items()):
             try:
-                self.processor.abort(rid)
+                req = self.processor.abort(rid)
             except Exception:  # after a failed step the engine may not know the request any more
-                self.processor.requests.pop(rid, None)
+                req = self.processor.requests.pop(rid, None)
+            self._record(live, _outputs(req), time.perf_counter(), reason)
             _send(live, Event(live.key, [], error=error or RuntimeError("the server is shutting down")))
         self._live.clear()
+
+
+def _outputs(req: TextRequest | None) -> list[TextCompletion]:
+    """The samples of a request that ended early (none if the text layer had already dropped it)."""
+    return req.result().outputs if req is not None else []
 
 
 def _send(live: _Live, event: Event) -> None:

@@ -1,4 +1,4 @@
-"""One request's failure fails it alone: the others get the same tokens, nothing leaks; a model-step failure aborts all."""
+"""A request's own failure fails it alone (the others keep their tokens, nothing leaks); a model-step failure, all."""
 
 from __future__ import annotations
 

@@ -12,6 +12,10 @@ from scheduler.entrypoints.llm import LLM
 ENGINE = EngineConfig(
     cache=CacheConfig(block_size=4, num_gpu_blocks=512), scheduler=SchedulerConfig(max_num_seqs=64), device="cpu"
 )
+CHUNKED = EngineConfig(
+    cache=CacheConfig(block_size=4, num_gpu_blocks=512),
+    scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32), device="cpu",
+)  # fmt: skip
 
 
 @dataclass
@@ -34,16 +38,27 @@ def offline(tiny_model_dir) -> LLM:
     return LLM(tiny_model_dir, engine_config=ENGINE)
 
 
-@pytest.fixture(scope="module")
-def served(tiny_model_dir):
-    """A uvicorn server on a free port of 127.0.0.1, stopped when the module's tests are done."""
+def _serve(model_dir, config: EngineConfig):
+    """A uvicorn server of the tiny model on a free port of 127.0.0.1 while the generator runs."""
     from scheduler.entrypoints.server.app import build_app
     from scheduler.entrypoints.server.background import serve_in_thread
 
-    llm = LLM(tiny_model_dir, engine_config=ENGINE)
+    llm = LLM(model_dir, engine_config=config)
     app = build_app(llm, max_in_flight=64)
     with serve_in_thread(app) as url:
         yield Served(url, app, llm)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir):
+    """A uvicorn server on a free port of 127.0.0.1, stopped when the module's tests are done."""
+    yield from _serve(tiny_model_dir, ENGINE)
+
+
+@pytest.fixture(scope="module")
+def served_chunked(tiny_model_dir):
+    """A server whose steps hold 32 tokens: prompts longer than that are prefilled in chunks."""
+    yield from _serve(tiny_model_dir, CHUNKED)
 
 
 @pytest.fixture

@@ -251,14 +251,15 @@ def test_metrics_parse_and_count_the_requests(served, client):
     client.completions.create(model=_model(served), prompt="hello", max_tokens=5, temperature=0)
     text = httpx.get(served.url + "/metrics").text
     families = {f.name: f for f in text_string_to_metric_families(text)}
-    for name in ("num_requests_running", "num_requests_waiting", "num_requests_swapped", "kv_cache_usage_perc",
-                 "prefix_cache_hit_rate", "num_preemptions", "cow_copies", "time_to_first_token_seconds",
-                 "time_per_output_token_seconds", "e2e_request_latency_seconds", "generation_tokens"):  # fmt: skip
-        assert f"paged_kv:{name}" in families, name
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:num_requests_swapped",
+                 "vllm:kv_cache_usage_perc", "vllm:num_preemptions", "vllm:time_to_first_token_seconds",
+                 "vllm:time_per_output_token_seconds", "vllm:e2e_request_latency_seconds", "vllm:generation_tokens",
+                 "paged_kv:prefix_cache_hit_rate", "paged_kv:cow_copies"):  # fmt: skip
+        assert name in families, name
     samples = {s.name: s.value for f in families.values() for s in f.samples}
-    assert samples["paged_kv:generation_tokens_total"] >= 5
-    assert samples["paged_kv:e2e_request_latency_seconds_count"] >= 1
-    assert samples["paged_kv:num_requests_running"] == 0
+    assert samples["vllm:generation_tokens_total"] >= 5
+    assert samples["vllm:e2e_request_latency_seconds_count"] >= 1
+    assert samples["vllm:num_requests_running"] == 0
 
 
 def test_a_client_that_gives_up_on_a_whole_response_aborts_it(served):
