@@ -21,6 +21,11 @@ sample from its logits row. A group of several sequences preempted for recompute
 recomputed as a group: its first sequence alone up to the whole blocks they all start with,
 then the others are forked from it there (``SequenceGroup.parked``), so the shared prefix is
 computed and held once.
+
+A step that fails after ``schedule`` leaves its sequences' ``num_computed`` advanced with no KV
+written (or no token sampled): only an abort repairs that. The engine aborts the requests the
+failure belongs to (every one, if the model step failed); the others append their tokens as
+usual (``scheduler.engine.faults``).
 """
 
 from __future__ import annotations

@@ -204,11 +204,11 @@ class OutputProcessor:
             raise
         changed = []
         for rid, req in list(self.requests.items()):
-            out = finished.get(rid) or self.engine.request_output(rid)
             try:
-                deltas, done = self._update(req, out)
+                deltas, done = self._update(req, finished.get(rid) or self.engine.request_output(rid))
             except Exception as e:
-                deltas, done = [], self._fail(req, e)
+                self._fail(req, e)
+                deltas, done = [], True
             if deltas or done:
                 changed.append((req, deltas, done))
         return changed
@@ -225,7 +225,7 @@ class OutputProcessor:
                 req.last = self.engine.abort(req.request_id)
         return deltas, done
 
-    def _fail(self, req: TextRequest, error: Exception) -> bool:
+    def _fail(self, req: TextRequest, error: Exception) -> None:
         """Fail a request whose text processing raised: abort it in the engine ("error"), keep the error."""
         message = f"detokenization failed: {type(error).__name__}: {error}"
         logger.error("request %s failed and is aborted alone: %s", req.request_id, message, exc_info=error)
@@ -235,7 +235,6 @@ class OutputProcessor:
         except UnknownSequenceError:  # it finished in the engine this step: its blocks are already freed
             pass
         req.fail(message)
-        return True
 
     def _finish_stopped_samples(self, req: TextRequest, deltas: list[SampleDelta]) -> None:
         """Free the blocks of samples a stop string just ended while their siblings run on (``n > 1``)."""
