@@ -306,7 +306,7 @@ class LLMEngine:
         self, prompts: Seq[Seq[int]], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         *, use_tqdm: bool = True,
     ) -> list[RequestOutput]:  # fmt: skip
-        """Run prompts (token id lists) to completion; outputs in prompt order."""
+        """Run prompts (token id lists) to completion; outputs in prompt order (``error`` set on one that failed)."""
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Seq):
             raise InvalidArgumentError(describe("prompts", type(prompts).__name__, "a list of token id lists"))
         check_bool("use_tqdm", use_tqdm)

@@ -5,6 +5,7 @@ The server steps 32 tokens at most, so the long prompt below is prefilled in chu
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import httpx
@@ -109,3 +110,21 @@ def test_a_known_workload_gives_exact_counts(served_chunked, offline):
         assert _value(after, served, gauge) == 0, gauge
     queries, hits = (_value(after, served, f"vllm:prefix_cache_{x}_total") for x in ("queries", "hits"))
     assert after[("paged_kv:prefix_cache_hit_rate", ())] == hits / queries
+
+
+def test_a_client_that_leaves_counts_its_samples_as_aborted(served_chunked):
+    served = served_chunked
+    before = _scrape(served)
+    with openai.OpenAI(base_url=served.url + "/v1", api_key="-", max_retries=0) as client:
+        stream = client.completions.create(model=served.llm.model_name, prompt="hello", max_tokens=400, n=2,
+                                           stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+        next(iter(stream))
+        stream.close()
+    aborted = lambda samples: _value(samples, served, "vllm:request_success_total", finished_reason="abort")  # noqa: E731
+    deadline = time.monotonic() + 20
+    while aborted(after := _scrape(served)) < aborted(before) + 2:  # the engine thread counts it after the abort
+        assert time.monotonic() < deadline, "the abort was not counted"
+        time.sleep(0.02)
+    assert aborted(after) == aborted(before) + 2 and not served.llm.engine.has_unfinished_requests()
+    e2e = [_value(s, served, "vllm:e2e_request_latency_seconds_count") for s in (before, after)]
+    assert e2e[0] == e2e[1]  # an aborted request is not observed in the request histograms
