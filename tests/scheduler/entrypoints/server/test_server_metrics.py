@@ -120,7 +120,10 @@ def test_a_client_that_leaves_counts_its_samples_as_aborted(served_chunked):
                                            stream=True, extra_body={"ignore_eos": True})  # fmt: skip
         next(iter(stream))
         stream.close()
-    aborted = lambda samples: _value(samples, served, "vllm:request_success_total", finished_reason="abort")  # noqa: E731
+
+    def aborted(samples: dict) -> float:
+        return _value(samples, served, "vllm:request_success_total", finished_reason="abort")
+
     deadline = time.monotonic() + 20
     while aborted(after := _scrape(served)) < aborted(before) + 2:  # the engine thread counts it after the abort
         assert time.monotonic() < deadline, "the abort was not counted"
