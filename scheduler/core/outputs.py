@@ -31,6 +31,7 @@ class RequestOutput:
     first_token_time: float | None
     finish_time: float | None
     num_preemptions: int
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at admission
 
     @classmethod
     def from_group(cls, group: SequenceGroup) -> RequestOutput:
@@ -46,4 +47,5 @@ class RequestOutput:
             request_id=group.request_id, prompt_token_ids=group.prompt_token_ids, outputs=outputs,
             finished=group.is_finished(), arrival_time=group.arrival_time, first_token_time=group.first_token_time,
             finish_time=group.finish_time, num_preemptions=group.num_preemptions,
+            num_cached_tokens=group.num_cached_tokens,
         )  # fmt: skip

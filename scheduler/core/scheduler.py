@@ -313,6 +313,8 @@ class Scheduler:
             for seq, cached, n in plan:
                 ids = seq.token_ids[: cached + n]
                 start = self.bm.allocate(seq.seq_id, ids, cache_salt=salt, hashes=seq.block_hashes)  # >= cached
+                if group.num_cached_tokens is None:  # its first admission: the first sequence's prefix-cache hit
+                    group.num_cached_tokens = start
                 self._scheduled(step, group, seq, start, cached + n - start)
             group.set_status(SequenceStatus.RUNNING)
             self.running.append(group)
