@@ -39,9 +39,10 @@ def served(tiny_model_dir):
     """A uvicorn server on a free port of 127.0.0.1, stopped when the module's tests are done."""
     from scheduler.entrypoints.server.app import build_app
     from scheduler.entrypoints.server.background import serve_in_thread
+    from scheduler.entrypoints.server.config import ServerConfig
 
     llm = LLM(tiny_model_dir, engine_config=ENGINE)
-    app = build_app(llm, max_in_flight=64)
+    app = build_app(llm, ServerConfig(max_in_flight=64))
     with serve_in_thread(app) as url:
         yield Served(url, app, llm)
 
