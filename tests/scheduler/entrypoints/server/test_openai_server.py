@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from server_helpers import CHAT, wait_idle
 
 from scheduler.core.params import SamplingParams
 
 PROMPTS = ["hello world", "the quick brown fox", "what is the capital of france?", "numbers: 1 2 3"]
-CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
 
 
 def _greedy(offline, prompts, max_tokens=12, **kw):
@@ -23,15 +22,6 @@ def _greedy(offline, prompts, max_tokens=12, **kw):
 
 def _model(served) -> str:
     return served.llm.model_name
-
-
-def _wait_idle(served, timeout=20.0) -> None:
-    """Until the engine thread holds no request and the block manager no sequence."""
-    deadline = time.monotonic() + timeout
-    engine = served.llm.engine
-    while engine.has_unfinished_requests() or engine.block_manager.seq_ids():
-        assert time.monotonic() < deadline, "the engine did not go idle"
-        time.sleep(0.01)
 
 
 def test_models_and_health(served, client):
@@ -146,7 +136,7 @@ def test_32_concurrent_streams_equal_their_offline_answers(served, offline):
             return await asyncio.gather(*(one(client, p, m) for p, m in zip(prompts, lengths)))
 
     assert asyncio.run(run()) == refs
-    _wait_idle(served)
+    wait_idle(served)
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_blocks(served, client):
@@ -157,7 +147,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(served, client):
     next(chunks), next(chunks)
     assert served.llm.engine.block_manager.seq_ids()  # it holds blocks while it runs
     stream.close()
-    _wait_idle(served)
+    wait_idle(served)
     assert served.engine.num_aborted == before + 1  # aborted, not run to its 480 tokens
 
 
@@ -175,7 +165,7 @@ def test_an_overloaded_server_answers_503_with_retry_after(served, client):
         engine.max_in_flight = limit
     assert info.value.status_code == 503 and info.value.response.headers["retry-after"] == "1"
     assert info.value.response.json()["error"]["type"] == "server_overloaded"
-    _wait_idle(served)
+    wait_idle(served)
 
 
 GOOD = {"prompt": "hello", "max_tokens": 3}
@@ -266,5 +256,5 @@ def test_a_client_that_gives_up_on_a_whole_response_aborts_it(served):
     body = {"model": _model(served), "prompt": "hello", "max_tokens": 480, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(served.url + "/v1/completions", json=body, timeout=0.3)
-    _wait_idle(served)
+    wait_idle(served)
     assert served.engine.num_aborted == before + 1
