@@ -22,7 +22,7 @@ from scheduler.entrypoints.llm import LLM
 from scheduler.entrypoints.output_processor import TextRequestOutput
 from scheduler.entrypoints.server.async_engine import AsyncEngine, Event
 from scheduler.entrypoints.server.config import ServerConfig
-from scheduler.entrypoints.server.errors import add_error_handlers
+from scheduler.entrypoints.server.errors import BodyLimit, add_error_handlers
 from scheduler.entrypoints.server.frontend import Frontend, authorize
 from scheduler.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, error_body
 from scheduler.entrypoints.server.serving import ResponseContext, sse, wants_chunk
@@ -42,7 +42,8 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
         engine.stop()
         front.tokenizer_pool.shutdown(cancel_futures=True)
 
-    app = FastAPI(title="paged-kv", lifespan=lifespan, max_body_size=config.max_request_bytes)
+    app = FastAPI(title="paged-kv", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
     app.state.engine, app.state.llm, app.state.frontend = engine, llm, front
     add_error_handlers(app, config.max_request_bytes)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize(config.api_keys))])

@@ -11,7 +11,9 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from paged_kv.errors import InvalidArgumentError, PagedKVError
 from scheduler.entrypoints.server.async_engine import Overloaded
@@ -27,6 +29,40 @@ class ModelNotFound(InvalidArgumentError):
 
 class Unauthorized(InvalidArgumentError):
     """The request lacks the API key the server requires (answered with 401)."""
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over ``max_bytes`` gets 413 in OpenAI's error body before it is parsed.
+
+    Starlette's limit (FastAPI's ``max_body_size``) answers a Content-Length past it in plain
+    text, which OpenAI's clients cannot read. A declared length past the limit is answered at
+    once, unread; a body streamed past it fails its read with a 413 the handlers answer.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = Headers(scope=scope).get("content-length", "")
+        if length.isdigit() and int(length) > self.max_bytes:
+            return await _too_large(self.max_bytes)(scope, receive, send)
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                raise StarletteHTTPException(413)
+            return message
+
+        await self.app(scope, limited, send)
+
+def _too_large(max_bytes: int) -> JSONResponse:
+    message = f"request body too large: at most {max_bytes} bytes (--max-request-bytes)"
+    return _error(413, message, "invalid_request_error")
 
 
 def _error(status: int, message: str, type_: str, param: str | None = None, headers: dict | None = None):
@@ -80,8 +116,7 @@ def add_error_handlers(app: FastAPI, max_request_bytes: int) -> None:
     async def http_error(_: Request, exc: StarletteHTTPException):
         """Unknown routes and methods, and bodies over the size limit, in OpenAI's error body."""
         if exc.status_code == 413:
-            message = f"request body too large: at most {max_request_bytes} bytes (--max-request-bytes)"
-            return _error(413, message, "invalid_request_error")
+            return _too_large(max_request_bytes)
         return _error(exc.status_code, str(exc.detail), "invalid_request_error")
 
     @app.exception_handler(Exception)

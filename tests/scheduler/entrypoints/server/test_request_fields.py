@@ -176,8 +176,9 @@ CHAT_FIELDS = SHARED | {
     "messages": (CHAT[1:], _ok(lambda s: s.body["choices"][0]["message"]["role"] == "assistant"), {}),
     "max_completion_tokens": (3, _param("max_tokens", 3), {}),
     "logprobs": (True, _ok(lambda s: s.body["choices"][0]["logprobs"]["content"]), {}),
-    "top_logprobs": (2, _ok(lambda s: all(len(t["top_logprobs"]) == 2 for t in
-                                          s.body["choices"][0]["logprobs"]["content"])), {"logprobs": True}),  # fmt: skip
+    "top_logprobs": (2, _ok(lambda s: all(len(t["top_logprobs"]) == 2
+                                          for t in s.body["choices"][0]["logprobs"]["content"])),
+                     {"logprobs": True}),  # fmt: skip
     "return_tokens_as_token_ids": (True, _ok(lambda s: s.body["choices"][0]["logprobs"]["content"][0]["token"]
                                              .startswith("token_id:")), {"logprobs": True}),  # fmt: skip
     "parallel_tool_calls": (False, _ok(lambda s: s.params), {}),
