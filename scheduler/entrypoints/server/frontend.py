@@ -34,13 +34,14 @@ Prompts = list[tuple[list[int], str | None]]  # each prompt's token ids and its 
 
 
 def max_model_len(engine: LLMEngine, cap: int | None) -> int:
-    """The longest prompt + output one request can get: the model's context, ``cap``, and the KV pool above its
-    watermark for one sample."""
+    """The longest prompt + output one request can get: the model's context, ``cap``, the KV pool above its
+    watermark for one sample, and without chunked prefill the step's token budget."""
     context = engine.model.config.max_position_embeddings
     if cap is not None and cap > context:
         raise InvalidArgumentError(describe("max_model_len", cap, f"at most the model's context, {context}"))
-    pool = engine.block_manager.config
-    return min(context, cap or context, (pool.num_blocks - pool.watermark_blocks) * pool.block_size)
+    pool, sched = engine.block_manager.config, engine.config.scheduler
+    step = context if sched.enable_chunked_prefill else sched.max_num_batched_tokens
+    return min(context, cap or context, (pool.num_blocks - pool.watermark_blocks) * pool.block_size, step)
 
 
 def authorize(keys: tuple[str, ...]) -> Callable:
@@ -101,6 +102,9 @@ class Frontend:
         encoded = await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, encode)
         prompts = [self._truncate(body, ids, text) for ids, text in encoded]
         vocab = self.llm.engine.model.config.vocab_size
+        top = max(max(ids, default=0) for ids, _ in prompts)
+        if top >= vocab:
+            raise FieldError("prompt", describe("prompt", f"token id {top}", f"token ids in [0, {vocab})"))
         params = [
             sampling_params(body, max_tokens=self._max_tokens(kind, len(ids), limit, body.num_samples),
                             logprobs=logprobs or 0, vocab_size=vocab, constraints=constraints)
@@ -123,17 +127,19 @@ class Frontend:
         return (ids[-keep:] if body.truncation_side == "left" else ids[:keep]), None
 
     def _max_tokens(self, kind: str, prompt_len: int, limit: tuple[str, int | None], n: int) -> int:
-        """The request's output limit within max_model_len; unset: all that fits (model, KV pool for ``n`` samples)."""
+        """The request's output limit within max_model_len and the KV pool for ``n`` samples; unset: all that fits."""
         name, requested = limit
         prompt_field, longest = ("prompt" if kind == "completion" else "messages"), self.max_model_len
-        room = longest - prompt_len
-        if room < 1 or (requested is None and self.engine.max_new_tokens(prompt_len, n) < 1):
+        room, pooled = longest - prompt_len, self.engine.max_new_tokens(prompt_len, n)
+        if room < 1 or (requested is None and pooled < 1):
             expected = f"a prompt that leaves room to answer within max_model_len={longest} and the KV pool"
             raise FieldError(prompt_field, describe(prompt_field, f"{prompt_len} tokens", expected))
         if requested is None:
-            return min(room, self.engine.max_new_tokens(prompt_len, n))
+            return min(room, pooled)
         if requested > room:
             expected = f"at most {room}: the prompt has {prompt_len} tokens and max_model_len is {longest}"
             raise FieldError(name, describe(name, requested, expected))
+        if requested > pooled:
+            raise FieldError(name, describe(name, requested, f"at most {pooled}: {n} samples must fit in the KV pool"))
         return requested
 

@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_helpers import CHAT, wait_idle
+from server_helpers import CHAT, refused, wait_idle
 
 from scheduler.core.params import SamplingParams
 
@@ -169,43 +169,42 @@ def test_an_overloaded_server_answers_503_with_retry_after(served, client):
 
 
 GOOD = {"prompt": "hello", "max_tokens": 3}
-BAD_BODIES = {
-    "not json": (b"{not json", 400),
-    "a list": (b"[1, 2]", 400),
-    "model a number": ({"model": 5, **GOOD}, 400),
-    "unknown model": ({"model": "gpt-9", **GOOD}, 404),
-    "temperature < 0": ({"temperature": -1, **GOOD}, 400),
-    "top_p 0": ({"top_p": 0, **GOOD}, 400),
-    "n 0": ({"n": 0, **GOOD}, 400),
-    "n past max_num_seqs": ({"n": 100, **GOOD}, 400),
-    "max_tokens 0": ({**GOOD, "max_tokens": 0}, 400),
-    "max_tokens a string": ({**GOOD, "max_tokens": "many"}, 400),
-    "seed past int64": ({"seed": 1 << 63, **GOOD}, 400),
-    "empty stop": ({"stop": [""], **GOOD}, 400),
-    "penalty past 2": ({"presence_penalty": 2.5, **GOOD}, 400),
-    "logprobs 100": ({"logprobs": 100, **GOOD}, 400),
-    "echo": ({"echo": True, **GOOD}, 400),
-    "empty prompt list": ({"prompt": [], "max_tokens": 3}, 400),
-    "token past vocab": ({"prompt": [1, 99999], "max_tokens": 3}, 400),
-    "negative token": ({"prompt": [1, -1], "max_tokens": 3}, 400),
-    "longer than the model": ({"prompt": "hello " * 400, "max_tokens": 3}, 400),
-    "max_tokens past the context": ({"prompt": "hello", "max_tokens": 5000}, 400),
-    "samples past the KV pool": ({"prompt": "hello", "max_tokens": 300, "n": 8}, 400),
-    "prompt an object": ({"prompt": {"a": 1}, "max_tokens": 3}, 400),
+BAD_BODIES = {  # case -> (body, status, the field the error names)
+    "not json": (b"{not json", 400, None),
+    "a list": (b"[1, 2]", 400, None),
+    "model a number": ({"model": 5, **GOOD}, 400, "model"),
+    "unknown model": ({"model": "gpt-9", **GOOD}, 404, "model"),
+    "temperature < 0": ({"temperature": -1, **GOOD}, 400, "temperature"),
+    "top_p 0": ({"top_p": 0, **GOOD}, 400, "top_p"),
+    "n 0": ({"n": 0, **GOOD}, 400, "n"),
+    "n past max_num_seqs": ({"n": 100, **GOOD}, 400, "n"),
+    "max_tokens 0": ({**GOOD, "max_tokens": 0}, 400, "max_tokens"),
+    "max_tokens a string": ({**GOOD, "max_tokens": "many"}, 400, "max_tokens"),
+    "seed past int64": ({"seed": 1 << 63, **GOOD}, 400, "seed"),
+    "top_k past int64": ({"top_k": 1 << 64, **GOOD}, 400, "top_k"),
+    "empty stop": ({"stop": [""], **GOOD}, 400, "stop"),
+    "penalty past 2": ({"presence_penalty": 2.5, **GOOD}, 400, "presence_penalty"),
+    "logprobs 100": ({"logprobs": 100, **GOOD}, 400, "logprobs"),
+    "echo": ({"echo": True, **GOOD}, 400, "echo"),
+    "empty prompt list": ({"prompt": [], "max_tokens": 3}, 400, "prompt"),
+    "token past vocab": ({"prompt": [1, 99999], "max_tokens": 3}, 400, "prompt"),
+    "negative token": ({"prompt": [1, -1], "max_tokens": 3}, 400, "prompt"),
+    "longer than the model": ({"prompt": "hello " * 400, "max_tokens": 3}, 400, "prompt"),
+    "max_tokens past the context": ({"prompt": "hello", "max_tokens": 5000}, 400, "max_tokens"),
+    "samples past the KV pool": ({"prompt": "hello", "max_tokens": 300, "n": 8}, 400, "max_tokens"),
+    "prompt an object": ({"prompt": {"a": 1}, "max_tokens": 3}, 400, "prompt"),
 }
 
 
 @pytest.mark.parametrize("case", list(BAD_BODIES))
-def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served, client, case):
-    body, status = BAD_BODIES[case]
+def test_bad_requests_get_openai_errors_naming_the_field_and_the_server_keeps_serving(served, client, case):
+    body, status, param = BAD_BODIES[case]
     if isinstance(body, dict):
         body = {"model": _model(served), **body} if "model" not in body else body
         r = httpx.post(served.url + "/v1/completions", json=body)
     else:
         r = httpx.post(served.url + "/v1/completions", content=body, headers={"content-type": "application/json"})
-    assert r.status_code == status, r.text
-    error = r.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"] and error["code"] == status
+    refused(r, param, status)
     assert client.completions.create(model=_model(served), **GOOD).choices[0].finish_reason
 
 
