@@ -83,7 +83,6 @@ class SamplingFields(OpenAIModel):
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     allowed_token_ids: list[TokenId] | None = None
     bad_words: list[str] = []
-    prompt_logprobs: int | None = Field(None, ge=0)
     # vLLM's extensions the server honours
     top_k: int = Field(-1, ge=-1, le=INT64_MAX)  # -1 or 0: no top-k filter
     ignore_eos: bool = False
@@ -110,6 +109,7 @@ class SamplingFields(OpenAIModel):
     skip_special_tokens: Neutral(True) = None
     spaces_between_special_tokens: Neutral(True) = None
     logprob_token_ids: Neutral() = None
+    prompt_logprobs: Neutral() = None  # the responses would need the prompt's log-probabilities (and echo)
     priority: Neutral(0) = None
     logits_processors: Neutral([]) = None
     return_token_ids: Neutral(False) = None

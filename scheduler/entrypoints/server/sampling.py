@@ -17,7 +17,7 @@ from scheduler.entrypoints.server.protocol import ChatCompletionRequest, Complet
 # name -> the values at which it asks for nothing (always accepted)
 PASS_THROUGH: dict[str, tuple[object, ...]] = {
     "presence_penalty": (0.0,), "frequency_penalty": (0.0,), "repetition_penalty": (1.0,), "min_p": (0.0,),
-    "min_tokens": (0,), "logit_bias": ({},), "allowed_token_ids": (), "bad_words": ([],), "prompt_logprobs": (),
+    "min_tokens": (0,), "logit_bias": ({},), "allowed_token_ids": (), "bad_words": ([],),
 }  # fmt: skip
 STRUCTURED_FIELDS = (
     "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
@@ -94,16 +94,12 @@ def check_request(body: SamplingFields, max_logprobs: int) -> None:
         raise FieldError("truncate_prompt_tokens", describe("truncate_prompt_tokens", 0, "-1 or >= 1"))
     if body.stream and body.num_samples > body.n:
         raise FieldError("best_of", describe("best_of", body.best_of, f"n={body.n} when streaming"))
-    wanted = {"prompt_logprobs": body.prompt_logprobs}
-    if isinstance(body, CompletionRequest):
-        wanted["logprobs"] = body.logprobs
-    elif isinstance(body, ChatCompletionRequest):
-        wanted["top_logprobs"] = body.top_logprobs
-        if body.top_logprobs and not body.logprobs:
-            raise FieldError("top_logprobs", describe("top_logprobs", body.top_logprobs, "0 unless logprobs=true"))
-    for name, k in wanted.items():
-        if k is not None and k > max_logprobs:
-            raise FieldError(name, describe(name, k, f"at most max_logprobs={max_logprobs} (--max-logprobs)"))
+    if isinstance(body, ChatCompletionRequest) and body.top_logprobs and not body.logprobs:
+        raise FieldError("top_logprobs", describe("top_logprobs", body.top_logprobs, "0 unless logprobs=true"))
+    name = "logprobs" if isinstance(body, CompletionRequest) else "top_logprobs"
+    k = getattr(body, name)
+    if k is not None and k > max_logprobs:
+        raise FieldError(name, describe(name, k, f"at most max_logprobs={max_logprobs} (--max-logprobs)"))
 
 
 def sampling_params(body: SamplingFields, *, max_tokens: int, logprobs: int, vocab_size: int,
