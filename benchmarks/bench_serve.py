@@ -47,6 +47,7 @@ from scheduler.engine.llm_engine import LLMEngine  # noqa: E402
 from scheduler.entrypoints.llm import LLM  # noqa: E402
 from scheduler.entrypoints.server.app import build_app  # noqa: E402
 from scheduler.entrypoints.server.background import serve_in_thread  # noqa: E402
+from scheduler.entrypoints.server.config import ServerConfig  # noqa: E402
 from scheduler.entrypoints.workload import ChatRequest, chat_workload  # noqa: E402
 from scheduler.model.loader import (  # noqa: E402
     DEFAULT_MODEL_NAME,
@@ -133,7 +134,7 @@ async def _load(url: str, model: str, requests: list[ChatRequest], offsets: list
 
 def run_server(llm: LLM, requests: list[ChatRequest], offsets: list[float]) -> tuple[float, list[Timing]]:
     """Wall seconds and per-request timings of the server under the load generator (after one warm-up request)."""
-    with serve_in_thread(build_app(llm, max_in_flight=len(requests))) as url:
+    with serve_in_thread(build_app(llm, ServerConfig(max_in_flight=len(requests), log_requests=False))) as url:
         warm = {"model": llm.model_name, "prompt": WARM_UP_IDS, "max_tokens": 2, "temperature": 0}
         httpx.post(url + "/v1/completions", json=warm, timeout=600).raise_for_status()
         start = time.perf_counter()

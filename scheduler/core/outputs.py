@@ -32,6 +32,7 @@ class RequestOutput:
     finish_time: float | None
     num_preemptions: int
     error: str | None = None  # why the request failed alone (its samples' finish reason is "error"), else None
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at admission
 
     @classmethod
     def from_group(cls, group: SequenceGroup) -> RequestOutput:
@@ -47,4 +48,5 @@ class RequestOutput:
             request_id=group.request_id, prompt_token_ids=group.prompt_token_ids, outputs=outputs,
             finished=group.is_finished(), arrival_time=group.arrival_time, first_token_time=group.first_token_time,
             finish_time=group.finish_time, num_preemptions=group.num_preemptions,
+            num_cached_tokens=group.num_cached_tokens,
         )  # fmt: skip

@@ -336,6 +336,8 @@ class Scheduler:
                 looked_up = seq.num_computed + _num_to_compute(group, seq)  # the whole prompt, once per admission
                 start = self.bm.allocate(seq.seq_id, ids, cache_salt=salt, hashes=seq.block_hashes,
                                          num_queried=looked_up)  # >= cached  # fmt: skip
+                if group.num_cached_tokens is None:  # its first admission: the first sequence's prefix-cache hit
+                    group.num_cached_tokens = start
                 self._scheduled(step, group, seq, start, cached + n - start)
             group.set_status(SequenceStatus.RUNNING)
             self.running.append(group)

@@ -118,6 +118,7 @@ class SequenceGroup:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at admission (None: not yet)
     max_seqs: int = 1  # sequences the group may run at once (n samples, beam width)
     num_unforked: int = 0  # samples forked from the first sequence when it first samples (n - 1 at admission)
     # after a recompute preemption: sequences holding no blocks until the first active one has computed the

@@ -3,21 +3,32 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from scheduler.entrypoints.main_job import add_engine_options, engine_config
+from scheduler.entrypoints.server.config import DEFAULT_MAX_REQUEST_BYTES, ServerConfig
 
 
 def serve_parser() -> argparse.ArgumentParser:
-    """Options of ``paged-kv serve``: model, address, admission limit, and the engine's options."""
+    """Options of ``paged-kv serve`` (vLLM's names where vLLM has the option), and the engine's options."""
     p = argparse.ArgumentParser(prog="paged-kv serve", description="Serve a model over an OpenAI-compatible HTTP API.")
     p.add_argument("--model", default=None,
                    help="local transformers folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--served-model-name", default=None, help="the name clients use (default: the model's name)")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="the name(s) clients use, the first listed first (default: --model, else the model's name)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
     p.add_argument("--max-in-flight", type=int, default=256,
                    help="requests held at once (running + waiting); more get 503 with Retry-After")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + max_tokens of a request (default: what the model and the KV pool allow)")
+    p.add_argument("--max-logprobs", type=int, default=20, help="most log-probabilities per token a request may ask")
+    p.add_argument("--api-key", nargs="+", default=None,
+                   help="key(s) every /v1 request must send as 'Authorization: Bearer <key>' (not /health or /metrics)")
+    p.add_argument("--disable-log-requests", action="store_true", help="do not log each request")
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help=f"largest request body; larger ones get 413 unread (default {DEFAULT_MAX_REQUEST_BYTES})")
     add_engine_options(p)
     return p
 
@@ -33,18 +44,28 @@ def serve(argv: list[str]) -> None:
     from scheduler.runner.tp_worker import is_torchrun_worker, serve_rank
 
     args = serve_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
     if is_torchrun_worker():  # torchrun rank > 0: no server, run this rank's shard for rank 0's engine
         serve_rank(load_model(args.model).hf_model, engine_config(args))
         return
     llm = LLM(args.model, engine_config=engine_config(args))
-    names = tuple(n for n in (args.served_model_name, args.model) if n)
-    app = build_app(llm, max_in_flight=args.max_in_flight, model_names=names)
+    app = build_app(llm, server_config(args))
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     finally:
         llm.engine.shutdown()  # stops tensor-parallel workers (a no-op on one rank)
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    """The server options of the command line; served names as vLLM's: --served-model-name, else --model."""
+    names = args.served_model_name or ([args.model] if args.model else [])
+    return ServerConfig(
+        served_model_names=tuple(names), max_in_flight=args.max_in_flight, max_model_len=args.max_model_len,
+        max_logprobs=args.max_logprobs, api_keys=tuple(args.api_key or ()), max_request_bytes=args.max_request_bytes,
+        log_requests=not args.disable_log_requests,
+    )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -42,10 +42,12 @@ class LLM:
         self.processor = OutputProcessor(self.engine, self.tokenizer)
         self._ids = itertools.count()
 
-    def encode(self, prompt: Prompt) -> tuple[list[int], str | None]:
-        """Token ids of a prompt (a string is tokenized; a token id list is taken as is) and its text."""
+    def encode(self, prompt: Prompt, *, add_special_tokens: bool = False) -> tuple[list[int], str | None]:
+        """Token ids of a prompt (a string is tokenized, with the tokenizer's special tokens if asked; a token id
+        list is taken as is) and its text."""
+        check_bool("add_special_tokens", add_special_tokens)
         if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt, add_special_tokens=False)), prompt
+            return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)), prompt
         if isinstance(prompt, Sequence) and not isinstance(prompt, bytes):
             return as_id_list("prompt", prompt, "token ids"), None
         raise InvalidArgumentError(describe("prompt", type(prompt).__name__, "a str or a list of token ids"))

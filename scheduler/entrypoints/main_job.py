@@ -22,6 +22,11 @@ from scheduler.model.loader import load_smollm2
 from scheduler.runner.tp_worker import is_torchrun_worker, serve_rank
 
 
+# vLLM's --kv-cache-dtype names -> CacheConfig.dtype (None: the model's dtype); fp8 is e4m3, as in vLLM
+KV_CACHE_DTYPES = {"auto": None, "int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                   "fp8_e5m2": torch.float8_e5m2}  # fmt: skip
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options of the main job."""
     p = argparse.ArgumentParser(prog="python -m scheduler", description=__doc__.splitlines()[0])
@@ -43,6 +48,8 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-blocks", type=int, default=None,
                    help="CPU swap pool in blocks (default: 2x kv-blocks with swap, else 0)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--kv-cache-dtype", choices=tuple(KV_CACHE_DTYPES), default="auto",
+                   help="KV page storage: auto (the model's dtype), or int8 / fp8 (e4m3, e5m2) codes with scales")
     p.add_argument("--max-num-seqs", type=int, default=16, help="sequences per step")
     p.add_argument("--max-batched-tokens", type=int, default=256, help="new tokens per step (prefill chunks + decodes)")
     p.add_argument("--no-prefix-caching", action="store_true", help="recompute shared prompt prefixes")
@@ -65,6 +72,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     cache = CacheConfig(
         block_size=args.block_size, num_gpu_blocks=args.kv_blocks, num_cpu_blocks=cpu_blocks,
         enable_prefix_caching=not args.no_prefix_caching, gpu_memory_utilization=args.gpu_memory_utilization,
+        dtype=KV_CACHE_DTYPES[args.kv_cache_dtype],
     )  # fmt: skip
     sched = SchedulerConfig(
         max_num_batched_tokens=args.max_batched_tokens, max_num_seqs=args.max_num_seqs,

@@ -5,7 +5,8 @@ drive the engine through :class:`OutputProcessor`: after every engine step it
 reads each live request's samples, detokenizes the new tokens, ends samples
 at a stop string (aborting the request in the engine once every sample has
 stopped, so its blocks are freed at once) and returns what each stream may
-release. Text that could still turn into a stop string is held back.
+release. Text that could still turn into a stop string is held back. A stop token (a stop
+token id, or EOS) stays the sample's last token but adds no text, as in vLLM.
 
 A request whose own failure the engine reports (``RequestOutput.error``), or whose
 detokenization or stop-string check raises here, ends alone with ``error`` set (blocks freed);
@@ -37,7 +38,7 @@ class SampleDelta:
     logprobs: list[float]
     top_logprobs: list[dict[int, float]]
     finish_reason: str | None  # set on the sample's last delta only
-    stop_reason: str | None = None  # the stop string that ended it
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it (None for EOS)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,7 +51,7 @@ class TextCompletion:
     logprobs: list[float]
     top_logprobs: list[dict[int, float]]
     finish_reason: str | None
-    stop_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it (None for EOS)
 
     @property
     def cumulative_logprob(self) -> float:
@@ -70,6 +71,7 @@ class TextRequestOutput:
     first_token_time: float | None
     finish_time: float | None
     error: str | None = None  # why the request failed alone (its unfinished samples end with "error")
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at admission
 
 
 @dataclass
@@ -84,15 +86,16 @@ class _Sample:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
-    stop_reason: str | None = None
+    stop_reason: str | int | None = None
 
 
 class TextRequest:
     """One request's text-level state across engine steps."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, tokenizer,
-                 prompt: str | None = None) -> None:  # fmt: skip
+                 prompt: str | None = None, eos_token_ids: frozenset[int] = frozenset()) -> None:  # fmt: skip
         self.request_id = request_id
+        self.eos_token_ids = eos_token_ids
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
@@ -126,14 +129,16 @@ class TextRequest:
         s.token_ids += ids
         s.logprobs += lps
         s.top_logprobs += tops
+        # the engine says "stop" only for a stop token or EOS, the sample's last token: it adds no text
+        stop_token = ids[-1] if o.finish_reason == "stop" and ids else None
         start = len(s.text)
-        s.text += s.detok.add(ids) + (s.detok.flush() if o.finish_reason else "")
+        s.text += s.detok.add(ids if stop_token is None else ids[:-1]) + (s.detok.flush() if o.finish_reason else "")
         stops = self.params.stop
         hit = find_stop(s.text, start, stops) if stops else None
         if hit is not None:
             s.text, s.finish_reason, s.stop_reason = s.text[: hit[0]], "stop", hit[1]
         else:
-            s.finish_reason = o.finish_reason
+            s.finish_reason, s.stop_reason = o.finish_reason, self._token_stop_reason(stop_token)
         release = len(s.text) if s.finish_reason else len(s.text) - holdback(s.text, stops)
         text, s.sent = s.text[s.sent : release], max(s.sent, release)
         return SampleDelta(
@@ -146,6 +151,11 @@ class TextRequest:
         self.error = error
         for s in self.samples.values():
             s.finish_reason = s.finish_reason or "error"
+
+    def _token_stop_reason(self, token_id: int | None) -> int | None:
+        """A stop token id's own id as the stop reason; None for EOS (unless ignored), as vLLM reports them."""
+        eos = not self.params.ignore_eos and token_id in self.eos_token_ids
+        return None if eos else token_id
 
     def result(self) -> TextRequestOutput:
         """The request's final text outputs."""
@@ -162,6 +172,7 @@ class TextRequest:
             outputs=outputs, arrival_time=last.arrival_time if last else 0.0,
             first_token_time=last.first_token_time if last else None, finish_time=last.finish_time if last else None,
             error=self.error,
+            num_cached_tokens=last.num_cached_tokens if last else None,
         )  # fmt: skip
 
 
@@ -177,8 +188,9 @@ class OutputProcessor:
             prompt: str | None = None) -> TextRequest:  # fmt: skip
         """Queue a request in the engine (raises, nothing queued, on a bad one) and track its text."""
         self.engine.add_request(request_id, prompt_token_ids, params)
+        eos = self.engine.scheduler.eos_token_ids
         req = self.requests[request_id] = TextRequest(request_id, list(prompt_token_ids), params, self.tokenizer,
-                                                      prompt)  # fmt: skip
+                                                      prompt, eos)  # fmt: skip
         return req
 
     def abort(self, request_id: str) -> TextRequest | None:

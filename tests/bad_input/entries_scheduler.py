@@ -201,7 +201,8 @@ def _rows() -> list[Entry]:
             named={"model": ("model",)}),
         Entry("scheduler.LLM.encode", "encode", {
             "prompt": Arg("obj", "hello", bad={WRONG_TYPE: [None, 3, b"hi"], BOOL_FOR_INT: [[True]],
-                NONINTEGRAL: [[1.5]], OUT_OF_RANGE: [[-1]]})}, tiny_llm),
+                NONINTEGRAL: [[1.5]], OUT_OF_RANGE: [[-1]]}),
+            "add_special_tokens": Arg("bool", False)}, tiny_llm),
         Entry("scheduler.LLM.chat_prompt", "chat_prompt", {
             "messages": Arg("obj", lambda: [{"role": "user", "content": "hi"}],
                 bad={WRONG_TYPE: [None, "hi", [], [{"role": "user"}], [{"role": 3, "content": "x"}]]})}, tiny_llm),

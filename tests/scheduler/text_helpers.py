@@ -51,3 +51,9 @@ def save_tiny_model(folder: Path) -> Path:
     LlamaForCausalLM(cfg).eval().save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def first_text_token(tokenizer, tokens: list[int]) -> int:
+    """The position (after the first) of the first token with letters of its own text, seen nowhere before it."""
+    texts = [tokenizer.decode([t]) for t in tokens]
+    return next(i for i in range(1, len(tokens)) if texts[i].isalpha() and tokens[i] not in tokens[:i])

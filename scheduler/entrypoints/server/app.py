@@ -1,42 +1,39 @@
 """The OpenAI-compatible FastAPI app: completions, chat completions, models, health, metrics.
 
-Every error is an OpenAI error body: 400 for bad JSON, bad values and
-requests the engine can never serve, 404 for an unknown model or route, 503
-with Retry-After when the server holds ``max_in_flight`` requests. Bad input
-never gives a 500, and the server keeps serving after every error.
+A handler validates the body (``protocol``); the :class:`Frontend` refuses what the server
+cannot honour, tokenizes off the event loop and builds the engine's parameters; the engine
+thread's events (``async_engine``) become OpenAI bodies (``serving``), whole or streamed. Every
+error is an OpenAI error body (``errors``); bad input never gives a 500, and the server keeps
+serving after every error. The ``/v1`` routes require the API key when one is configured;
+``/health`` and ``/metrics`` stay open, as in vLLM.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator, Awaitable
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
 
-from paged_kv.errors import InvalidArgumentError, PagedKVError, describe
 from scheduler.core.params import SamplingParams
 from scheduler.entrypoints.llm import LLM
 from scheduler.entrypoints.output_processor import TextRequestOutput
-from scheduler.entrypoints.server.async_engine import AsyncEngine, Event, Overloaded
+from scheduler.entrypoints.server.async_engine import AsyncEngine, Event
+from scheduler.entrypoints.server.config import ServerConfig
+from scheduler.entrypoints.server.errors import BodyLimit, add_error_handlers
+from scheduler.entrypoints.server.frontend import Frontend, authorize
 from scheduler.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, error_body
 from scheduler.entrypoints.server.serving import ResponseContext, sse, wants_chunk
 
-RETRY_AFTER_S = 1
 
-
-class ModelNotFound(InvalidArgumentError):
-    """The request names a model this server does not serve (answered with 404)."""
-
-
-def build_app(llm: LLM, *, max_in_flight: int = 256, model_names: tuple[str, ...] = ()) -> FastAPI:
-    """The app serving ``llm``'s model from one engine thread, named ``model_names[0]`` (default: its own name)."""
-    names = (*model_names, llm.model_name)
-    engine = AsyncEngine(llm.engine, llm.tokenizer, max_in_flight=max_in_flight, model_name=names[0])
+def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
+    """The app serving ``llm``'s model from one engine thread, as ``config`` says (default: ServerConfig())."""
+    config = config or ServerConfig()
+    names = config.served_model_names or (llm.model_name,)
+    engine = AsyncEngine(llm.engine, llm.tokenizer, max_in_flight=config.max_in_flight, model_name=names[0])
+    front = Frontend(llm, engine, config, names)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -44,71 +41,57 @@ def build_app(llm: LLM, *, max_in_flight: int = 256, model_names: tuple[str, ...
         engine.start()
         yield
         engine.stop()
+        front.tokenizer_pool.shutdown(cancel_futures=True)
 
     app = FastAPI(title="paged-kv", lifespan=lifespan)
-    app.state.engine, app.state.llm = engine, llm
-    _add_error_handlers(app)
-
-    def check_model(name: str) -> None:
-        if name not in names:
-            raise ModelNotFound(describe("model", name, f"one of the served names {list(names)}"))
+    app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
+    app.state.engine, app.state.llm, app.state.frontend = engine, llm, front
+    add_error_handlers(app, config.max_request_bytes)
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize(config.api_keys))])
 
     @app.get("/health")
     async def health() -> Response:
         """200 while the server is up."""
         return Response(status_code=200)
 
-    @app.get("/v1/models")
-    async def models() -> dict:
-        """The served model."""
-        card = {"id": names[0], "object": "model", "created": int(time.time()), "owned_by": "paged-kv",
-                "max_model_len": llm.engine.model.config.max_position_embeddings}  # fmt: skip
-        return {"object": "list", "data": [card]}
-
     @app.get("/metrics")
     async def metrics() -> Response:
         """Prometheus text exposition."""
         return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.post("/v1/completions")
+    @v1.get("/models")
+    async def models() -> dict:
+        """The served model, under each of its names."""
+        return {"object": "list", "data": [front.card(name) for name in front.names]}
+
+    @v1.get("/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        """The served model under one of its names; 404 for any other."""
+        return front.card(front.model_name(model_id))
+
+    @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request):
         """OpenAI completions, whole or streamed."""
-        check_model(body.model)
-        prompts = [llm.encode(p) for p in body.prompts()]
-        ctx = ResponseContext("completion", body.model, body.n, llm.tokenizer, body.logprobs)
-        params = [_params(engine, body, len(ids), body.max_tokens, body.logprobs or 0) for ids, _ in prompts]
-        return await _respond(request, engine, ctx, body, prompts, params)
+        prompts = body.prompts()
+        encode = lambda: [llm.encode(p, add_special_tokens=body.add_special_tokens) for p in prompts]  # noqa: E731
+        limit = ("max_tokens", body.max_tokens)
+        prepared = await front.prepare(body, "completion", encode, len(prompts), limit, body.logprobs)
+        return await _respond(request, engine, body, *prepared)
 
-    @app.post("/v1/chat/completions")
+    @v1.post("/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         """OpenAI chat completions, whole or streamed."""
-        check_model(body.model)
-        ids = llm.chat_prompt(body.message_dicts())
-        top = body.top_logprobs or 0
-        ctx = ResponseContext("chat", body.model, body.n, llm.tokenizer, top if body.logprobs else None)
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        params = [_params(engine, body, len(ids), max_tokens, top)]
-        return await _respond(request, engine, ctx, body, [(ids, None)], params)
+        encode = lambda: [(llm.chat_prompt(body.message_dicts()), None)]  # noqa: E731
+        limit = ("max_completion_tokens", body.max_completion_tokens)
+        limit = limit if limit[1] is not None else ("max_tokens", body.max_tokens)
+        prepared = await front.prepare(body, "chat", encode, 1, limit, body.top_logprobs if body.logprobs else None)
+        return await _respond(request, engine, body, *prepared)
 
+    app.include_router(v1)
     return app
 
 
-def _params(engine: AsyncEngine, body: SamplingFields, prompt_len: int, max_tokens: int | None,
-            logprobs: int) -> SamplingParams:  # fmt: skip
-    """The engine's sampling parameters of one prompt; max_tokens defaults to what still fits."""
-    if max_tokens is None:
-        max_tokens = engine.max_new_tokens(prompt_len, body.n)
-        if max_tokens < 1:
-            expected = "a prompt that leaves room to answer"
-            raise InvalidArgumentError(describe("prompt", f"{prompt_len} tokens", expected))
-    return SamplingParams(
-        max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
-        seed=body.seed, n=body.n, stop=tuple(body.stop or ()), stop_token_ids=tuple(body.stop_token_ids or ()),
-        ignore_eos=body.ignore_eos, logprobs=logprobs, cache_salt=body.cache_salt,
-    )  # fmt: skip
-
-
-async def _respond(request: Request, engine: AsyncEngine, ctx: ResponseContext, body: SamplingFields,
+async def _respond(request: Request, engine: AsyncEngine, body: SamplingFields, ctx: ResponseContext,
                    prompts: list[tuple[list[int], str | None]], params: list[SamplingParams]):  # fmt: skip
     events = engine.generate(prompts, params)
     first = await _next(events)  # admission errors (400, 503) surface here, before any byte is sent
@@ -188,46 +171,3 @@ async def _stream(ctx: ResponseContext, body: SamplingFields, first: Event, even
             if usage:
                 yield sse(ctx.usage_chunk(results))
     yield sse("[DONE]")
-
-
-# -- errors -------------------------------------------------------------------
-def _error(status: int, message: str, type_: str, param: str | None = None, headers: dict | None = None):
-    return JSONResponse(error_body(message, type_, param, status), status_code=status, headers=headers)
-
-
-def _add_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(RequestValidationError)
-    async def bad_body(_: Request, exc: RequestValidationError):
-        """Bad JSON or a field of the wrong type or range: 400."""
-        errors = exc.errors()
-        first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        return _error(400, f"{'.'.join(loc) or 'body'}: {first['msg']}", "invalid_request_error", ".".join(loc) or None)
-
-    @app.exception_handler(PagedKVError)
-    async def bad_value(_: Request, exc: PagedKVError):
-        """A value the engine rejects (or a request it can never serve): 400."""
-        message = str(exc)
-        param = message.split("=", 1)[0] if "=" in message else None
-        return _error(400, message, "invalid_request_error", param)
-
-    @app.exception_handler(ModelNotFound)
-    async def no_model(_: Request, exc: ModelNotFound):
-        """An unknown model: 404."""
-        return _error(404, str(exc), "invalid_request_error", "model")
-
-    @app.exception_handler(Overloaded)
-    async def overloaded(_: Request, exc: Overloaded):
-        """Too many requests in flight: 503 with Retry-After."""
-        return _error(503, f"server overloaded: {exc}; retry later", "server_overloaded",
-                      headers={"Retry-After": str(RETRY_AFTER_S)})  # fmt: skip
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException):
-        """Unknown routes and methods, in OpenAI's error body."""
-        return _error(exc.status_code, str(exc.detail), "invalid_request_error")
-
-    @app.exception_handler(Exception)
-    async def internal(_: Request, exc: Exception):
-        """A server bug (never bad input): 500 in OpenAI's error body."""
-        return _error(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error")

@@ -1,61 +1,129 @@
-"""The OpenAI request bodies the server accepts (pydantic), and OpenAI's error body.
+"""The OpenAI request bodies the server accepts (strict pydantic), and OpenAI's error body.
 
-Fields follow OpenAI's API; ``top_k``, ``ignore_eos``, ``cache_salt`` and
-``stop_token_ids`` are extensions named as vLLM names them. Fields OpenAI has
-but this server does not implement are accepted only at their neutral value.
+Every field OpenAI or vLLM defines for completions and chat completions is declared here, and
+each is honoured or refused with a 400 that names it; any other field is refused as unknown.
+Types are strict as in OpenAI (``true`` is not 1, ``"4"`` is not 4), and ``null`` means the
+field's default. A field is one of:
+
+- honoured: typed and bounded here, then turned into SamplingParams or used by the app;
+- a sampling pass-through (``sampling.PASS_THROUGH``): a field of vLLM's SamplingParams (the
+  penalties, ``logit_bias``, ...), honoured when the engine's SamplingParams has it, else refused;
+- a structured-output field (``sampling.STRUCTURED_FIELDS``): given to ``sampling.structured_outputs``;
+- ``Neutral``: a feature this server lacks, accepted only at the value that asks for nothing.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+from functools import partial
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
-from scheduler.core.params import MAX_LOGPROBS, MAX_SAMPLES
+from scheduler.core.params import MAX_SAMPLES
 
-MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat top_logprobs
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+Json = Any  # a JSON value; its shape is checked by whoever honours the field
 
 
-class StreamOptions(BaseModel):
+def _only(accepted: tuple[object, ...], value: object) -> object:
+    if not any(value == a and isinstance(value, bool) == isinstance(a, bool) for a in accepted):
+        shown = " or ".join(json.dumps(a) for a in (None, *accepted))
+        message = "not supported by this server; accepted only as {shown}"
+        raise PydanticCustomError("unsupported", message, {"shown": shown})
+    return value
+
+
+def Neutral(*accepted: object) -> object:  # noqa: N802 (a type, as pydantic's constrained types are)
+    """A field this server does not implement, accepted only as null or one of ``accepted`` (else a 400 naming it)."""
+    return Annotated[Json, AfterValidator(partial(_only, accepted))]
+
+
+class OpenAIModel(BaseModel):
+    """Strict types, unknown fields refused, no NaN or infinity; ``null`` means the field's default."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: object) -> object:
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+class StreamOptions(OpenAIModel):
     """Options of a streamed response."""
 
     include_usage: bool = False
+    continuous_usage_stats: Neutral(False) = None  # vLLM
+    include_obfuscation: Neutral(False) = None
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(OpenAIModel):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="ignore")
-
-    model: str
+    model: str | None = None  # vLLM: optional, the first served name
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=MAX_SAMPLES)
-    seed: int | None = Field(None, ge=0, lt=1 << 63)
-    stop: str | list[str] | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_SAMPLES)
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    stop: str | list[str] = []
     stream: bool = False
     stream_options: StreamOptions | None = None
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    user: str | None = None
-    # extensions (vLLM's names)
-    top_k: int = Field(-1, ge=-1)  # -1 or 0: no top-k filter
+    user: str | None = None  # an end-user id: logged with the request
+    # vLLM's SamplingParams fields, passed through where the engine's SamplingParams has them
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    min_tokens: int = Field(0, ge=0, le=INT64_MAX)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    allowed_token_ids: list[TokenId] | None = None
+    bad_words: list[str] = []
+    # vLLM's extensions the server honours
+    top_k: int = Field(-1, ge=-1, le=INT64_MAX)  # -1 or 0: no top-k filter
     ignore_eos: bool = False
+    stop_token_ids: list[TokenId] = []
     cache_salt: str | None = Field(None, min_length=1)
-    stop_token_ids: list[int] | None = None
-
-    @field_validator("frequency_penalty", "presence_penalty")
-    @classmethod
-    def _neutral_penalty(cls, value: float) -> float:
-        if value != 0.0:
-            raise ValueError("penalties are not supported; expected 0")
-        return value
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT64_MAX)  # keep that many (-1: max_model_len)
+    truncation_side: Literal["left", "right"] = "left"  # which end truncation cuts
+    request_id: str | None = Field(None, min_length=1, max_length=256)  # the response id's suffix
+    return_tokens_as_token_ids: bool = False  # logprobs tokens as "token_id:<id>"
+    # structured outputs: sampling.structured_outputs decides
+    response_format: Json = None
+    structured_outputs: Json = None
+    guided_json: Json = None
+    guided_regex: Json = None
+    guided_choice: Json = None
+    guided_grammar: Json = None
+    guided_decoding_backend: Json = None
+    guided_whitespace_pattern: Json = None
+    structural_tag: Json = None
+    # vLLM's features this server lacks
+    use_beam_search: Neutral(False) = None
+    length_penalty: Neutral(1.0) = None
+    include_stop_str_in_output: Neutral(False) = None
+    skip_special_tokens: Neutral(True) = None
+    spaces_between_special_tokens: Neutral(True) = None
+    logprob_token_ids: Neutral() = None
+    prompt_logprobs: Neutral() = None  # the responses would need the prompt's log-probabilities (and echo)
+    priority: Neutral(0) = None
+    logits_processors: Neutral([]) = None
+    return_token_ids: Neutral(False) = None
+    return_token_offsets: Neutral(False) = None
+    kv_transfer_params: Neutral({}) = None
+    ec_transfer_params: Neutral({}) = None
+    vllm_xargs: Neutral({}) = None
+    repetition_detection: Neutral() = None
+    thinking_token_budget: Neutral(-1) = None
 
     @field_validator("stop")
     @classmethod
-    def _non_empty_stops(cls, value: str | list[str] | None) -> list[str]:
-        stops = [value] if isinstance(value, str) else list(value or [])
+    def _non_empty_stops(cls, value: str | list[str]) -> list[str]:
+        stops = [value] if isinstance(value, str) else value
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
         return stops
@@ -65,15 +133,22 @@ class SamplingFields(BaseModel):
         """Whether a stream ends with a usage chunk."""
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def num_samples(self) -> int:
+        """Samples the engine generates per prompt: ``best_of`` of which the ``n`` best are returned."""
+        return self.best_of or self.n
+
 
 class CompletionRequest(SamplingFields):
     """``POST /v1/completions``."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: Literal[False] = False
-    suffix: None = None
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    max_tokens: int = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0)
+    add_special_tokens: bool = True  # vLLM: the tokenizer's special tokens (BOS) around a text prompt
+    echo: Neutral(False) = None
+    suffix: Neutral("") = None
+    prompt_embeds: Neutral() = None
 
     @field_validator("prompt")
     @classmethod
@@ -85,31 +160,34 @@ class CompletionRequest(SamplingFields):
     def prompts(self) -> list[str | list[int]]:
         """The prompts of the request: one string or token list, or a batch of them."""
         p = self.prompt
-        if isinstance(p, str) or (p and isinstance(p[0], int)):
+        if isinstance(p, str) or isinstance(p[0], int):
             return [p]
         return list(p)
 
 
-class TextPart(BaseModel):
+class TextPart(OpenAIModel):
     """A text part of a message's content."""
 
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(OpenAIModel):
     """One message of a conversation."""
-
-    model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
+    name: str | None = None  # given to the chat template
+    refusal: Neutral() = None
+    tool_calls: Neutral([]) = None
+    function_call: Neutral() = None
+    audio: Neutral() = None
 
-    def text(self) -> str:
-        """The message's text (parts joined)."""
-        if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
-        return self.content or ""
+    def as_dict(self) -> dict[str, str]:
+        """The message as the chat template takes it (text parts joined)."""
+        content = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
+        message = {"role": self.role, "content": content or ""}
+        return message | ({"name": self.name} if self.name is not None else {})
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -118,11 +196,44 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: int = Field(0, ge=0)
+    parallel_tool_calls: bool = True  # no tool is ever called, one at a time or in parallel
+    prompt_cache_key: str | None = None  # a routing hint: every prompt is prefix-cached here
+    safety_identifier: str | None = None  # an end-user id: logged with the request
+    include_reasoning: bool = True  # vLLM: no reasoning parser runs, so no reasoning is split out
+    # OpenAI's features this server lacks
+    audio: Neutral() = None
+    function_call: Neutral("none") = None
+    functions: Neutral([]) = None
+    metadata: Neutral({}) = None
+    modalities: Neutral(["text"]) = None
+    moderation: Neutral() = None
+    prediction: Neutral() = None
+    prompt_cache_options: Neutral() = None
+    prompt_cache_retention: Neutral("in_memory") = None
+    reasoning_effort: Neutral() = None
+    service_tier: Neutral("auto", "default") = None
+    store: Neutral(False) = None
+    tool_choice: Neutral("none") = None
+    tools: Neutral([]) = None
+    verbosity: Neutral() = None
+    web_search_options: Neutral() = None
+    # vLLM's chat features this server lacks
+    echo: Neutral(False) = None
+    add_generation_prompt: Neutral(True) = None
+    continue_final_message: Neutral(False) = None
+    add_special_tokens: Neutral(False) = None
+    documents: Neutral([]) = None
+    chat_template: Neutral() = None
+    chat_template_kwargs: Neutral({}) = None
+    mm_processor_kwargs: Neutral({}) = None
+    max_repetition_pattern_size: Neutral(0) = None
+    min_repetition_pattern_size: Neutral(0) = None
+    repetition_min_count: Neutral(0) = None
 
     def message_dicts(self) -> list[dict[str, str]]:
         """Messages as the chat template takes them."""
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return [m.as_dict() for m in self.messages]
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | int | None = None) -> dict:

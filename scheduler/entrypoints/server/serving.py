@@ -1,11 +1,13 @@
 """OpenAI response bodies from text deltas and results: completions and chat, whole and streamed.
 
 A request with ``P`` prompts and ``n`` samples each has ``P * n`` choices;
-choice ``key * n + index`` is sample ``index`` of prompt ``key``.
+choice ``key * n + index`` is sample ``index`` of prompt ``key``. With ``best_of > n`` each
+prompt's ``best_of`` samples are ranked by cumulative log-probability and the ``n`` best kept.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 import uuid
@@ -23,11 +25,15 @@ class ResponseContext:
     n: int
     tokenizer: object
     logprobs: int | None  # top log-probabilities per token; None: no logprobs block
-    id: str = field(default="")
+    request_id: str | None = None  # the client's (vLLM's request_id), else a random one
+    tokens_as_ids: bool = False  # logprobs name tokens "token_id:<id>" (vLLM's return_tokens_as_token_ids)
+    id: str = field(init=False)
     created: int = field(default_factory=lambda: int(time.time()))
+    # per choice: characters of the token texts already sent (a streamed text_offset continues from there)
+    offsets: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.id = self.id or f"{'cmpl' if self.kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
+        self.id = f"{'cmpl' if self.kind == 'completion' else 'chatcmpl'}-{self.request_id or uuid.uuid4().hex}"
 
     def head(self, *, chunk: bool) -> dict:
         """The fields before ``choices``."""
@@ -36,11 +42,12 @@ class ResponseContext:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def token_text(self, token_id: int) -> str:
-        """A token's own text."""
-        return self.tokenizer.decode([token_id])
+        """A token's own text (or its id, with ``tokens_as_ids``)."""
+        return f"token_id:{token_id}" if self.tokens_as_ids else self.tokenizer.decode([token_id])
 
-    def logprobs_block(self, token_ids: list[int], logprobs: list[float], tops: list[dict[int, float]]) -> dict | None:
-        """The ``logprobs`` field of a choice for these tokens (OpenAI's completion or chat layout)."""
+    def logprobs_block(self, choice: int, token_ids: list[int], logprobs: list[float],
+                       tops: list[dict[int, float]]) -> dict | None:  # fmt: skip
+        """The ``logprobs`` field of choice ``choice`` for these tokens (OpenAI's completion or chat layout)."""
         if self.logprobs is None:
             return None
         texts = [self.token_text(t) for t in token_ids]
@@ -51,32 +58,40 @@ class ResponseContext:
                 alternatives = [_chat_logprob(self.token_text(t), v) for t, v in tp]
                 entries.append({**_chat_logprob(text, lp), "top_logprobs": alternatives})
             return {"content": entries}
-        offsets = [sum(len(s) for s in texts[:i]) for i in range(len(texts))]
-        tops_by_text = [{self.token_text(t): v for t, v in tp} for tp in top]
+        offsets = list(itertools.accumulate((len(s) for s in texts), initial=self.offsets.get(choice, 0)))
+        self.offsets[choice] = offsets.pop()
+        # OpenAI's completion top_logprobs hold the sampled token too (logprobs=0: it alone)
+        tops_by_text = [{**{self.token_text(t): v for t, v in tp}, s: lp} for tp, s, lp in zip(top, texts, logprobs)]
         return {"tokens": texts, "token_logprobs": logprobs, "top_logprobs": tops_by_text, "text_offset": offsets}
 
     # -- whole responses ---------------------------------------------------
     def response(self, results: list[TextRequestOutput]) -> dict:
         """The non-streamed body of a finished request."""
-        choices = [self._choice(key, c) for key, r in enumerate(results) for c in r.outputs]
+        choices = [self._choice(key * self.n + i, c) for key, r in enumerate(results) for i, c in self._best(r)]
         return {**self.head(chunk=False), "choices": choices, "usage": usage(results)}
 
-    def _choice(self, key: int, c: TextCompletion) -> dict:
-        logprobs = self.logprobs_block(c.token_ids, c.logprobs, c.top_logprobs)
-        body = {"index": key * self.n + c.index, "logprobs": logprobs, "finish_reason": c.finish_reason}
+    def _best(self, result: TextRequestOutput) -> enumerate[TextCompletion]:
+        """The ``n`` samples returned, in index order, or, of ``best_of > n``, the ``n`` most likely."""
+        outputs = result.outputs
+        if len(outputs) > self.n:
+            outputs = sorted(outputs, key=lambda c: -c.cumulative_logprob)[: self.n]
+        return enumerate(outputs)
+
+    def _choice(self, index: int, c: TextCompletion) -> dict:
+        logprobs = self.logprobs_block(index, c.token_ids, c.logprobs, c.top_logprobs)
+        body = {"index": index, "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
         if self.kind == "chat":
             body["message"] = {"role": "assistant", "content": c.text}
         else:
             body["text"] = c.text
-        if c.stop_reason is not None:
-            body["stop_reason"] = c.stop_reason
         return body
 
     # -- streamed responses ------------------------------------------------
     def chunk(self, key: int, d: SampleDelta, include_usage: bool) -> dict:
         """A streamed chunk carrying one sample's delta."""
-        logprobs = self.logprobs_block(d.token_ids, d.logprobs, d.top_logprobs)
-        choice = {"index": key * self.n + d.index, "logprobs": logprobs, "finish_reason": d.finish_reason}
+        index = key * self.n + d.index
+        logprobs = self.logprobs_block(index, d.token_ids, d.logprobs, d.top_logprobs)
+        choice = {"index": index, "logprobs": logprobs, "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
         if self.kind == "chat":
             choice["delta"] = {"content": d.text} if d.text else {}
         else:
@@ -106,10 +121,12 @@ def wants_chunk(d: SampleDelta, with_logprobs: bool) -> bool:
 
 
 def usage(results: list[TextRequestOutput]) -> dict:
-    """OpenAI's usage block: prompt tokens counted once per prompt, every sample's tokens."""
+    """OpenAI's usage block: prompt tokens once per prompt (and their prefix-cache hits), every sample's tokens."""
     prompt = sum(len(r.prompt_token_ids) for r in results)
     completion = sum(len(c.token_ids) for r in results for c in r.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = sum(r.num_cached_tokens or 0 for r in results)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
 
 
 def sse(body: dict | str) -> str:

@@ -41,3 +41,13 @@ def test_bad_stop_strings_raise(stop):
 def test_stop_string_becomes_a_tuple():
     assert SamplingParams(stop="ab").stop == ("ab",)
     assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
+
+
+def test_num_cached_tokens_is_the_prefix_cache_hit_at_admission(tiny_hf):
+    engine = make_engine(tiny_hf, max_num_batched_tokens=16, max_num_seqs=4)  # the prompt prefills in chunks
+    prompt = SHARED + [1, 2, 3]
+    salted = [SamplingParams(max_tokens=2, cache_salt=s) for s in ("a", "a", "b")]
+    (first,) = engine.generate([prompt], salted[0], use_tqdm=False)
+    second, other = engine.generate([prompt, prompt], salted[1:], use_tqdm=False)
+    assert (first.num_cached_tokens, other.num_cached_tokens) == (0, 0)
+    assert second.num_cached_tokens == (len(prompt) - 1) // 4 * 4  # whole blocks, never the last token

@@ -1,11 +1,15 @@
-"""The ``paged-kv`` command line: subcommands, and ``serve`` taking the main job's engine options."""
+"""The ``paged-kv`` command line: subcommands, ``serve``'s server flags (vLLM's names) and the engine options."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
-from scheduler.entrypoints.cli import main, serve_parser
-from scheduler.entrypoints.main_job import engine_config, parse_args
+from scheduler.core.params import SamplingParams
+from scheduler.entrypoints.cli import main, serve_parser, server_config
+from scheduler.entrypoints.llm import LLM
+from scheduler.entrypoints.main_job import KV_CACHE_DTYPES, engine_config, parse_args
+from scheduler.entrypoints.server.config import ServerConfig
 
 
 def test_serve_takes_the_engine_options_of_the_main_job():
@@ -24,3 +28,32 @@ def test_unknown_or_missing_subcommands_print_usage(argv, code, capsys):
     with pytest.raises(SystemExit) as info:
         main(argv)
     assert info.value.code == code and "paged-kv {serve,run}" in capsys.readouterr().err
+
+
+def test_serve_takes_vllms_server_flags():
+    args = serve_parser().parse_args([
+        "--model", "/models/tiny", "--served-model-name", "a", "b", "--max-model-len", "100", "--max-logprobs", "5",
+        "--api-key", "k1", "k2", "--disable-log-requests", "--max-request-bytes", "1000", "--max-in-flight", "8",
+    ])  # fmt: skip
+    assert server_config(args) == ServerConfig(
+        served_model_names=("a", "b"), max_model_len=100, max_logprobs=5, api_keys=("k1", "k2"), log_requests=False,
+        max_request_bytes=1000, max_in_flight=8,
+    )  # fmt: skip
+    default = server_config(serve_parser().parse_args(["--model", "/models/tiny"]))
+    assert default == ServerConfig(served_model_names=("/models/tiny",))  # vLLM: the --model argument
+    assert server_config(serve_parser().parse_args([])).served_model_names == ()  # the bundled model's own name
+
+
+@pytest.mark.parametrize(("name", "dtype"), [("auto", torch.float32), ("int8", torch.int8),
+                                             ("fp8", torch.float8_e4m3fn), ("fp8_e4m3", torch.float8_e4m3fn),
+                                             ("fp8_e5m2", torch.float8_e5m2)])  # fmt: skip
+def test_kv_cache_dtype_maps_to_the_page_storage_and_the_engine_runs_with_it(tiny_model_dir, name, dtype):
+    args = serve_parser().parse_args(["--kv-cache-dtype", name, "--device", "cpu", "--kv-blocks", "64",
+                                      "--block-size", "4"])  # fmt: skip
+    assert engine_config(args).cache.dtype == KV_CACHE_DTYPES[name]
+    llm = LLM(tiny_model_dir, engine_config=engine_config(args))
+    assert llm.engine.runner.gpu_cache.spec.dtype == dtype
+    (out,) = llm.generate("hello world", SamplingParams(max_tokens=6, ignore_eos=True))
+    assert len(out.outputs[0].token_ids) == 6 and out.outputs[0].finish_reason == "length"
+    with pytest.raises(SystemExit):
+        serve_parser().parse_args(["--kv-cache-dtype", "fp4"])

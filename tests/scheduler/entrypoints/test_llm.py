@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from text_helpers import first_text_token
 
 from paged_kv.errors import InvalidArgumentError
 from scheduler.core.config import CacheConfig, EngineConfig
@@ -110,3 +111,24 @@ def test_a_sample_ended_by_a_stop_string_stops_generating_while_its_siblings_run
     assert first.finish_reason == "stop" and first.text == free[0][: free[0].find(stop)]
     assert second.text == free[1] and second.finish_reason == "length"
     assert generated == len(first.token_ids) + len(second.token_ids) < 40  # the stopped sample took no more steps
+
+
+def test_a_stop_token_ends_the_text_before_it_and_is_the_stop_reason(llm):
+    tokens = llm.generate("hello world", GREEDY)[0].outputs[0].token_ids
+    k = first_text_token(llm.tokenizer, tokens)
+    (out,) = llm.generate("hello world", SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=[tokens[k]]))
+    s = out.outputs[0]
+    assert s.token_ids == tokens[: k + 1]  # the stop token is the last token, without text of its own
+    assert (s.text, s.finish_reason, s.stop_reason) == (llm.tokenizer.decode(tokens[:k]), "stop", tokens[k])
+
+
+def test_eos_ends_the_text_before_it_with_no_stop_reason(tiny_model_dir):
+    llm = LLM(tiny_model_dir, engine_config=EngineConfig(cache=CacheConfig(block_size=4, num_gpu_blocks=64),
+                                                         device="cpu"))  # fmt: skip
+    tokens = llm.generate("hello world", GREEDY)[0].outputs[0].token_ids
+    k = first_text_token(llm.tokenizer, tokens)
+    llm.engine.scheduler.eos_token_ids = frozenset({tokens[k]})  # a model whose EOS is a token with text
+    (eos,) = llm.generate("hello world", SamplingParams(max_tokens=24))
+    assert (eos.outputs[0].text, eos.outputs[0].stop_reason) == (llm.tokenizer.decode(tokens[:k]), None)
+    ignored = SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=[tokens[k]])
+    assert llm.generate("hello world", ignored)[0].outputs[0].stop_reason == tokens[k]  # a stop token, not EOS

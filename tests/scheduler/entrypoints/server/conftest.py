@@ -2,34 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
+from server_helpers import CHUNKED, ENGINE, serving
 
-from scheduler.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from scheduler.entrypoints.llm import LLM
-
-ENGINE = EngineConfig(
-    cache=CacheConfig(block_size=4, num_gpu_blocks=512), scheduler=SchedulerConfig(max_num_seqs=64), device="cpu"
-)
-CHUNKED = EngineConfig(
-    cache=CacheConfig(block_size=4, num_gpu_blocks=512),
-    scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32), device="cpu",
-)  # fmt: skip
-
-
-@dataclass
-class Served:
-    """A running server: its base URL, app and LLM (the engine the worker thread steps)."""
-
-    url: str
-    app: object
-    llm: LLM
-
-    @property
-    def engine(self):
-        """The app's async engine."""
-        return self.app.state.engine
 
 
 @pytest.fixture(scope="module")
@@ -38,27 +14,22 @@ def offline(tiny_model_dir) -> LLM:
     return LLM(tiny_model_dir, engine_config=ENGINE)
 
 
-def _serve(model_dir, config: EngineConfig):
-    """A uvicorn server of the tiny model on a free port of 127.0.0.1 while the generator runs."""
-    from scheduler.entrypoints.server.app import build_app
-    from scheduler.entrypoints.server.background import serve_in_thread
-
-    llm = LLM(model_dir, engine_config=config)
-    app = build_app(llm, max_in_flight=64)
-    with serve_in_thread(app) as url:
-        yield Served(url, app, llm)
-
-
 @pytest.fixture(scope="module")
 def served(tiny_model_dir):
     """A uvicorn server on a free port of 127.0.0.1, stopped when the module's tests are done."""
-    yield from _serve(tiny_model_dir, ENGINE)
+    from scheduler.entrypoints.server.config import ServerConfig
+
+    with serving(tiny_model_dir, ServerConfig(max_in_flight=64)) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
 def served_chunked(tiny_model_dir):
     """A server whose steps hold 32 tokens: prompts longer than that are prefilled in chunks."""
-    yield from _serve(tiny_model_dir, CHUNKED)
+    from scheduler.entrypoints.server.config import ServerConfig
+
+    with serving(tiny_model_dir, ServerConfig(max_in_flight=64), engine=CHUNKED) as s:
+        yield s
 
 
 @pytest.fixture
@@ -68,3 +39,16 @@ def client(served):
 
     with openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
         yield c
+
+
+@pytest.fixture
+def captured(served, monkeypatch) -> list:
+    """Every (prompts, params) the app hands to the engine thread while the test runs."""
+    calls, generate = [], served.engine.generate
+
+    def spy(prompts, params):
+        calls.append((prompts, params))
+        return generate(prompts, params)
+
+    monkeypatch.setattr(served.engine, "generate", spy)
+    return calls

@@ -43,17 +43,22 @@ def test_smollm2_greedy_chat_through_the_server_equals_offline(smollm2):
 @pytest.mark.slow
 def test_the_serve_command_starts_answers_and_stops(tiny_model_dir):
     port = free_port()
-    cmd = [sys.executable, "-m", "scheduler.entrypoints.cli", "serve", "--model", str(tiny_model_dir), "--port", str(port),
-           "--kv-blocks", "64", "--block-size", "4", "--served-model-name", "tiny"]  # fmt: skip
+    cmd = [sys.executable, "-m", "scheduler.entrypoints.cli", "serve", "--model", str(tiny_model_dir),
+           "--port", str(port), "--kv-blocks", "64", "--block-size", "4", "--served-model-name", "tiny", "tiny-2",
+           "--api-key", "secret", "--kv-cache-dtype", "int8", "--max-model-len", "128",
+           "--disable-log-requests"]  # fmt: skip
     root = Path(__file__).resolve().parents[4]
     env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        _wait_healthy(f"http://127.0.0.1:{port}/health", proc)
-        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0) as c:
-            assert [m.id for m in c.models.list().data] == ["tiny"]
-            r = c.completions.create(model="tiny", prompt="hello", max_tokens=5, temperature=0)
-            assert r.usage.completion_tokens >= 1
+        _wait_healthy(f"http://127.0.0.1:{port}/health", proc)  # open without the key
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 401
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="secret", max_retries=0) as c:
+            assert [(m.id, m.max_model_len) for m in c.models.list().data] == [("tiny", 128), ("tiny-2", 128)]
+            r = c.completions.create(model="tiny-2", prompt="hello", max_tokens=5, temperature=0)
+            assert r.usage.completion_tokens >= 1 and r.model == "tiny-2"
+            with pytest.raises(openai.BadRequestError):
+                c.completions.create(model="tiny", prompt="hello", max_tokens=128)
     finally:
         proc.terminate()
         assert proc.wait(timeout=30) is not None

@@ -1,0 +1,35 @@
+"""The HTTP server's options, named as vLLM names its flags, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from paged_kv.errors import InvalidArgumentError, check_bool, check_int, describe
+from scheduler.core.params import MAX_LOGPROBS
+
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # a request body past this gets 413 before it is parsed
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerConfig:
+    """What ``build_app`` serves and how: model names, limits, log-probabilities, API keys, request logs."""
+
+    served_model_names: tuple[str, ...] = ()  # names clients may use, the first in listings; (): the model's own
+    max_in_flight: int = 256  # requests held at once (running + waiting); more get 503 with Retry-After
+    max_model_len: int | None = None  # cap of prompt + max_tokens; None: what the model and the KV pool allow
+    max_logprobs: int = 20  # most top log-probabilities a request may ask for (vLLM's default)
+    api_keys: tuple[str, ...] = ()  # Bearer keys every /v1 route requires; (): no check
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    log_requests: bool = True  # log every request's id, sizes and sampling parameters
+
+    def __post_init__(self) -> None:
+        for field in ("served_model_names", "api_keys"):
+            names = getattr(self, field)
+            if not (isinstance(names, tuple) and all(isinstance(n, str) and n for n in names)):
+                raise InvalidArgumentError(describe(field, names, "a tuple of non-empty str"))
+        check_int("max_in_flight", self.max_in_flight, low=1)
+        if self.max_model_len is not None:
+            check_int("max_model_len", self.max_model_len, low=1)
+        check_int("max_logprobs", self.max_logprobs, low=0, high=MAX_LOGPROBS)
+        check_int("max_request_bytes", self.max_request_bytes, low=1)
+        check_bool("log_requests", self.log_requests)

@@ -1,0 +1,145 @@
+"""What the handlers share: the served names, model cards, API keys, and a request's preparation for the engine.
+
+Preparing a request refuses what cannot be honoured (``sampling``), tokenizes or renders the
+chat template in a one-thread pool off the event loop, cuts the prompt if asked, checks the
+lengths against ``max_model_len`` and builds each prompt's SamplingParams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from fastapi import Depends
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from paged_kv.errors import InvalidArgumentError, describe
+from scheduler.core.params import SamplingParams
+from scheduler.engine.llm_engine import LLMEngine
+from scheduler.entrypoints.llm import LLM
+from scheduler.entrypoints.server.async_engine import AsyncEngine
+from scheduler.entrypoints.server.config import ServerConfig
+from scheduler.entrypoints.server.errors import ModelNotFound, Unauthorized
+from scheduler.entrypoints.server.protocol import SamplingFields
+from scheduler.entrypoints.server.sampling import FieldError, check_request, sampling_params, structured_outputs
+from scheduler.entrypoints.server.serving import ResponseContext
+
+log = logging.getLogger("paged_kv.server")
+Prompts = list[tuple[list[int], str | None]]  # each prompt's token ids and its text (None: given as ids)
+
+
+def max_model_len(engine: LLMEngine, cap: int | None) -> int:
+    """The longest prompt + output one request can get: the model's context, ``cap``, the KV pool above its
+    watermark for one sample, and without chunked prefill the step's token budget."""
+    context = engine.model.config.max_position_embeddings
+    if cap is not None and cap > context:
+        raise InvalidArgumentError(describe("max_model_len", cap, f"at most the model's context, {context}"))
+    pool, sched = engine.block_manager.config, engine.config.scheduler
+    step = context if sched.enable_chunked_prefill else sched.max_num_batched_tokens
+    return min(context, cap or context, (pool.num_blocks - pool.watermark_blocks) * pool.block_size, step)
+
+
+def authorize(keys: tuple[str, ...]) -> Callable:
+    """A dependency that requires ``Authorization: Bearer <one of keys>`` (nothing when ``keys`` is empty)."""
+    bearer = HTTPBearer(auto_error=False)
+    expected = [k.encode() for k in keys]
+
+    async def check(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+        given = credentials.credentials.encode() if credentials is not None else None
+        if expected and not (given is not None and any(secrets.compare_digest(given, k) for k in expected)):
+            raise Unauthorized("missing or invalid API key: expected 'Authorization: Bearer <key>'")
+
+    return check
+
+
+@dataclass
+class Frontend:
+    """The served model under its names, the engine thread, the options, and the tokenizer's own thread."""
+
+    llm: LLM
+    engine: AsyncEngine
+    config: ServerConfig
+    names: tuple[str, ...] = ()  # (): the model's own name
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        self.names = self.names or (self.llm.model_name,)
+        self.max_model_len = max_model_len(self.llm.engine, self.config.max_model_len)
+        # one thread: the tokenizer is never used by two requests at once (as in vLLM), the event loop never
+        self.tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="paged-kv-tokenizer")
+
+    def model_name(self, requested: str | None) -> str:
+        """The name a request uses (the first served name when it gives none); ModelNotFound for any other."""
+        if requested is None:
+            return self.names[0]
+        if requested not in self.names:
+            raise ModelNotFound(describe("model", requested, f"one of the served names {list(self.names)}"))
+        return requested
+
+    def card(self, name: str) -> dict:
+        """The model card of ``name`` (vLLM's fields)."""
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "paged-kv",
+                "root": self.llm.model_name, "parent": None, "max_model_len": self.max_model_len}  # fmt: skip
+
+    async def prepare(self, body: SamplingFields, kind: str, encode: Callable[[], Prompts], num_prompts: int,
+                      limit: tuple[str, int | None], logprobs: int | None
+                      ) -> tuple[ResponseContext, Prompts, list[SamplingParams]]:  # fmt: skip
+        """A validated request's response context, prompts and parameters; refusals come before any tokenization.
+
+        ``limit``: the output-length field and its value; ``logprobs``: top log-probabilities per token (None: none).
+        """
+        model = self.model_name(body.model)
+        check_request(body, self.config.max_logprobs)
+        constraints = structured_outputs(body)
+        if num_prompts > self.engine.max_in_flight:  # never admitted: a 400, not a 503 forever
+            expected = f"at most {self.engine.max_in_flight} prompts per request (--max-in-flight)"
+            raise FieldError("prompt", describe("prompt", f"{num_prompts} prompts", expected))
+        encoded = await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, encode)
+        prompts = [self._truncate(body, ids, text) for ids, text in encoded]
+        vocab = self.llm.engine.model.config.vocab_size
+        top = max(max(ids, default=0) for ids, _ in prompts)
+        if top >= vocab:
+            raise FieldError("prompt", describe("prompt", f"token id {top}", f"token ids in [0, {vocab})"))
+        params = [
+            sampling_params(body, max_tokens=self._max_tokens(kind, len(ids), limit, body.num_samples),
+                            logprobs=logprobs or 0, vocab_size=vocab, constraints=constraints)
+            for ids, _ in prompts
+        ]  # fmt: skip
+        ctx = ResponseContext(kind, model, body.n, self.llm.tokenizer, logprobs, request_id=body.request_id,
+                              tokens_as_ids=body.return_tokens_as_token_ids)  # fmt: skip
+        if self.config.log_requests:
+            user = body.user or getattr(body, "safety_identifier", None)
+            log.info("request %s: model %s, user %r, prompt tokens %s, %s", ctx.id, model, user,
+                     [len(ids) for ids, _ in prompts], params[0])  # fmt: skip
+        return ctx, prompts, params
+
+    def _truncate(self, body: SamplingFields, ids: list[int], text: str | None) -> tuple[list[int], str | None]:
+        """The prompt cut to ``truncate_prompt_tokens`` (-1: max_model_len) from ``truncation_side``."""
+        keep = body.truncate_prompt_tokens
+        keep = self.max_model_len if keep == -1 else keep
+        if keep is None or len(ids) <= keep:
+            return ids, text
+        return (ids[-keep:] if body.truncation_side == "left" else ids[:keep]), None
+
+    def _max_tokens(self, kind: str, prompt_len: int, limit: tuple[str, int | None], n: int) -> int:
+        """The request's output limit within max_model_len and the KV pool for ``n`` samples; unset: all that fits."""
+        name, requested = limit
+        prompt_field, longest = ("prompt" if kind == "completion" else "messages"), self.max_model_len
+        room, pooled = longest - prompt_len, self.engine.max_new_tokens(prompt_len, n)
+        if room < 1 or (requested is None and pooled < 1):
+            expected = f"a prompt that leaves room to answer within max_model_len={longest} and the KV pool"
+            raise FieldError(prompt_field, describe(prompt_field, f"{prompt_len} tokens", expected))
+        if requested is None:
+            return min(room, pooled)
+        if requested > room:
+            expected = f"at most {room}: the prompt has {prompt_len} tokens and max_model_len is {longest}"
+            raise FieldError(name, describe(name, requested, expected))
+        if requested > pooled:
+            raise FieldError(name, describe(name, requested, f"at most {pooled}: {n} samples must fit in the KV pool"))
+        return requested
+

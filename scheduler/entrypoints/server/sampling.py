@@ -1,0 +1,114 @@
+"""From a validated request body to the engine's SamplingParams, refusing with a 400 what cannot be honoured.
+
+The pass-through fields are vLLM's SamplingParams fields of the same name: each is honoured
+when the engine's :class:`SamplingParams` has a field of that name (``dataclasses.fields``) and
+refused otherwise, unless it is at its neutral value. So a field the engine gains (the
+penalties, ``logit_bias``, ...) is honoured by the server with no edit here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from paged_kv.errors import InvalidArgumentError, describe
+from scheduler.core.params import SamplingParams
+from scheduler.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+
+# name -> the values at which it asks for nothing (always accepted)
+PASS_THROUGH: dict[str, tuple[object, ...]] = {
+    "presence_penalty": (0.0,), "frequency_penalty": (0.0,), "repetition_penalty": (1.0,), "min_p": (0.0,),
+    "min_tokens": (0,), "logit_bias": ({},), "allowed_token_ids": (), "bad_words": ([],),
+}  # fmt: skip
+STRUCTURED_FIELDS = (
+    "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+    "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag",
+)  # fmt: skip
+
+
+class FieldError(InvalidArgumentError):
+    """A request field with a value this server refuses (a 400 whose ``param`` names the field)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def sampling_param_names() -> frozenset[str]:
+    """The fields of the engine's SamplingParams."""
+    return frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
+def pass_through(body: SamplingFields, vocab_size: int) -> dict[str, object]:
+    """SamplingParams keywords of the pass-through fields set away from neutral; FieldError if the engine lacks one."""
+    names, kwargs = sampling_param_names(), {}
+    for name, neutral in PASS_THROUGH.items():
+        value = getattr(body, name)
+        if value is None or value in neutral:
+            continue
+        if name not in names:
+            raise FieldError(name, describe(name, value, f"{_neutral(neutral)}: this engine does not support {name}"))
+        kwargs[name] = _engine_value(name, value, vocab_size)
+    return kwargs
+
+
+def _neutral(values: tuple[object, ...]) -> str:
+    return "null" + "".join(f" or {v!r}" for v in values)
+
+
+def _engine_value(name: str, value: object, vocab_size: int) -> object:
+    """A pass-through value as SamplingParams takes it: token ids checked against the vocabulary, lists as tuples."""
+    if name == "logit_bias":  # OpenAI's keys are token ids written as strings
+        bias = {}
+        for key, b in value.items():
+            if not (key.isascii() and key.isdigit() and int(key) < vocab_size):
+                raise FieldError(name, describe(f"{name} key", key, f"a token id in [0, {vocab_size})"))
+            bias[int(key)] = b
+        return bias
+    if name == "allowed_token_ids":
+        if not value or max(value) >= vocab_size:
+            raise FieldError(name, describe(name, value, f"a non-empty list of token ids in [0, {vocab_size})"))
+    return tuple(value) if isinstance(value, list) else value
+
+
+def structured_outputs(body: SamplingFields) -> dict[str, object]:
+    """SamplingParams keywords of the request's output constraints.
+
+    None is supported yet: any structured-output field but ``response_format: {"type": "text"}``
+    is refused, naming it. The structured-outputs converter takes this function's place.
+    """
+    for name in STRUCTURED_FIELDS:
+        value = getattr(body, name)
+        if value is not None and not (name == "response_format" and value == {"type": "text"}):
+            expected = 'null (or {"type": "text"}): structured outputs are not supported'
+            raise FieldError(name, describe(name, value, expected))
+    return {}
+
+
+def check_request(body: SamplingFields, max_logprobs: int) -> None:
+    """The checks that depend on the server's options or on several fields; FieldError naming the field."""
+    if body.stream_options is not None and not body.stream:
+        raise FieldError("stream_options", describe("stream_options", "set", "only with stream=true"))
+    if body.best_of is not None and body.best_of < body.n:
+        raise FieldError("best_of", describe("best_of", body.best_of, f">= n={body.n}"))
+    if body.truncate_prompt_tokens == 0:
+        raise FieldError("truncate_prompt_tokens", describe("truncate_prompt_tokens", 0, "-1 or >= 1"))
+    if body.stream and body.num_samples > body.n:
+        raise FieldError("best_of", describe("best_of", body.best_of, f"n={body.n} when streaming"))
+    if isinstance(body, ChatCompletionRequest) and body.top_logprobs and not body.logprobs:
+        raise FieldError("top_logprobs", describe("top_logprobs", body.top_logprobs, "0 unless logprobs=true"))
+    name = "logprobs" if isinstance(body, CompletionRequest) else "top_logprobs"
+    k = getattr(body, name)
+    if k is not None and k > max_logprobs:
+        raise FieldError(name, describe(name, k, f"at most max_logprobs={max_logprobs} (--max-logprobs)"))
+
+
+def sampling_params(body: SamplingFields, *, max_tokens: int, logprobs: int, vocab_size: int,
+                    constraints: dict[str, object]) -> SamplingParams:  # fmt: skip
+    """The engine's parameters of one prompt of ``body`` (``best_of`` samples when set)."""
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+        top_k=body.top_k if 0 < body.top_k < vocab_size else 0,  # -1, 0 or the whole vocabulary: no filter
+        seed=body.seed, n=body.num_samples, stop=tuple(body.stop), stop_token_ids=tuple(body.stop_token_ids),
+        ignore_eos=body.ignore_eos, logprobs=logprobs, cache_salt=body.cache_salt,
+        **pass_through(body, vocab_size), **constraints,
+    )  # fmt: skip

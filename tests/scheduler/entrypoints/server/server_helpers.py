@@ -1,0 +1,84 @@
+"""Helpers of the server tests: the engine settings, a served app on a real uvicorn server, raw requests."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+
+from scheduler.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from scheduler.entrypoints.llm import LLM
+
+ENGINE = EngineConfig(
+    cache=CacheConfig(block_size=4, num_gpu_blocks=512), scheduler=SchedulerConfig(max_num_seqs=64), device="cpu"
+)
+CHUNKED = EngineConfig(
+    cache=CacheConfig(block_size=4, num_gpu_blocks=512),
+    scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32), device="cpu",
+)  # fmt: skip
+CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+
+
+@dataclass
+class Served:
+    """A running server: its base URL, app and LLM (the engine the worker thread steps)."""
+
+    url: str
+    app: object
+    llm: LLM
+
+    @property
+    def engine(self):
+        """The app's async engine."""
+        return self.app.state.engine
+
+    @property
+    def model(self) -> str:
+        """The first name the model is served under."""
+        return self.app.state.frontend.names[0]
+
+    def post(self, path: str, body: dict, **kw) -> httpx.Response:
+        """A raw JSON POST to ``/v1/<path>``."""
+        return httpx.post(f"{self.url}/v1/{path}", json=body, timeout=60, **kw)
+
+
+@contextlib.contextmanager
+def serving(model_dir, config=None, engine: EngineConfig = ENGINE) -> Iterator[Served]:
+    """A uvicorn server on a free port of 127.0.0.1 serving a fresh LLM over ``model_dir`` as ``config`` says."""
+    from scheduler.entrypoints.server.app import build_app
+    from scheduler.entrypoints.server.background import serve_in_thread
+
+    llm = LLM(model_dir, engine_config=engine)
+    app = build_app(llm, config)
+    with serve_in_thread(app) as url:
+        yield Served(url, app, llm)
+
+
+def wait_idle(served: Served, timeout: float = 20.0) -> None:
+    """Until the engine thread holds no request and the block manager no sequence."""
+    deadline = time.monotonic() + timeout
+    engine = served.llm.engine
+    while engine.has_unfinished_requests() or engine.block_manager.seq_ids():
+        assert time.monotonic() < deadline, "the engine did not go idle"
+        time.sleep(0.01)
+
+
+def refused(r: httpx.Response, param: str | None, status: int = 400) -> dict:
+    """Assert an OpenAI error body with this status naming ``param``; return the error."""
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"] and error["code"] == status
+    assert error["param"] == param, error
+    return error
+
+
+def sse_events(text: str) -> list[dict]:
+    """The JSON events of a server-sent-events body, up to ``[DONE]``."""
+    import json
+
+    data = [line[len("data: ") :] for line in text.splitlines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]", text[-200:]
+    return [json.loads(d) for d in data[:-1]]

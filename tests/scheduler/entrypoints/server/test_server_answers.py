@@ -1,0 +1,162 @@
+"""The answers clients rely on: model cards and lengths, logprobs, stop tokens, cached tokens, admission, limits."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from server_helpers import refused, serving, sse_events, wait_idle
+from text_helpers import first_text_token
+
+from scheduler.core.config import CacheConfig, EngineConfig
+from scheduler.core.params import SamplingParams
+from scheduler.entrypoints.server.config import ServerConfig
+
+PROMPT = "the quick brown fox"
+
+
+def _usable_tokens(engine) -> int:
+    pool = engine.block_manager.config
+    return (pool.num_blocks - pool.watermark_blocks) * pool.block_size
+
+
+def test_models_advertise_what_one_request_can_get_and_each_model_has_its_card(served, client):
+    engine = served.llm.engine
+    expected = min(engine.model.config.max_position_embeddings, _usable_tokens(engine))
+    (card,) = client.models.list().data
+    assert (card.id, card.max_model_len) == (served.model, expected)
+    assert client.models.retrieve(served.model).model_dump() == card.model_dump()
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-9")
+    refused(httpx.get(f"{served.url}/v1/models/gpt-9"), "model", status=404)
+
+
+@pytest.mark.parametrize(("blocks", "cap"), [(24, None), (512, 100)])
+def test_max_model_len_is_the_kv_pool_or_the_cap_and_a_longer_request_is_refused(tiny_model_dir, blocks, cap):
+    engine = EngineConfig(cache=CacheConfig(block_size=4, num_gpu_blocks=blocks), device="cpu")
+    with serving(tiny_model_dir, ServerConfig(max_model_len=cap), engine) as s:
+        longest = httpx.get(f"{s.url}/v1/models").json()["data"][0]["max_model_len"]
+        assert longest == (cap or _usable_tokens(s.llm.engine)) < s.llm.engine.model.config.max_position_embeddings
+        ids = s.llm.tokenizer.encode(PROMPT)
+        body = {"prompt": ids, "max_tokens": longest - len(ids), "ignore_eos": True}
+        r = s.post("completions", body)
+        assert r.status_code == 200 and r.json()["usage"]["total_tokens"] == longest
+        error = refused(s.post("completions", {**body, "max_tokens": longest - len(ids) + 1}), "max_tokens")
+        assert f"max_model_len is {longest}" in error["message"]
+        refused(s.post("completions", {"prompt": [5] * longest, "max_tokens": 1}), "prompt")
+        chat = {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}
+        assert s.post("chat/completions", chat).json()["usage"]["total_tokens"] == longest
+
+
+def test_completion_logprobs_hold_the_sampled_token_and_streamed_offsets_continue(served):
+    body = {"model": served.model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    for k in (0, 2):
+        lp = served.post("completions", {**body, "logprobs": k}).json()["choices"][0]["logprobs"]
+        for token, logprob, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+            assert top[token] == logprob and len(top) <= k + 1  # (tokens of equal text share a key)
+            assert top == {token: logprob} if k == 0 else len(top) >= 1
+        assert k == 0 or any(len(top) > 1 for top in lp["top_logprobs"])
+    whole = served.post("completions", {**body, "logprobs": 1}).json()["choices"][0]["logprobs"]
+    assert whole["text_offset"] == [sum(len(t) for t in whole["tokens"][:i]) for i in range(len(whole["tokens"]))]
+    events = sse_events(served.post("completions", {**body, "logprobs": 1, "stream": True}).text)
+    blocks = [e["choices"][0]["logprobs"] for e in events if e["choices"][0]["logprobs"]["tokens"]]
+    assert len(blocks) > 1 and [x for b in blocks for x in b["text_offset"]] == whole["text_offset"]
+    assert [x for b in blocks for x in b["tokens"]] == whole["tokens"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_token_leaves_no_text_and_is_the_stop_reason(served, offline, stream):
+    (ref,) = offline.generate(PROMPT, SamplingParams(max_tokens=16, ignore_eos=True))
+    tokens = ref.outputs[0].token_ids
+    k = first_text_token(offline.tokenizer, tokens)
+    body = {"model": served.model, "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+            "stop_token_ids": [tokens[k]], "stream": stream}  # fmt: skip
+    body |= {"stream_options": {"include_usage": True}} if stream else {}
+    r = served.post("completions", body)
+    if stream:
+        events = sse_events(r.text)
+        text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+        last, usage = events[-2]["choices"][0], events[-1]["usage"]
+    else:
+        last = r.json()["choices"][0]
+        text, usage = last["text"], r.json()["usage"]
+    assert text == offline.tokenizer.decode(tokens[:k]) and not text.endswith(offline.tokenizer.decode([tokens[k]]))
+    assert (last["finish_reason"], last["stop_reason"], usage["completion_tokens"]) == ("stop", tokens[k], k + 1)
+
+
+def test_cached_tokens_count_the_prompt_tokens_found_in_the_prefix_cache(served, client):
+    prompt = "the quick brown fox jumps over the lazy dog " * 3
+    kw = dict(model=served.model, prompt=prompt, max_tokens=2, extra_body={"cache_salt": "cached-tokens-test"})
+    first, second = client.completions.create(**kw), client.completions.create(**kw)
+    n = first.usage.prompt_tokens
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == (n - 1) // 4 * 4  # whole blocks, never the last token
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == (n - 1) // 4 * 4
+
+
+def test_a_batch_larger_than_max_in_flight_is_a_400_and_one_that_fits_later_a_503(served, client):
+    engine, limit = served.engine, served.engine.max_in_flight
+    engine.max_in_flight = 2
+    try:
+        error = refused(served.post("completions", {"model": served.model, "prompt": ["a", "b", "c"]}), "prompt")
+        assert "--max-in-flight" in error["message"]
+        stream = client.completions.create(model=served.model, prompt="hello", max_tokens=480, stream=True,
+                                           extra_body={"ignore_eos": True})  # fmt: skip
+        next(iter(stream))
+        r = served.post("completions", {"model": served.model, "prompt": ["a", "b"], "max_tokens": 2})
+        stream.close()
+    finally:
+        engine.max_in_flight = limit
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    wait_idle(served)
+
+
+def test_best_of_returns_the_most_likely_of_its_samples(served):
+    body = {"model": served.model, "prompt": PROMPT, "max_tokens": 6, "temperature": 1.0, "seed": 3,
+            "ignore_eos": True, "logprobs": 0}  # fmt: skip
+    samples = served.post("completions", {**body, "n": 3}).json()
+    best = max(samples["choices"], key=lambda c: sum(c["logprobs"]["token_logprobs"]))
+    r = served.post("completions", {**body, "best_of": 3}).json()
+    assert [c["text"] for c in r["choices"]] == [best["text"]]
+    assert r["usage"]["completion_tokens"] == samples["usage"]["completion_tokens"] == 18
+    refused(served.post("completions", {**body, "best_of": 3, "stream": True}), "best_of")
+    refused(served.post("completions", {**body, "n": 3, "best_of": 2}), "best_of")
+
+
+def test_a_body_over_the_limit_is_a_413_before_it_is_parsed(tiny_model_dir):
+    with serving(tiny_model_dir, ServerConfig(max_request_bytes=2048, log_requests=False)) as s:
+        big = {"model": s.model, "prompt": "x" * 3000}
+        error = refused(s.post("completions", big), None, status=413)
+        assert "2048 bytes" in error["message"]
+        chunked = httpx.post(f"{s.url}/v1/completions", content=(b"x" * 1000 for _ in range(3)),
+                             headers={"content-type": "application/json"})  # fmt: skip
+        refused(chunked, None, status=413)
+        assert s.post("completions", {"model": s.model, "prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def test_health_answers_promptly_while_a_huge_prompt_is_tokenized(served):
+    prompt = "the quick brown fox jumps over the lazy dog " * 30_000  # 1.3 MB: about a second of tokenizing
+    done = {}
+
+    def post() -> None:
+        done["response"] = served.post("completions", {"model": served.model, "prompt": prompt, "max_tokens": 1})
+        done["at"] = time.monotonic()
+
+    thread = threading.Thread(target=post)
+    thread.start()
+    time.sleep(0.3)  # the body is in; the tokenizer's thread is busy
+    waits = []
+    for _ in range(5):
+        start = time.monotonic()
+        assert httpx.get(f"{served.url}/health", timeout=10).status_code == 200
+        waits.append(time.monotonic() - start)
+        time.sleep(0.05)
+    probed = time.monotonic()
+    thread.join(60)
+    assert max(waits) < 1.0, waits
+    assert done["at"] > probed  # every probe was answered while the big request was still being worked on
+    refused(done["response"], "prompt")  # far past max_model_len
