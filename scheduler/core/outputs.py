@@ -31,6 +31,8 @@ class RequestOutput:
     first_token_time: float | None
     finish_time: float | None
     num_preemptions: int
+    # with SamplingParams.prompt_logprobs: per prompt token {token: logprob, top ones...} (None for the first)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @classmethod
     def from_group(cls, group: SequenceGroup) -> RequestOutput:
@@ -46,4 +48,5 @@ class RequestOutput:
             request_id=group.request_id, prompt_token_ids=group.prompt_token_ids, outputs=outputs,
             finished=group.is_finished(), arrival_time=group.arrival_time, first_token_time=group.first_token_time,
             finish_time=group.finish_time, num_preemptions=group.num_preemptions,
+            prompt_logprobs=None if group.prompt_logprobs is None else list(group.prompt_logprobs),
         )  # fmt: skip

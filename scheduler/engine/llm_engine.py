@@ -50,12 +50,12 @@ from scheduler.core.scheduler_output import SampledToken, SchedulerOutput
 from scheduler.core.sequence import Sequence, SequenceGroup
 from scheduler.distributed.parallel_state import TPShard
 from scheduler.engine.metrics import EngineMetrics, MetricsSummary
-from scheduler.engine.request_checks import check_prompt, check_request_fits
+from scheduler.engine.request_checks import check_prompt, check_request_fits, check_sampling_ids
 from scheduler.model.llama import LlamaModel
 from scheduler.runner.cascade_plan import min_saved_tokens
 from scheduler.runner.memory import plan_kv_memory
 from scheduler.runner.model_runner import ModelRunner
-from scheduler.runner.sampler import sample
+from scheduler.runner.sampler import PromptRows, Sampler, SampleRow
 from scheduler.runner.step_input import StepInputBuilder
 from scheduler.runner.tp_executor import TPExecutor
 from scheduler.runner.tp_worker import WorkerSetup
@@ -91,6 +91,7 @@ class LLMEngine:
         ), track_changes=True)  # fmt: skip
         self.runner = self._make_runner(spec, num_blocks, graphs)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, eos_ids)
+        self.sampler = Sampler(model.config.vocab_size, self.device, eos_ids)  # keeps penalty counts per sequence
         self.metrics = EngineMetrics()
         self._auto_ids = itertools.count()
 
@@ -167,6 +168,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise InvalidArgumentError(describe("sampling_params", type(params).__name__, "a SamplingParams"))
         prompt = check_prompt(prompt_token_ids, self.model.config.vocab_size)
+        check_sampling_ids(params, self.model.config.vocab_size)
         check_request_fits(len(prompt), params, self.model.config, self.config.scheduler, self.block_manager.config)
         return prompt, params
 
@@ -193,38 +195,55 @@ class LLMEngine:
     def step(self, select: Selector | None = None) -> list[RequestOutput]:
         """Run one continuous-batching step; return the requests that finished in it.
 
-        ``select`` replaces sampling: given the step and its logits (one row per entry of
-        ``out.samples``) it returns the chosen tokens, and may fork and finish sequences through
-        the scheduler first (a beam search does).
+        ``select`` replaces sampling: given the step and its logits (``out.num_sample_rows`` rows,
+        indexed by ``out.samples``) it returns the chosen tokens, and may fork and finish
+        sequences through the scheduler first (a beam search does).
         """
         if select is not None and not callable(select):
             raise InvalidArgumentError(describe("select", select, "None or a callable (out, logits) -> tokens"))
         start = time.perf_counter()
         out = self.scheduler.schedule()
-        logits = self.runner.run(out)  # [R, vocab]
-        sampled = (select or self.sample)(out, logits)
+        logits = self.runner.run(out)  # [R + P, vocab]: sampled rows, then prompt positions scored
+        sampled = self.sample(out, logits) if select is None else self._select(select, out, logits)
         finished = self.scheduler.update_from_output(out, sampled)
         usage = self.block_manager.usage
         self.metrics.record_step(start, out.num_prompt_tokens, len(sampled), len(out.scheduled), usage)
         return [self._retire(group) for group in finished]
 
     def sample(self, out: SchedulerOutput, logits: torch.Tensor) -> list[SampledToken]:
-        """Sample every sequence that reached its last token (forked samples draw from their parent's row)."""
-        samples = out.samples
-        if not samples:
+        """Sample every sequence that reached its last token (forked samples draw from their parent's row);
+        score the step's prompt rows (``logits`` past the sampled rows) into their groups' prompt_logprobs."""
+        samples, num_rows = out.samples, out.num_sample_rows
+        if not (samples or logits.shape[0] > num_rows):
             return []
         rows = [row for _, _, row in samples]
-        if rows != list(range(logits.shape[0])):
-            logits = logits[torch.tensor(rows).to(logits.device, non_blocking=True)]
-        result = sample(logits, [g.params for g, _, _ in samples], [self._generator(g, s) for g, s, _ in samples])
+        picked = logits[:num_rows]
+        if rows != list(range(num_rows)):
+            picked = picked[torch.tensor(rows).to(logits.device, non_blocking=True)]
+        sample_rows = [SampleRow(g.params, self._generator(g, s), s) for g, s, _ in samples]
+        result = self.sampler(picked, sample_rows, logits[num_rows:], _prompt_rows(out))
+        _record_prompt_logprobs(out, result.prompt_logprobs)
         chosen = zip(result.token_ids, result.logprobs, result.top_logprobs)
         return [SampledToken(g, s, *c) for (g, s, _), c in zip(samples, chosen)]
 
+    def _select(self, select: Selector, out: SchedulerOutput, logits: torch.Tensor) -> list[SampledToken]:
+        """A selection hook's tokens; prompt rows, if any, are scored by the sampler (one more transfer)."""
+        num_rows = out.num_sample_rows
+        chosen = select(out, logits[:num_rows])
+        if logits.shape[0] > num_rows:
+            scored = self.sampler(logits[:0], [], logits[num_rows:], _prompt_rows(out)).prompt_logprobs
+            _record_prompt_logprobs(out, scored)
+        return chosen
+
     def _generator(self, group: SequenceGroup, seq: Sequence) -> torch.Generator | None:
-        """The sequence's own generator when the request is seeded (created at its first sample)."""
+        """The sequence's own generator when the request is seeded (created at its first sample).
+
+        Any int64 seed maps to a torch seed one to one (two's complement: -1 -> 2**64 - 1); sample i > 0
+        of a request derives its own from (seed, i).
+        """
         seed = group.params.seed
         if seed is not None and seq.generator is None:
-            derived = seed if seq.index == 0 else hash((seed, seq.index)) & ((1 << 63) - 1)
+            derived = seed % (1 << 64) if seq.index == 0 else hash((seed, seq.index)) & ((1 << 63) - 1)
             seq.generator = torch.Generator(device=self.device).manual_seed(derived)
         return seq.generator
 
@@ -280,6 +299,18 @@ class LLMEngine:
         if group is None:
             raise UnknownSequenceError(describe("request_id", request_id, "the id of an unfinished request"))
         return group
+
+
+def _prompt_rows(out: SchedulerOutput) -> PromptRows:
+    """What the sampler scores for the step's prompt rows: the prompt token after each position, the top-k asked."""
+    rows = out.prompt_rows
+    return PromptRows([seq.token_ids[pos + 1] for _, seq, pos in rows], [g.params.prompt_logprobs for g, _, _ in rows])
+
+
+def _record_prompt_logprobs(out: SchedulerOutput, scored: list[dict[int, float]]) -> None:
+    """Append each prompt row's log-probabilities to its group (rows come in position order)."""
+    for (group, _, _), row in zip(out.prompt_rows, scored):
+        group.prompt_logprobs.append(row)
 
 
 def _as_id_set(ids: int | Iterable[int] | None) -> frozenset[int]:
