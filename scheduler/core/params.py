@@ -51,7 +51,7 @@ class SamplingParams:
     Logits controls, applied as vLLM applies them before temperature: ``allowed_token_ids``
     (only those ids may be sampled), ``bad_words_token_ids`` (a word's last id is blocked
     when the sample's output ends with the rest of it), ``min_tokens`` (EOS and the stop ids
-    blocked until that many outputs), ``logit_bias`` (token id -> added to its logit),
+    blocked until that many outputs; the text layers match no stop string in their text), ``logit_bias`` (token id -> added to its logit),
     ``repetition_penalty`` (> 1 discourages tokens of the prompt and output: a positive logit
     is divided by it, a negative one multiplied), ``frequency_penalty`` and
     ``presence_penalty`` (subtracted per occurrence / once for tokens of the output).

@@ -11,8 +11,9 @@ release. Text that could still turn into a stop string is held back.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from paged_kv.errors import InvalidArgumentError, describe
 from scheduler.core.outputs import CompletionOutput, RequestOutput
 from scheduler.core.params import SamplingParams
 from scheduler.engine.llm_engine import LLMEngine
@@ -61,6 +62,25 @@ class TextRequestOutput:
     arrival_time: float
     first_token_time: float | None
     finish_time: float | None
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # as RequestOutput.prompt_logprobs
+
+
+def with_bad_word_ids(params: SamplingParams, tokenizer) -> SamplingParams:
+    """``params`` with ``bad_words_token_ids`` filled in from its ``bad_words`` (as given when it has them).
+
+    As vLLM: each word (leading spaces stripped) as it tokenizes alone, and with one leading
+    space when that gives as many tokens with another first one (the word inside a text).
+    """
+    if not params.bad_words or params.bad_words_token_ids:
+        return params
+    ids: list[tuple[int, ...]] = []
+    for word in params.bad_words:
+        bare = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        if not bare:
+            raise InvalidArgumentError(describe("bad_words", word, "words that tokenize to at least one token"))
+        spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        ids += [tuple(bare)] + ([tuple(spaced)] if len(spaced) == len(bare) and spaced[0] != bare[0] else [])
+    return replace(params, bad_words_token_ids=tuple(ids))
 
 
 @dataclass
@@ -71,6 +91,7 @@ class _Sample:
     text: str = ""
     sent: int = 0
     num_tokens: int = 0  # engine output tokens consumed
+    stop_from: int = 0  # stop strings end past here: the text of the first min_tokens tokens cannot stop it
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
@@ -117,9 +138,13 @@ class TextRequest:
         s.logprobs += lps
         s.top_logprobs += tops
         start = len(s.text)
-        s.text += s.detok.add(ids) + (s.detok.flush() if o.finish_reason else "")
+        early = max(0, self.params.min_tokens - (s.num_tokens - len(ids)))  # of the new ids, within min_tokens
+        if early:
+            s.text += s.detok.add(ids[:early])
+            s.stop_from = len(s.text)
+        s.text += s.detok.add(ids[early:]) + (s.detok.flush() if o.finish_reason else "")
         stops = self.params.stop
-        hit = find_stop(s.text, start, stops) if stops else None
+        hit = find_stop(s.text, max(start, s.stop_from), stops) if stops and len(s.text) > s.stop_from else None
         if hit is not None:
             s.text, s.finish_reason, s.stop_reason = s.text[: hit[0]], "stop", hit[1]
         else:
@@ -145,6 +170,7 @@ class TextRequest:
             request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
             outputs=outputs, arrival_time=last.arrival_time if last else 0.0,
             first_token_time=last.first_token_time if last else None, finish_time=last.finish_time if last else None,
+            prompt_logprobs=last.prompt_logprobs if last else None,
         )  # fmt: skip
 
 
@@ -159,6 +185,7 @@ class OutputProcessor:
     def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
             prompt: str | None = None) -> TextRequest:  # fmt: skip
         """Queue a request in the engine (raises, nothing queued, on a bad one) and track its text."""
+        params = with_bad_word_ids(params, self.tokenizer)
         self.engine.add_request(request_id, prompt_token_ids, params)
         req = self.requests[request_id] = TextRequest(request_id, list(prompt_token_ids), params, self.tokenizer,
                                                       prompt)  # fmt: skip
