@@ -125,7 +125,7 @@ def _check_temperature(value: object) -> None:
 
 def _id_tuple(name: str, ids: object) -> tuple[int, ...]:
     """Ids as a tuple of ints: any iterable of non-negative int64 ids (no bools), e.g. a set."""
-    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+    if isinstance(ids, (str, bytes, Mapping)) or not hasattr(ids, "__iter__"):
         raise InvalidArgumentError(describe(name, ids, "a sequence of token ids"))
     return tuple(as_id_list(name, ids if hasattr(ids, "tolist") else list(ids), "token ids"))
 
