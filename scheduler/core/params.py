@@ -51,7 +51,8 @@ class SamplingParams:
     Logits controls, applied as vLLM applies them before temperature: ``allowed_token_ids``
     (only those ids may be sampled), ``bad_words_token_ids`` (a word's last id is blocked
     when the sample's output ends with the rest of it), ``min_tokens`` (EOS and the stop ids
-    blocked until that many outputs; the text layers match no stop string in their text), ``logit_bias`` (token id -> added to its logit),
+    blocked until that many outputs; the text layers match no stop string in their text),
+    ``logit_bias`` (token id -> added to its logit),
     ``repetition_penalty`` (> 1 discourages tokens of the prompt and output: a positive logit
     is divided by it, a negative one multiplied), ``frequency_penalty`` and
     ``presence_penalty`` (subtracted per occurrence / once for tokens of the output).
@@ -120,7 +121,8 @@ def _check_temperature(value: object) -> None:
     """0 (greedy) or a normal float32 (dividing by it stays finite)."""
     t = check_real("temperature", value, low=0.0, high=FLOAT32_MAX)
     if 0.0 < t < FLOAT32_TINY:
-        raise OutOfRangeError(describe("temperature", value, f"0 or a finite number in [{FLOAT32_TINY}, {FLOAT32_MAX}]"))
+        expected = f"0 or a finite number in [{FLOAT32_TINY}, {FLOAT32_MAX}]"
+        raise OutOfRangeError(describe("temperature", value, expected))
 
 
 def _id_tuple(name: str, ids: object) -> tuple[int, ...]:

@@ -138,7 +138,8 @@ class PenaltyCounts:
         self._last_step += [0] * extra
 
     def rebuild_pairs(self, slots: list[int], histories: Sequence[TokenHistory]) -> tuple[np.ndarray, ...]:
-        """Host arrays that rebuild ``slots`` from ``histories``: the slots, (slot, token) pairs of outputs, of prompts."""
+        """Host arrays that rebuild ``slots`` from ``histories``: the slots, then (slot, token) pairs of the outputs
+        and of the prompts."""
         out_ids = [h.token_ids[h.prompt_len :] for h in histories]
         prompt_ids = [h.token_ids[: h.prompt_len] for h in histories]
         for k, ids in zip(slots, out_ids):
@@ -191,15 +192,18 @@ class Controls:
         if self.penalized is not None:
             if self.rebuild is not None:
                 counts.rebuild(*self.rebuild)
-            logits[self.penalized] = apply_penalties(
-                logits[self.penalized], counts.counts[self.slots_t], counts.in_prompt[self.slots_t], self.penalties,
+            rows, slots = self.penalized, self.slots_t
+            in_prompt = counts.in_prompt.index_select(0, slots) if self.use_repetition else None
+            penalized = apply_penalties(
+                logits.index_select(0, rows), counts.counts.index_select(0, slots), in_prompt, self.penalties,
                 repetition=self.use_repetition, frequency=self.use_frequency,
             )  # fmt: skip
+            logits.index_copy_(0, rows, penalized)
         return logits
 
 
 def apply_penalties(
-    logits: torch.Tensor, counts: torch.Tensor, in_prompt: torch.Tensor, penalties: torch.Tensor, *,
+    logits: torch.Tensor, counts: torch.Tensor, in_prompt: torch.Tensor | None, penalties: torch.Tensor, *,
     repetition: bool = True, frequency: bool = True,
 ) -> torch.Tensor:  # fmt: skip
     """Penalized ``logits [N, V]``: repetition over prompt and output tokens, then frequency and presence.
@@ -212,12 +216,13 @@ def apply_penalties(
     """
     vocab = logits.shape[1]
     counts = counts[:, :vocab]
+    in_output = counts > 0
     if repetition:
-        seen = in_prompt[:, :vocab] | (counts > 0)
         rep = penalties[:, 0:1]
-        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+        penalized = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(in_prompt[:, :vocab] | in_output, penalized, logits)
     if frequency:
-        logits = logits - penalties[:, 1:2] * counts - penalties[:, 2:3] * (counts > 0)
+        logits = logits - penalties[:, 1:2] * counts - penalties[:, 2:3] * in_output
     return logits.clamp_(max=FLOAT32_MAX)
 
 

@@ -162,7 +162,7 @@ def apply_top_k_top_p(
 
 
 def _logprob_parts(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> list[torch.Tensor]:
-    """Device tensors to transfer: ``tokens [R]``, their raw log-probabilities [R], and (k > 0) the top-k values and ids."""
+    """Device tensors to transfer: ``tokens [R]``, their raw log-probabilities [R], and the top-k values and ids."""
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [R, 1]
     parts = [tokens, logits.gather(1, tokens[:, None])[:, 0] - lse[:, 0]]
     if k:
@@ -171,8 +171,10 @@ def _logprob_parts(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> list[t
     return parts
 
 
-def _unpack(host: list[float], params: list[SamplingParams], k: int, prompt: PromptRows | None, kp: int) -> SampleResult:
-    """The flat transfer back into per-row results: the sampled rows' parts, then the prompt rows' (``_logprob_parts``)."""
+def _unpack(
+    host: list[float], params: list[SamplingParams], k: int, prompt: PromptRows | None, kp: int
+) -> SampleResult:
+    """The flat transfer back into per-row results: the sampled rows' parts, then the prompt rows'."""
     at = 0
 
     def take(n: int) -> list[float]:

@@ -55,12 +55,15 @@ def test_min_tokens_delays_eos_and_stop_tokens(prompts, hf_greedy):
 def test_repetition_penalty_equals_transformers_generate(tiny_hf, prompts, hf_greedy):
     engine = make_engine(tiny_hf, max_num_batched_tokens=32, max_num_seqs=8)  # chunked prompts, mixed batches
     picked = [prompts[i] for i in (0, 1, 2, 3, 6)]
-    params = [SamplingParams(max_tokens=NUM_NEW, ignore_eos=True, repetition_penalty=r) for r in (1.5, 1.0, 0.7, 1.3, 2.0)]
+    penalties = (1.5, 1.0, 0.7, 1.3, 2.0)
+    params = [SamplingParams(max_tokens=NUM_NEW, ignore_eos=True, repetition_penalty=r) for r in penalties]
     outs = engine.generate(picked, params, use_tqdm=False)
     for prompt, p, out in zip(picked, params, outs):
         ids = torch.tensor([prompt])
-        ref = tiny_hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NUM_NEW,
-                               min_new_tokens=NUM_NEW, pad_token_id=0, repetition_penalty=p.repetition_penalty)  # fmt: skip
+        ref = tiny_hf.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NUM_NEW, min_new_tokens=NUM_NEW,
+            pad_token_id=0, repetition_penalty=p.repetition_penalty,
+        )  # fmt: skip
         assert out.outputs[0].token_ids == ref[0, len(prompt) :].tolist(), p.repetition_penalty
     assert outs[1].outputs[0].token_ids == hf_greedy[1]  # the neutral request beside them is plain greedy
 

@@ -1,4 +1,5 @@
-"""Sampling controls at the text level: bad words tokenized as vLLM does, min_tokens and stop strings, prompt logprobs."""
+"""Sampling controls at the text level: bad words tokenized as vLLM does, min_tokens with stop strings,
+prompt logprobs."""
 
 from __future__ import annotations
 

@@ -97,8 +97,8 @@ def test_bad_words_do_not_match_across_the_prompt():
 def test_logit_bias_equals_transformers_sequence_bias(seed):
     logits, hist = _logits(seed), _histories(seed)
     g = torch.Generator().manual_seed(seed)
-    biases = [{int(t): float(b) for t, b in zip(torch.randperm(VOCAB, generator=g)[:5], torch.rand(5, generator=g) * 200 - 100)}
-              for _ in range(ROWS)]  # fmt: skip
+    pick = lambda: zip(torch.randperm(VOCAB, generator=g)[:5], torch.rand(5, generator=g) * 200 - 100)  # noqa: E731
+    biases = [{int(t): float(b) for t, b in pick()} for _ in range(ROWS)]
     biases[2] = {}
     ours = processed_logits(logits, [SamplingParams(logit_bias=b) for b in biases], hist)
     for i, b in enumerate(biases):
@@ -118,7 +118,7 @@ def test_min_p_equals_transformers_min_p_warper(min_p):
 
 
 def _vllm_penalties(logits, prompts, outputs, rep, freq, pres):
-    """vLLM's formula: bin counts of padded prompt / output tensors, repetition over either, then frequency, presence."""
+    """vLLM's formula: bin counts of padded prompts / outputs, repetition over either, then frequency, presence."""
     r, v = logits.shape
 
     def bins(lists):
