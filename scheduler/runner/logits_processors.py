@@ -77,8 +77,9 @@ class PenaltyCounts:
     ``counts[k, t]``: occurrences of token t among the outputs of the sequence in slot k;
     ``in_prompt[k, t]``: whether t occurs in its prompt (column ``vocab`` takes padding).
     Invariant: a slot holds the counts of its sequence's first ``counted[k]`` outputs; it is
-    used for a step only when that equals the sequence's output count now, else it is
-    rebuilt from the host token lists (a new, forked, recomputed or out-of-step sequence).
+    used for a step only when that equals the sequence's output count now (outputs only grow
+    by appended tokens, so equal counts mean equal tokens), else it is rebuilt from the host
+    token lists (a new or forked sequence, or one whose last step failed half-way).
     :meth:`record` adds each step's sampled tokens on the device and counts them on the host
     (the engine appends exactly the tokens it samples). Slots not used by the current step
     are reused least recently used first; the rows grow when a step needs more.
@@ -139,11 +140,11 @@ class PenaltyCounts:
 
     def rebuild_pairs(self, slots: list[int], histories: Sequence[TokenHistory]) -> tuple[np.ndarray, ...]:
         """Host arrays that rebuild ``slots`` from ``histories``: the slots, then (slot, token) pairs of the outputs
-        and of the prompts."""
+        and of the prompts. The slots count nothing valid until :meth:`rebuild` has run."""
         out_ids = [h.token_ids[h.prompt_len :] for h in histories]
         prompt_ids = [h.token_ids[: h.prompt_len] for h in histories]
-        for k, ids in zip(slots, out_ids):
-            self._counted[k] = len(ids)
+        for k in slots:
+            self._counted[k] = -1
         return (
             np.asarray(slots, dtype=np.int64),
             np.repeat(np.asarray(slots, dtype=np.int64), [len(t) for t in out_ids]),
@@ -152,12 +153,15 @@ class PenaltyCounts:
             np.fromiter((t for ids in prompt_ids for t in ids), np.int64),
         )
 
-    def rebuild(self, slots, out_slots, out_ids, prompt_slots, prompt_ids) -> None:
-        """Device: zero ``slots`` and count the uploaded pairs into them."""
+    def rebuild(self, counted: list[tuple[int, int]], slots, out_slots, out_ids, prompt_slots, prompt_ids) -> None:
+        """Zero ``slots`` and count the uploaded pairs into them (device); each ``(slot, outputs)`` of ``counted``
+        then counts that many outputs (host)."""
         self.counts.index_fill_(0, slots, 0.0)
         self.in_prompt.index_fill_(0, slots, False)
         self.counts.index_put_((out_slots, out_ids), torch.ones_like(out_ids, dtype=torch.float32), accumulate=True)
         self.in_prompt.index_put_((prompt_slots, prompt_ids), torch.ones_like(prompt_ids, dtype=torch.bool))
+        for k, n in counted:
+            self._counted[k] = n
 
     def record(self, slots: list[int], slots_t: torch.Tensor, tokens: torch.Tensor) -> None:
         """Count one sampled token per slot: ``tokens [n]`` on the device, ``slots`` on the host and device."""
@@ -176,7 +180,7 @@ class Controls:
     slots: list[int]  # their PenaltyCounts slots (host)
     slots_t: torch.Tensor | None  # [N]
     penalties: torch.Tensor | None  # [N, 3] repetition, frequency, presence
-    rebuild: tuple[torch.Tensor, ...] | None  # PenaltyCounts.rebuild's arguments
+    rebuild: tuple | None  # PenaltyCounts.rebuild's arguments: (slot, outputs) pairs, then the uploaded tensors
     use_repetition: bool
     use_frequency: bool  # frequency or presence
 
@@ -269,7 +273,9 @@ def plan_controls(
     bias = [(i, t, b) for i, p in enumerate(params) if p.logit_bias for t, b in p.logit_bias.items()]
     pen = [i for i, p in enumerate(params) if uses_penalties(p)]
     slots, stale = counts.assign([histories[i] for i in pen]) if pen else ([], [])
-    rebuild = counts.rebuild_pairs([slots[j] for j in stale], [histories[pen[j]] for j in stale]) if stale else ()
+    stale_hist = [histories[pen[j]] for j in stale]
+    rebuild = counts.rebuild_pairs([slots[j] for j in stale], stale_hist) if stale else ()
+    counted = [(slots[j], len(h.token_ids) - h.prompt_len) for j, h in zip(stale, stale_hist)]
     ints = [
         a_rows, [j for j, _ in a_pairs], [t for _, t in a_pairs],
         m_rows + [i for i, _, _ in bias], m_tokens + [t for _, t, _ in bias], pen, slots, *rebuild,
@@ -286,7 +292,7 @@ def plan_controls(
     return Controls(
         allowed=(a_r, a_j, a_t) if a_rows else None, additive=(q_r, q_t, q_v) if ints[3] else None,
         penalized=pen_t if pen else None, slots=slots, slots_t=slots_t, penalties=pen_v.view(-1, 3),
-        rebuild=tuple(rebuild_t) if stale else None, use_repetition=use_rep, use_frequency=use_freq,
+        rebuild=(counted, *rebuild_t) if stale else None, use_repetition=use_rep, use_frequency=use_freq,
     )  # fmt: skip
 
 

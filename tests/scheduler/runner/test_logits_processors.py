@@ -224,3 +224,14 @@ def test_slots_are_reused_least_recently_used_first():
     assert counts.assign([c]) == ([1], [0])  # b's slot was used least recently
     assert counts.assign([b, c, a]) == ([0, 1, 2], [0, 2])  # a's slot went to b; a gets a new row
     assert counts.num_slots == 4
+
+
+def test_counts_planned_but_never_applied_are_rebuilt_next_step():
+    counts, seq = PenaltyCounts(VOCAB, torch.device("cpu")), Sequence(0, 0, [1, 2])
+    seq.token_ids += [3, 3]
+    params, logits = [SamplingParams(frequency_penalty=1.0, repetition_penalty=1.5)], _logits(2, 1)
+    assert plan_controls(params, [seq], counts).rebuild is not None  # the step fails before its controls run
+    again = plan_controls(params, [seq], counts)
+    assert again.rebuild is not None
+    torch.testing.assert_close(again.apply(logits.clone(), counts), processed_logits(logits, params, [seq]))
+    assert plan_controls(params, [seq], counts).rebuild is None  # applied: kept from now on
