@@ -84,6 +84,7 @@ CASES = {  # name: (rows, counts kept across steps, the case it is compared with
 
 
 def main() -> None:
+    """Time every case, best of REPEATS, and print them with their ratios."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
     device = torch.device(parser.parse_args().device)

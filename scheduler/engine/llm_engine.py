@@ -211,8 +211,11 @@ class LLMEngine:
         return [self._retire(group) for group in finished]
 
     def sample(self, out: SchedulerOutput, logits: torch.Tensor) -> list[SampledToken]:
-        """Sample every sequence that reached its last token (forked samples draw from their parent's row);
-        score the step's prompt rows (``logits`` past the sampled rows) into their groups' prompt_logprobs."""
+        """Sample every sequence that reached its last token; score the step's prompt rows.
+
+        Forked samples draw from their parent's row; the rows of ``logits`` past the sampled ones
+        are prompt positions, scored into their groups' ``prompt_logprobs`` in the same transfer.
+        """
         samples, num_rows = out.samples, out.num_sample_rows
         if not (samples or logits.shape[0] > num_rows):
             return []

@@ -139,8 +139,10 @@ class PenaltyCounts:
         self._last_step += [0] * extra
 
     def rebuild_pairs(self, slots: list[int], histories: Sequence[TokenHistory]) -> tuple[np.ndarray, ...]:
-        """Host arrays that rebuild ``slots`` from ``histories``: the slots, then (slot, token) pairs of the outputs
-        and of the prompts. The slots count nothing valid until :meth:`rebuild` has run."""
+        """Host arrays that rebuild ``slots`` from ``histories`` (valid once :meth:`rebuild` has run).
+
+        The slots, then (slot, token) pairs of the outputs and of the prompts.
+        """
         out_ids = [h.token_ids[h.prompt_len :] for h in histories]
         prompt_ids = [h.token_ids[: h.prompt_len] for h in histories]
         for k in slots:
@@ -154,8 +156,10 @@ class PenaltyCounts:
         )
 
     def rebuild(self, counted: list[tuple[int, int]], slots, out_slots, out_ids, prompt_slots, prompt_ids) -> None:
-        """Zero ``slots`` and count the uploaded pairs into them (device); each ``(slot, outputs)`` of ``counted``
-        then counts that many outputs (host)."""
+        """Zero ``slots`` and count the uploaded pairs into them (device); then mark each ``(slot, outputs)``.
+
+        ``counted`` tells the host how many outputs each rebuilt slot now counts.
+        """
         self.counts.index_fill_(0, slots, 0.0)
         self.in_prompt.index_fill_(0, slots, False)
         self.counts.index_put_((out_slots, out_ids), torch.ones_like(out_ids, dtype=torch.float32), accumulate=True)
@@ -241,8 +245,11 @@ def apply_min_p(scaled: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 def blocked_pairs(
     params: Sequence[SamplingParams], histories: Sequence[TokenHistory], eos_token_ids: frozenset[int], vocab: int
 ) -> tuple[list[int], list[int]]:
-    """(row, token) pairs to block: a bad word's last id where the output ends with the rest; EOS and stop
-    ids before ``min_tokens`` outputs (vLLM's rules; ids outside the vocabulary can never be sampled)."""
+    """(row, token) pairs to block: bad words' last ids and, before ``min_tokens`` outputs, EOS and stop ids.
+
+    vLLM's rules: a bad word's last id is blocked where the output ends with the rest of the
+    word (the prompt is not matched); ids outside the vocabulary can never be sampled anyway.
+    """
     rows: list[int] = []
     tokens: list[int] = []
     for i, (p, h) in enumerate(zip(params, histories)):

@@ -178,6 +178,7 @@ def _unpack(
     at = 0
 
     def take(n: int) -> list[float]:
+        """The next ``n`` values of the transfer."""
         nonlocal at
         at += n
         return host[at - n : at]
