@@ -2,12 +2,14 @@
 
 Side by side in one run, best of REPEATS (the cases alternate, so a loaded machine drifts alike for all):
 greedy rows and random rows (temperature 0.8, top-p 0.95) with no control (the fast path: nothing is
-built), then the same rows with every control (penalties, logit bias, bad words, min_tokens, allowed
-ids on every 8th row, min-p), their penalty counts kept on the device across steps (the engine's way)
-or, for the random rows, rebuilt from the token lists every step (the alternative: one upload of every
-history a step). Each controlled case prints its ratio to the same rows without controls.
+built), then the same rows with every control before temperature (penalties, logit bias, bad words,
+min_tokens, allowed ids on every 8th row), their penalty counts kept on the device across steps (the
+engine's way) or, for the greedy rows, rebuilt from the token lists every step (the alternative: one
+upload of every history a step), and the random rows with min-p 0.05 too (it leaves top-p fewer tokens
+to sort). Each controlled case prints its ratio to the same rows without controls.
 Each timed run is STEPS sampler steps over histories of PROMPT_LEN + OUTPUT_LEN tokens that grow by the
-sampled tokens, as in the engine.
+sampled tokens, as in the engine. On the CPU torch runs on one thread and the clock is that thread's CPU
+time, so other processes on a shared machine slow the figures little.
 
 Run: ``PYTHONPATH=. python benchmarks/bench_sampler.py [--device cuda]``
 """
@@ -15,7 +17,7 @@ Run: ``PYTHONPATH=. python benchmarks/bench_sampler.py [--device cuda]``
 from __future__ import annotations
 
 import argparse
-import timeit
+import time
 
 import torch
 
@@ -28,18 +30,19 @@ PROMPT_LEN, OUTPUT_LEN, STEPS, REPEATS = 512, 256, 8, 5
 
 RANDOM = dict(temperature=0.8, top_p=0.95, max_tokens=4096)
 CONTROLS = dict(
-    repetition_penalty=1.1, frequency_penalty=0.3, presence_penalty=0.3, min_p=0.05, min_tokens=1024,
+    repetition_penalty=1.1, frequency_penalty=0.3, presence_penalty=0.3, min_tokens=1024,
     logit_bias={t: 2.0 for t in range(100, 110)}, bad_words_token_ids=[(5, 6), (7,), (8, 9, 10), (11, 12), (13,)],
 )  # fmt: skip
 ALLOWED = tuple(range(0, VOCAB, 48))  # 1024 ids, on every 8th row
 
 
 def _params(kind: str) -> list[SamplingParams]:
-    """64 rows: greedy or random, with every control ("+") or none."""
+    """64 rows: greedy or random, with every control before temperature ("+"), and min-p ("+min_p"), or none."""
     base = dict(max_tokens=4096) if kind.startswith("greedy") else RANDOM
-    if not kind.endswith("+"):
+    if "+" not in kind:
         return [SamplingParams(**base)] * BATCH
-    return [SamplingParams(**base, **CONTROLS, allowed_token_ids=ALLOWED if i % 8 == 0 else None)
+    min_p = 0.05 if kind.endswith("min_p") else 0.0
+    return [SamplingParams(**base, **CONTROLS, min_p=min_p, allowed_token_ids=ALLOWED if i % 8 == 0 else None)
             for i in range(BATCH)]  # fmt: skip
 
 
@@ -63,7 +66,8 @@ def _run(device: torch.device, kind: str, keep_counts: bool) -> float:
         warm = sampler(logits[0], [SampleRow(p, None, h) for p, h in zip(params, hist)])
         for h, t in zip(hist, warm.token_ids):
             h.token_ids.append(t)
-    start = timeit.default_timer()
+    clock = time.thread_time if device.type == "cpu" else time.perf_counter  # a GPU's time is wall time
+    start = clock()
     for step in range(STEPS):
         s = sampler if keep_counts else Sampler(VOCAB, device)
         out = s(logits[step], [SampleRow(p, None, h) for p, h in zip(params, hist)])
@@ -71,15 +75,16 @@ def _run(device: torch.device, kind: str, keep_counts: bool) -> float:
             h.token_ids.append(t)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return timeit.default_timer() - start
+    return clock() - start
 
 
 CASES = {  # name: (rows, counts kept across steps, the case it is compared with)
     "greedy, no control": ("greedy", True, None),
-    "greedy + every control, counts kept": ("greedy+", True, "greedy, no control"),
+    "greedy + controls, counts kept": ("greedy+", True, "greedy, no control"),
+    "greedy + controls, counts rebuilt": ("greedy+", False, "greedy, no control"),
     "random, no control": ("random", True, None),
-    "random + every control, counts kept": ("random+", True, "random, no control"),
-    "random + every control, counts rebuilt": ("random+", False, "random, no control"),
+    "random + controls, counts kept": ("random+", True, "random, no control"),
+    "random + controls + min-p, counts kept": ("random+min_p", True, "random, no control"),
 }
 
 
@@ -89,11 +94,12 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     device = torch.device(parser.parse_args().device)
     torch.manual_seed(0)
+    torch.set_num_threads(1)
     best = {name: float("inf") for name in CASES}
     for _ in range(REPEATS):
         for name, (kind, keep, _) in CASES.items():
             best[name] = min(best[name], _run(device, kind, keep))
-    print(f"sampler step: batch {BATCH} x vocab {VOCAB}, {device}, {torch.get_num_threads()} threads, "
+    print(f"sampler step: batch {BATCH} x vocab {VOCAB}, {device}, {torch.get_num_threads()} thread, "
           f"histories {PROMPT_LEN}+{OUTPUT_LEN} tokens, best of {REPEATS} x {STEPS} steps")  # fmt: skip
     for name, (_, _, base) in CASES.items():
         ratio = f"x{best[name] / best[base]:.2f} of {base}" if base else ""
