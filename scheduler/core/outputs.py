@@ -33,6 +33,8 @@ class RequestOutput:
     num_preemptions: int
     error: str | None = None  # why the request failed alone (its samples' finish reason is "error"), else None
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at admission
+    # with SamplingParams.prompt_logprobs: per prompt token {token: logprob, top ones...} (None for the first)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @classmethod
     def from_group(cls, group: SequenceGroup) -> RequestOutput:
@@ -49,4 +51,5 @@ class RequestOutput:
             finished=group.is_finished(), arrival_time=group.arrival_time, first_token_time=group.first_token_time,
             finish_time=group.finish_time, num_preemptions=group.num_preemptions,
             num_cached_tokens=group.num_cached_tokens,
+            prompt_logprobs=None if group.prompt_logprobs is None else list(group.prompt_logprobs),
         )  # fmt: skip

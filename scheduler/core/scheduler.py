@@ -10,7 +10,8 @@ Each step it fills a token budget and a sequence budget in this order:
 2. swapped groups, FCFS, if nothing was preempted this step;
 3. waiting groups, FCFS with head-of-line blocking (no starvation), only when
    nothing was preempted and nothing is swapped out, and only while the block
-   manager can allocate above its watermark; prefix-cache hits are skipped.
+   manager can allocate above its watermark; prefix-cache hits are skipped (not taken by a
+   request that still owes prompt log-probabilities: its prompt positions must run).
 
 Invariant: for every active sequence of a running group the block manager holds exactly
 ``seq.num_computed`` tokens. Scheduling ``(start, n)`` records ``n`` more tokens and
@@ -267,7 +268,7 @@ class Scheduler:
             group.num_unforked = 0
         if group.parked and seq.num_computed == group.fork_at:
             self._unpark(group, seq)
-        step.add(ScheduledSeq(seq, group, start, n, forks))
+        step.add(ScheduledSeq(seq, group, start, n, forks, _prompt_positions(group, seq, start, n)))
 
     def _unpark(self, group: SequenceGroup, root: Sequence) -> None:
         """Fork every parked sequence from ``root``, which now holds the ``fork_at`` tokens they start with."""
@@ -332,10 +333,13 @@ class Scheduler:
             self.waiting.popleft()
             salt = group.params.cache_salt
             for seq, cached, n in plan:
-                ids = seq.token_ids[: cached + n]
-                looked_up = seq.num_computed + _num_to_compute(group, seq)  # the whole prompt, once per admission
-                start = self.bm.allocate(seq.seq_id, ids, cache_salt=salt, hashes=seq.block_hashes,
-                                         num_queried=looked_up)  # >= cached  # fmt: skip
+                if group.reads_prefix_cache:
+                    ids = seq.token_ids[: cached + n]
+                    looked_up = seq.num_computed + _num_to_compute(group, seq)  # the whole prompt, once per admission
+                    start = self.bm.allocate(seq.seq_id, ids, cache_salt=salt, hashes=seq.block_hashes,
+                                             num_queried=looked_up)  # >= cached  # fmt: skip
+                else:  # anonymous tokens: no prefix-cache hit (prompt positions must be computed to be scored)
+                    start = self.bm.allocate(seq.seq_id, cached + n, cache_salt=salt)
                 if group.num_cached_tokens is None:  # its first admission: the first sequence's prefix-cache hit
                     group.num_cached_tokens = start
                 self._scheduled(step, group, seq, start, cached + n - start)
@@ -351,7 +355,10 @@ class Scheduler:
         """
         seqs = group.active()
         tokens = [s.token_ids[: s.num_computed + _num_to_compute(group, s)] for s in seqs]  # to fork_at if parked
-        admission = self.bm.admission(zip(tokens, (s.block_hashes for s in seqs)), cache_salt=group.params.cache_salt)
+        requests = zip(tokens, (s.block_hashes for s in seqs))
+        if not group.reads_prefix_cache:
+            requests = [(len(t), None) for t in tokens]  # counts of anonymous tokens: nothing cached
+        admission = self.bm.admission(requests, cache_salt=group.params.cache_salt)
         plan, left = [], self._tokens_left(step)
         for i, (seq, cached) in enumerate(zip(seqs, admission.cached)):
             n, mine = len(tokens[i]) - cached, left - (len(seqs) - 1 - i)
@@ -385,6 +392,14 @@ def _num_to_compute(group: SequenceGroup, seq: Sequence) -> int:
     """Tokens ``seq`` still has to compute before it samples, or, while others are parked on it, before they fork."""
     end = group.fork_at if group.parked else seq.num_tokens
     return end - seq.num_computed
+
+
+def _prompt_positions(group: SequenceGroup, seq: Sequence, start: int, n: int) -> range:
+    """Positions among ``[start, start + n)`` whose logits score a prompt token the group has no log-probability of."""
+    if group.prompt_logprobs is None:
+        return range(0)
+    lo, hi = max(start, len(group.prompt_logprobs) - 1), min(start + n, seq.prompt_len - 1)
+    return range(lo, max(lo, hi))
 
 
 def _common_prefix_len(token_lists: list[list[int]]) -> int:

@@ -17,6 +17,8 @@ class ScheduledSeq:
     start: int  # tokens already in the cache before this step
     num_tokens: int
     forks: tuple[Sequence, ...] = ()  # samples forked from ``seq`` this step: they sample from its logits too
+    # positions (among the new ones) whose logits score the next prompt token (SamplingParams.prompt_logprobs)
+    prompt_positions: range = range(0)
 
     @property
     def samples(self) -> bool:
@@ -66,6 +68,16 @@ class SchedulerOutput:
         for row, s in enumerate(s for s in self.scheduled if s.samples):
             out += [(s.group, seq, row) for seq in (s.seq, *s.forks)]
         return out
+
+    @property
+    def num_sample_rows(self) -> int:
+        """Logits rows sampled: the first rows of the step's logits, one per scheduled sequence that samples."""
+        return sum(s.samples for s in self.scheduled)
+
+    @property
+    def prompt_rows(self) -> list[tuple[SequenceGroup, Sequence, int]]:
+        """(group, sequence, position) of every prompt-logprob row, in the order they follow the sampled rows."""
+        return [(s.group, s.seq, pos) for s in self.scheduled for pos in s.prompt_positions]
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -125,12 +125,24 @@ class SequenceGroup:
     # ``fork_at`` tokens they all start with; then they are forked from it there (the shared prefix runs once)
     parked: list[Sequence] = field(default_factory=list)
     fork_at: int = 0
+    # with params.prompt_logprobs: entry i scores prompt token i (entry 0 is None: the first token has no
+    # context); written by the engine after each step that computed prompt positions, in order
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
 
     @property
     def prompt_token_ids(self) -> list[int]:
         """The request's prompt."""
         seq = self.seqs[0]
         return seq.token_ids[: seq.prompt_len]
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """Whether admission may take prefix-cache hits: not while prompt log-probabilities are still owed."""
+        return self.prompt_logprobs is None or len(self.prompt_logprobs) >= self.seqs[0].prompt_len
 
     def unfinished(self) -> list[Sequence]:
         """Sequences that still generate."""

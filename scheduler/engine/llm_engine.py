@@ -55,12 +55,12 @@ from scheduler.core.sequence import Sequence, SequenceGroup
 from scheduler.distributed.parallel_state import TPShard
 from scheduler.engine.faults import Failure, isolate, restoring
 from scheduler.engine.metrics import EngineMetrics, MetricsSummary
-from scheduler.engine.request_checks import check_prompt, check_request_fits
+from scheduler.engine.request_checks import check_prompt, check_request_fits, check_sampling_ids
 from scheduler.model.llama import LlamaModel
 from scheduler.runner.cascade_plan import min_saved_tokens
 from scheduler.runner.memory import plan_kv_memory
 from scheduler.runner.model_runner import ModelRunner
-from scheduler.runner.sampler import sample
+from scheduler.runner.sampler import PromptRows, Sampler, SampleRow
 from scheduler.runner.step_input import StepInputBuilder
 from scheduler.runner.tp_executor import TPExecutor
 from scheduler.runner.tp_worker import WorkerSetup
@@ -96,6 +96,7 @@ class LLMEngine:
         ), track_changes=True)  # fmt: skip
         self.runner = self._make_runner(spec, num_blocks, graphs)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, eos_ids)
+        self.sampler = Sampler(model.config.vocab_size, self.device, eos_ids)  # keeps penalty counts per sequence
         self.metrics = EngineMetrics()
         self._auto_ids = itertools.count()
 
@@ -172,6 +173,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise InvalidArgumentError(describe("sampling_params", type(params).__name__, "a SamplingParams"))
         prompt = check_prompt(prompt_token_ids, self.model.config.vocab_size)
+        check_sampling_ids(params, self.model.config.vocab_size)
         check_request_fits(len(prompt), params, self.model.config, self.config.scheduler, self.block_manager.config)
         return prompt, params
 
@@ -212,9 +214,9 @@ class LLMEngine:
     def step(self, select: Selector | None = None) -> list[RequestOutput]:
         """Run one continuous-batching step; return the requests that finished in it, or failed.
 
-        ``select`` replaces sampling: given the step and its logits (one row per entry of
-        ``out.samples``) it returns the chosen tokens, and may fork and finish sequences through
-        the scheduler first (a beam search does).
+        ``select`` replaces sampling: given the step and its logits (``out.num_sample_rows`` rows,
+        indexed by ``out.samples``) it returns the chosen tokens, and may fork and finish
+        sequences through the scheduler first (a beam search does).
 
         A request whose sampling or token bookkeeping raises is aborted alone (blocks freed) and
         returned with ``error`` set and its unfinished samples' finish reason "error"; the others
@@ -227,8 +229,8 @@ class LLMEngine:
         failures: dict[SequenceGroup, Failure] = {}
         try:
             out = self.scheduler.schedule()
-            logits = self.runner.run(out)  # [R, vocab]
-            sampled = select(out, logits) if select is not None else self._sample_each(out, logits, failures)
+            logits = self.runner.run(out)  # [R + P, vocab]: sampled rows, then prompt positions scored
+            sampled = self._select(select, out, logits) if select is not None else self._sample_each(out, logits, failures)
             finished = self._update_each(out, sampled, failures)
         except BaseException as e:
             self._abort_all(e)
@@ -240,9 +242,16 @@ class LLMEngine:
 
     def _sample_each(self, out: SchedulerOutput, logits: torch.Tensor,
                      failures: dict[SequenceGroup, Failure]) -> list[SampledToken]:  # fmt: skip
-        """Sample the step; a request whose rows fail (found by halving the batch) goes into ``failures``."""
+        """:meth:`sample`; if it raises, the requests whose rows fail (found by halving the batch, sampled rows
+        and prompt rows apart) go into ``failures`` and the others keep what they would have had."""
+        samples, prompts = out.samples, _indexed(out.prompt_rows)
+        try:
+            return self._draw(samples, prompts, logits, out)
+        except Exception:  # some request's rows fail: find whose below
+            pass
         errors: dict[SequenceGroup, BaseException] = {}
-        sampled = isolate(out.samples, lambda samples: self._draw(samples, logits), lambda s: s[0], errors)
+        sampled = isolate(samples, lambda part: self._draw(part, [], logits, out), lambda s: s[0], errors)
+        isolate(prompts, lambda part: self._draw([], part, logits, out), lambda p: p[1], errors)
         self._note_failures(failures, "sampling", errors)
         return sampled
 
@@ -274,25 +283,49 @@ class LLMEngine:
                 logger.exception("freeing %s after the failed step failed", request_id)
 
     def sample(self, out: SchedulerOutput, logits: torch.Tensor) -> list[SampledToken]:
-        """Sample every sequence that reached its last token (forked samples draw from their parent's row)."""
-        return self._draw(out.samples, logits) if out.samples else []
+        """Sample every sequence that reached its last token and score the step's prompt rows, in one transfer.
 
-    def _draw(self, samples: list[tuple[SequenceGroup, Sequence, int]], logits: torch.Tensor) -> list[SampledToken]:
-        """Sample these entries of ``out.samples`` (any subset); seeded generators are untouched if it raises."""
-        rows = [row for _, _, row in samples]
-        if rows != list(range(logits.shape[0])):
-            logits = logits[torch.tensor(rows).to(logits.device, non_blocking=True)]
-        generators = [self._generator(g, s) for g, s, _ in samples]
-        with restoring(generators):
-            result = sample(logits, [g.params for g, _, _ in samples], generators)
+        Forked samples draw from their parent's row; the rows of ``logits`` past the sampled ones
+        are prompt positions, scored into their groups' ``prompt_logprobs``.
+        """
+        return self._draw(out.samples, _indexed(out.prompt_rows), logits, out)
+
+    def _draw(self, samples: list[tuple[SequenceGroup, Sequence, int]], prompts: list[PromptEntry],
+              logits: torch.Tensor, out: SchedulerOutput) -> list[SampledToken]:  # fmt: skip
+        """Sample these entries of ``out.samples`` and score these prompt rows (any subsets) in one transfer.
+
+        If it raises, nothing is recorded: seeded generators are restored, no prompt logprob is kept.
+        """
+        if not (samples or prompts):
+            return []
+        num_rows = out.num_sample_rows
+        picked = _rows(logits, [row for _, _, row in samples], 0, num_rows)
+        prompt_logits = _rows(logits, [num_rows + i for i, *_ in prompts], num_rows, logits.shape[0])
+        sample_rows = [SampleRow(g.params, self._generator(g, s), s) for g, s, _ in samples]
+        targets = PromptRows([seq.token_ids[pos + 1] for _, _, seq, pos in prompts],
+                             [g.params.prompt_logprobs for _, g, _, _ in prompts])  # fmt: skip
+        with restoring([r.generator for r in sample_rows]):
+            result = self.sampler(picked, sample_rows, prompt_logits, targets)
+        for (_, group, _, _), scored in zip(prompts, result.prompt_logprobs):
+            group.prompt_logprobs.append(scored)  # in position order: a group's rows come in order
         chosen = zip(result.token_ids, result.logprobs, result.top_logprobs)
         return [SampledToken(g, s, *c) for (g, s, _), c in zip(samples, chosen)]
 
+    def _select(self, select: Selector, out: SchedulerOutput, logits: torch.Tensor) -> list[SampledToken]:
+        """A selection hook's tokens; prompt rows, if any, are scored by the sampler (one more transfer)."""
+        chosen = select(out, logits[: out.num_sample_rows])
+        self._draw([], _indexed(out.prompt_rows), logits, out)
+        return chosen
+
     def _generator(self, group: SequenceGroup, seq: Sequence) -> torch.Generator | None:
-        """The sequence's own generator when the request is seeded (created at its first sample)."""
+        """The sequence's own generator when the request is seeded (created at its first sample).
+
+        Any int64 seed maps to a torch seed one to one (two's complement: -1 -> 2**64 - 1); sample i > 0
+        of a request derives its own from (seed, i).
+        """
         seed = group.params.seed
         if seed is not None and seq.generator is None:
-            derived = seed if seq.index == 0 else hash((seed, seq.index)) & ((1 << 63) - 1)
+            derived = seed % (1 << 64) if seq.index == 0 else hash((seed, seq.index)) & ((1 << 63) - 1)
             seq.generator = torch.Generator(device=self.device).manual_seed(derived)
         return seq.generator
 
@@ -348,6 +381,21 @@ class LLMEngine:
         if group is None:
             raise UnknownSequenceError(describe("request_id", request_id, "the id of an unfinished request"))
         return group
+
+
+PromptEntry = tuple[int, SequenceGroup, Sequence, int]  # (index among the step's prompt rows, group, seq, position)
+
+
+def _indexed(prompt_rows: list[tuple[SequenceGroup, Sequence, int]]) -> list[PromptEntry]:
+    """The step's prompt rows with their index (their logits row is ``num_sample_rows + index``)."""
+    return [(i, *row) for i, row in enumerate(prompt_rows)]
+
+
+def _rows(logits: torch.Tensor, rows: list[int], start: int, end: int) -> torch.Tensor:
+    """Rows ``rows`` of ``logits``: a view when they are all of ``[start, end)`` in order, else one gather."""
+    if rows == list(range(start, end)):
+        return logits[start:end]
+    return logits[torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)]
 
 
 def _as_id_set(ids: int | Iterable[int] | None) -> frozenset[int]:

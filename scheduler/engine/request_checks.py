@@ -52,3 +52,19 @@ def check_request_fits(
             "len(prompt_token_ids) + max_tokens", total,
             f"a request whose {params.n} sample(s) fit in the pool: needs {need} blocks, {usable} usable",
         ))  # fmt: skip
+
+
+def check_sampling_ids(params: SamplingParams, vocab_size: int) -> None:
+    """Token ids of the logits controls inside the vocabulary; ``bad_words`` only with their token ids."""
+    expected = f"token ids in [0, {vocab_size})"
+    if params.logit_bias and max(params.logit_bias) >= vocab_size:
+        raise OutOfRangeError(describe("logit_bias", max(params.logit_bias), f"keys that are {expected}"))
+    if params.allowed_token_ids and max(params.allowed_token_ids) >= vocab_size:
+        raise OutOfRangeError(describe("allowed_token_ids", max(params.allowed_token_ids), expected))
+    words = params.bad_words_token_ids
+    if words and max(max(w) for w in words) >= vocab_size:
+        raise OutOfRangeError(describe("bad_words_token_ids", max(max(w) for w in words), expected))
+    if params.bad_words and not words:
+        raise InvalidArgumentError(describe("bad_words", params.bad_words, (
+            "words with their bad_words_token_ids: a text layer with a tokenizer (LLM, the server) fills them in"
+        )))  # fmt: skip

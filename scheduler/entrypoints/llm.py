@@ -19,7 +19,7 @@ from paged_kv.tokens import as_id_list
 from scheduler.core.config import EngineConfig
 from scheduler.core.params import SamplingParams, per_prompt
 from scheduler.engine.llm_engine import LLMEngine
-from scheduler.entrypoints.output_processor import OutputProcessor, TextRequestOutput
+from scheduler.entrypoints.output_processor import OutputProcessor, TextRequestOutput, with_bad_word_ids
 from scheduler.model.loader import LoadedModel, load_model
 
 Prompt = str | Sequence[int]
@@ -96,6 +96,7 @@ class LLM:
 
     def _run(self, prompts: list[list[int]], texts: list[str | None], sampling_params, use_tqdm: bool):
         params = per_prompt(sampling_params, len(prompts), SamplingParams, "sampling_params")
+        params = [with_bad_word_ids(p, self.tokenizer) for p in params]
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
         for rid, prompt, p in zip(ids, prompts, params):
             self.engine.check_request(rid, prompt, p)  # all or none

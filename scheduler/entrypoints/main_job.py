@@ -21,7 +21,6 @@ from scheduler.entrypoints.workload import ChatRequest, chat_workload
 from scheduler.model.loader import load_smollm2
 from scheduler.runner.tp_worker import is_torchrun_worker, serve_rank
 
-
 # vLLM's --kv-cache-dtype names -> CacheConfig.dtype (None: the model's dtype); fp8 is e4m3, as in vLLM
 KV_CACHE_DTYPES = {"auto": None, "int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
                    "fp8_e5m2": torch.float8_e5m2}  # fmt: skip

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from paged_kv.errors import UnknownSequenceError
+from paged_kv.errors import InvalidArgumentError, UnknownSequenceError, describe
 from scheduler.core.outputs import CompletionOutput, RequestOutput
 from scheduler.core.params import SamplingParams
 from scheduler.engine.llm_engine import LLMEngine
@@ -72,6 +72,25 @@ class TextRequestOutput:
     finish_time: float | None
     error: str | None = None  # why the request failed alone (its unfinished samples end with "error")
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at admission
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # as RequestOutput.prompt_logprobs
+
+
+def with_bad_word_ids(params: SamplingParams, tokenizer) -> SamplingParams:
+    """``params`` with ``bad_words_token_ids`` filled in from its ``bad_words`` (as given when it has them).
+
+    As vLLM: each word (leading spaces stripped) as it tokenizes alone, and with one leading
+    space when that gives as many tokens with another first one (the word inside a text).
+    """
+    if not params.bad_words or params.bad_words_token_ids:
+        return params
+    ids: list[tuple[int, ...]] = []
+    for word in params.bad_words:
+        bare = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        if not bare:
+            raise InvalidArgumentError(describe("bad_words", word, "words that tokenize to at least one token"))
+        spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        ids += [tuple(bare)] + ([tuple(spaced)] if len(spaced) == len(bare) and spaced[0] != bare[0] else [])
+    return replace(params, bad_words_token_ids=tuple(ids))
 
 
 @dataclass
@@ -82,6 +101,7 @@ class _Sample:
     text: str = ""
     sent: int = 0
     num_tokens: int = 0  # engine output tokens consumed
+    stop_from: int = 0  # stop strings end past here: the text of the first min_tokens tokens cannot stop it
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
@@ -132,9 +152,14 @@ class TextRequest:
         # the engine says "stop" only for a stop token or EOS, the sample's last token: it adds no text
         stop_token = ids[-1] if o.finish_reason == "stop" and ids else None
         start = len(s.text)
-        s.text += s.detok.add(ids if stop_token is None else ids[:-1]) + (s.detok.flush() if o.finish_reason else "")
+        text_ids = ids if stop_token is None else ids[:-1]
+        early = max(0, self.params.min_tokens - (s.num_tokens - len(ids)))  # of the new ids, within min_tokens
+        if early:
+            s.text += s.detok.add(text_ids[:early])
+            s.stop_from = len(s.text)
+        s.text += s.detok.add(text_ids[early:]) + (s.detok.flush() if o.finish_reason else "")
         stops = self.params.stop
-        hit = find_stop(s.text, start, stops) if stops else None
+        hit = find_stop(s.text, max(start, s.stop_from), stops) if stops and len(s.text) > s.stop_from else None
         if hit is not None:
             s.text, s.finish_reason, s.stop_reason = s.text[: hit[0]], "stop", hit[1]
         else:
@@ -173,6 +198,7 @@ class TextRequest:
             first_token_time=last.first_token_time if last else None, finish_time=last.finish_time if last else None,
             error=self.error,
             num_cached_tokens=last.num_cached_tokens if last else None,
+            prompt_logprobs=last.prompt_logprobs if last else None,
         )  # fmt: skip
 
 
@@ -187,6 +213,7 @@ class OutputProcessor:
     def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
             prompt: str | None = None) -> TextRequest:  # fmt: skip
         """Queue a request in the engine (raises, nothing queued, on a bad one) and track its text."""
+        params = with_bad_word_ids(params, self.tokenizer)
         self.engine.add_request(request_id, prompt_token_ids, params)
         eos = self.engine.scheduler.eos_token_ids
         req = self.requests[request_id] = TextRequest(request_id, list(prompt_token_ids), params, self.tokenizer,

@@ -40,10 +40,11 @@ class StepInput:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata  # block tables, seq lens, cu_seqlens_q, slot mapping + host sizes
-    logits_indices: torch.Tensor  # [R] int64 rows of the packed batch whose logits are sampled
+    logits_indices: torch.Tensor  # [R] int64 rows of the packed batch whose logits are returned
     swap_out: list[CopyOp]
     swap_in: list[CopyOp]
     copies: list[CopyOp]
+    num_prompt_rows: int = 0  # the last of the R rows: prompt positions scored for prompt log-probabilities
 
     @property
     def num_tokens(self) -> int:
@@ -86,7 +87,8 @@ class StepPayload:
     """A step on the host: what any rank needs to rebuild the same :class:`StepInput` on its own device.
 
     ``flat`` holds, one after the other (lengths in ``sizes``): token ids, positions, slots,
-    sequence lengths, cu_seqlens_q, table rows, logits rows, and the block-table updates
+    sequence lengths, cu_seqlens_q, table rows, logits rows (the sampled sequences' last tokens, then
+    the prompt positions scored for prompt log-probabilities), and the block-table updates
     (rows, columns, ids), then a cascade step's index arrays (``cascade.parts()``).
     Tensor-parallel workers receive it by broadcast.
     """
@@ -102,6 +104,7 @@ class StepPayload:
     swap_in: list[CopyOp]
     copies: list[CopyOp]
     cascade: CascadeArrays | None = None  # a decode step attended as cascade (shared prefixes once per group)
+    num_prompt_rows: int = 0  # logits rows after the sampled ones: prompt positions scored
 
 
 class StepMaterializer:
@@ -129,7 +132,7 @@ class StepMaterializer:
             meta = replace(meta, cascade=build_cascade_metadata(p.cascade, cascade_t, meta))
         return StepInput(
             input_ids=ids_t, positions=pos_t, meta=meta, logits_indices=logits_t,
-            swap_out=p.swap_out, swap_in=p.swap_in, copies=p.copies,
+            swap_out=p.swap_out, swap_in=p.swap_in, copies=p.copies, num_prompt_rows=p.num_prompt_rows,
         )  # fmt: skip
 
 
@@ -181,11 +184,15 @@ class StepInputBuilder:
         seq_of_token, positions = host_positions(computed, new, cu)  # [T], [T]
         slots = host_slot_mapping(self.tables.host, rows, seq_of_token, positions, self.block_size)
         upd_rows, upd_cols, upd_ids = self.tables.take_updates()
-        parts = [np.asarray(ids, dtype=np.int64), positions, slots, seq_lens, cu, rows, cu[1:][samples] - 1,
+        prompt_rows = [cu[i] + np.arange(s.prompt_positions.start, s.prompt_positions.stop) - s.start
+                       for i, s in enumerate(out.scheduled) if s.prompt_positions]  # fmt: skip
+        logits_rows = np.concatenate([cu[1:][samples] - 1, *prompt_rows])
+        parts = [np.asarray(ids, dtype=np.int64), positions, slots, seq_lens, cu, rows, logits_rows,
                  upd_rows, upd_cols, upd_ids, *(cascade.parts() if cascade else [])]  # fmt: skip
         return StepPayload(
             flat=np.concatenate(parts), sizes=tuple(len(p) for p in parts), host_seq_lens=seq_lens,
             host_query_lens=new, max_seq_len=int(seq_lens.max(initial=0)), num_blocks=self.num_blocks,
             table_rows=self.tables.host.shape[0],
             swap_out=out.swap_out, swap_in=out.swap_in, copies=out.copies, cascade=cascade,
+            num_prompt_rows=len(logits_rows) - int(samples.sum()),
         )  # fmt: skip

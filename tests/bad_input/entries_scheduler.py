@@ -9,10 +9,12 @@ from pathlib import Path
 import torch
 from bad_input_machinery import (
     BAD_ID,
+    INF,
+    NAN,
+    NAN_INF,
     BAD_DTYPE,
     BOOL_FOR_INT,
     NONINTEGRAL,
-    NOT_NEGATIVE,
     OUT_OF_RANGE,
     WRONG_TYPE,
     Arg,
@@ -113,14 +115,30 @@ def _rows() -> list[Entry]:
     return [
         Entry("scheduler.SamplingParams", scheduler.SamplingParams, {
             "max_tokens": Arg("int", 4, bad={OUT_OF_RANGE: [0, -1]}),
-            "temperature": Arg("real", 0.7, bad={OUT_OF_RANGE: [-0.1]}),
-            "top_k": Arg("int", 0, bad=NOT_NEGATIVE), "top_p": Arg("real", 0.9, bad={OUT_OF_RANGE: [0.0, 1.5]}),
-            "seed": Arg("opt_int", 3, bad={OUT_OF_RANGE: [-1, 1 << 63]}),
+            "min_tokens": Arg("int", 2, bad={OUT_OF_RANGE: [-1, 5]}),  # at most max_tokens
+            "temperature": Arg("real", 0.7, bad={OUT_OF_RANGE: [-0.1, 1e-40, 1e39]}),  # 0 or a normal float32
+            "top_k": Arg("int", 0, bad={OUT_OF_RANGE: [-2, 1 << 31]}),  # -1 is vLLM's "off"; an int32
+            "top_p": Arg("real", 0.9, bad={OUT_OF_RANGE: [0.0, 1.5]}),
+            "min_p": Arg("real", 0.1, bad={OUT_OF_RANGE: [-0.1, 1.5]}),
+            "seed": Arg("opt_int", 3, bad={OUT_OF_RANGE: [-(1 << 63) - 1, 1 << 63]}),  # any int64
             "n": Arg("int", 1, bad={OUT_OF_RANGE: [0, 1 << 20]}),
-            "stop_token_ids": Arg("ids", (5,), bad={WRONG_TYPE: ["12", 5, None]}), "ignore_eos": Arg("bool", False),
+            "stop_token_ids": Arg("ids", (5,), bad={WRONG_TYPE: ["12", 5, None, {5: 1}]}),
+            "ignore_eos": Arg("bool", False),
             "logprobs": Arg("int", 0, bad={OUT_OF_RANGE: [-1, 1000]}),
+            "prompt_logprobs": Arg("opt_int", 2, bad={OUT_OF_RANGE: [-1, 1000]}),
             "stop": Arg("obj", ("\n",), bad={WRONG_TYPE: [3, [""], ["a", 3], b"x"]}),
-            "cache_salt": Arg("obj", None, bad={WRONG_TYPE: [3, "", ["x"]]})}),
+            "cache_salt": Arg("obj", None, bad={WRONG_TYPE: [3, "", ["x"]]}),
+            "presence_penalty": Arg("real", 0.5, bad={OUT_OF_RANGE: [-2.5, 3.0]}),
+            "frequency_penalty": Arg("real", -0.5, bad={OUT_OF_RANGE: [-2.5, 3.0]}),
+            "repetition_penalty": Arg("real", 1.2, bad={OUT_OF_RANGE: [0.0, -1.0, 1e-40, 1e39]}),
+            "logit_bias": Arg("obj", lambda: {1: 2.0, "7": -3.0}, bad={
+                WRONG_TYPE: [[1, 2], "x", 3, {"a": 1.0}, {1: "x"}, {True: 1.0}, {1.0: 1.0}],
+                OUT_OF_RANGE: [{1: 101.0}, {1: -100.5}, {-1: 1.0}], NAN_INF: [{1: NAN}, {1: INF}]}),
+            "allowed_token_ids": Arg("ids", (1, 2), bad={WRONG_TYPE: ["ab", 5, {1: 2}, []]}),  # None: all allowed
+            "bad_words": Arg("obj", ("x",), bad={WRONG_TYPE: [3, [""], ["a", 3], b"x", {"a": 1}]}),
+            "bad_words_token_ids": Arg("obj", ((1, 2), (3,)), bad={
+                WRONG_TYPE: [3, "ab", [[]], [[1, "x"]], {1: 2}, [5]], OUT_OF_RANGE: [[[-1]]],
+                BOOL_FOR_INT: [[[True]]], NONINTEGRAL: [[[1.5]]]})}),
         Entry("scheduler.SchedulerConfig", scheduler.SchedulerConfig, {
             "max_num_batched_tokens": Arg("int", 64, bad={OUT_OF_RANGE: [1, 1 << 62]}),
             "max_num_seqs": Arg("int", 8, bad={OUT_OF_RANGE: [0, 1 << 62]}),

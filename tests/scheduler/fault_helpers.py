@@ -17,19 +17,19 @@ def plant_sampling_fault(monkeypatch, is_faulty: Callable[[object], bool] = salt
 
     The sampler runs first, so a failed attempt has advanced the batch's seeded generators.
     """
-    from scheduler.engine import llm_engine
+    from scheduler.runner.sampler import Sampler
 
-    real, seen = llm_engine.sample, [0]
+    real, seen = Sampler.__call__, [0]
 
-    def sample(logits, params, generators):
-        result = real(logits, params, generators)
-        if any(is_faulty(p) for p in params):
+    def sample(self, logits, rows, prompt_logits=None, prompt=None):
+        result = real(self, logits, rows, prompt_logits, prompt)
+        if any(is_faulty(r.params) for r in rows):
             if seen[0] >= after:
                 raise RuntimeError("planted sampling fault")
             seen[0] += 1
         return result
 
-    monkeypatch.setattr(llm_engine, "sample", sample)
+    monkeypatch.setattr(Sampler, "__call__", sample)
 
 
 def plant_bookkeeping_fault(monkeypatch, scheduler, is_faulty: Callable[[object], bool], after: int) -> None:

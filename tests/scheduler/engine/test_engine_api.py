@@ -72,9 +72,13 @@ def test_bad_requests_raise_typed_errors_and_change_nothing(busy, case):
 
 BAD_PARAMS = [
     dict(max_tokens=0), dict(max_tokens=2.5), dict(temperature=-0.1), dict(temperature=math.nan),
-    dict(temperature=math.inf), dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5), dict(seed=-1), dict(n=0),
-    dict(n=10_000), dict(stop_token_ids="12"), dict(stop_token_ids=[1, -1]), dict(ignore_eos="yes"),
-    dict(logprobs=-1), dict(logprobs=1000), dict(temperature=True),
+    dict(temperature=math.inf), dict(temperature=1e-40), dict(top_k=-2), dict(top_k=10**20), dict(top_p=0.0),
+    dict(top_p=1.5), dict(seed=1 << 63), dict(seed=-(1 << 63) - 1), dict(n=0), dict(n=10_000),
+    dict(stop_token_ids="12"), dict(stop_token_ids=[1, -1]), dict(ignore_eos="yes"), dict(logprobs=-1),
+    dict(logprobs=1000), dict(temperature=True), dict(min_tokens=17), dict(min_tokens=-1), dict(min_p=1.5),
+    dict(presence_penalty=2.5), dict(frequency_penalty=-3.0), dict(repetition_penalty=0.0),
+    dict(logit_bias={1: 200.0}), dict(logit_bias={"x": 1.0}), dict(allowed_token_ids=[]), dict(bad_words=[""]),
+    dict(bad_words_token_ids=[[]]), dict(prompt_logprobs=-1), dict(prompt_logprobs=1000),
 ]  # fmt: skip
 
 
