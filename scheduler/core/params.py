@@ -6,8 +6,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from paged_kv.errors import InvalidArgumentError, check_bool, check_int, check_real, describe
+from paged_kv.errors import InvalidArgumentError, check_bool, check_int, check_real, check_type, describe
 from paged_kv.tokens import as_id_list
+from scheduler.core.structured_params import StructuredOutputsParams
 
 MAX_SAMPLES = 256
 MAX_LOGPROBS = 64
@@ -29,6 +30,8 @@ class SamplingParams:
     are matched by the text layers that own a tokenizer (``LLM``, the server),
     not by the token-level engine. ``cache_salt`` isolates the request's prefix
     cache: blocks are shared only between requests with the same salt.
+    ``structured_outputs`` constrains every sample to a JSON schema, regex, choice or grammar
+    (the engine needs a tokenizer for it: ``LLMEngine.enable_structured_outputs``).
     """
 
     max_tokens: int = 16
@@ -42,6 +45,7 @@ class SamplingParams:
     logprobs: int = 0
     stop: tuple[str, ...] = ()
     cache_salt: str | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         check_int("max_tokens", self.max_tokens, low=1)
@@ -57,6 +61,8 @@ class SamplingParams:
         object.__setattr__(self, "stop", _stop_tuple(self.stop))
         if self.cache_salt is not None and not (isinstance(self.cache_salt, str) and self.cache_salt):
             raise InvalidArgumentError(describe("cache_salt", self.cache_salt, "a non-empty str or None"))
+        structured = (StructuredOutputsParams, type(None))
+        check_type("structured_outputs", self.structured_outputs, structured, "a StructuredOutputsParams or None")
 
     @property
     def greedy(self) -> bool:

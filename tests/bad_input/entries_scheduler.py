@@ -120,7 +120,14 @@ def _rows() -> list[Entry]:
             "stop_token_ids": Arg("ids", (5,), bad={WRONG_TYPE: ["12", 5, None]}), "ignore_eos": Arg("bool", False),
             "logprobs": Arg("int", 0, bad={OUT_OF_RANGE: [-1, 1000]}),
             "stop": Arg("obj", ("\n",), bad={WRONG_TYPE: [3, [""], ["a", 3], b"x"]}),
-            "cache_salt": Arg("obj", None, bad={WRONG_TYPE: [3, "", ["x"]]})}),
+            "cache_salt": Arg("obj", None, bad={WRONG_TYPE: [3, "", ["x"]]}),
+            "structured_outputs": Arg("obj", None, bad={WRONG_TYPE: [{"regex": "a"}, "a+", 3]})}),
+        Entry("scheduler.StructuredOutputsParams", scheduler.StructuredOutputsParams, {
+            "json": Arg("obj", None, bad={WRONG_TYPE: [3, "{bad", "[1]", {"a": {1}}]}),
+            "regex": Arg("obj", "a+", bad={WRONG_TYPE: [3, "", b"a+"]}),
+            "choice": Arg("obj", None, bad={WRONG_TYPE: ["ab", [], ["a", 3]]}),
+            "grammar": Arg("obj", None, bad={WRONG_TYPE: [3, "", b"x"]}),
+            "json_object": Arg("bool", False), "disable_any_whitespace": Arg("bool", False)}),
         Entry("scheduler.SchedulerConfig", scheduler.SchedulerConfig, {
             "max_num_batched_tokens": Arg("int", 64, bad={OUT_OF_RANGE: [1, 1 << 62]}),
             "max_num_seqs": Arg("int", 8, bad={OUT_OF_RANGE: [0, 1 << 62]}),
