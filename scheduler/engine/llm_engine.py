@@ -26,6 +26,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm.auto import tqdm
@@ -37,6 +38,7 @@ from paged_kv.errors import (
     InvalidArgumentError,
     UnknownSequenceError,
     check_bool,
+    check_int,
     check_type,
     describe,
 )
@@ -48,6 +50,7 @@ from scheduler.core.params import SamplingParams, per_prompt
 from scheduler.core.scheduler import Scheduler
 from scheduler.core.scheduler_output import SampledToken, SchedulerOutput
 from scheduler.core.sequence import Sequence, SequenceGroup
+from scheduler.core.structured_params import StructuredOutputsParams
 from scheduler.distributed.parallel_state import TPShard
 from scheduler.engine.metrics import EngineMetrics, MetricsSummary
 from scheduler.engine.request_checks import check_prompt, check_request_fits
@@ -59,6 +62,9 @@ from scheduler.runner.sampler import sample
 from scheduler.runner.step_input import StepInputBuilder
 from scheduler.runner.tp_executor import TPExecutor
 from scheduler.runner.tp_worker import WorkerSetup
+
+if TYPE_CHECKING:
+    from scheduler.engine.structured_outputs import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +98,7 @@ class LLMEngine:
         self.runner = self._make_runner(spec, num_blocks, graphs)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, eos_ids)
         self.metrics = EngineMetrics()
+        self.structured: StructuredOutputs | None = None  # set by enable_structured_outputs
         self._auto_ids = itertools.count()
 
     def _num_gpu_blocks(self, spec: KVCacheSpec, graphs: bool) -> int:
@@ -142,6 +149,21 @@ class LLMEngine:
         eos = eos if eos is not None else getattr(hf_model.config, "eos_token_id", None)
         return cls(model, config, eos_token_id=eos)
 
+    def enable_structured_outputs(self, tokenizer, *, cache_size: int = 64) -> None:
+        """Serve ``SamplingParams.structured_outputs`` with xgrammar over ``tokenizer`` (the model's transformers
+        tokenizer; ``LLM`` and the server give theirs), keeping ``cache_size`` compiled grammars."""
+        check_int("cache_size", cache_size, low=1, high=1 << 20)
+        if not callable(getattr(tokenizer, "get_vocab", None)):
+            raise InvalidArgumentError(describe("tokenizer", type(tokenizer).__name__, "a transformers tokenizer"))
+        from scheduler.engine.structured_outputs import StructuredOutputs  # imports xgrammar (about a second)
+
+        vocab = self.model.config.vocab_size
+        try:
+            self.structured = StructuredOutputs(tokenizer, vocab, self.scheduler.eos_token_ids, self.device,
+                                                cache_size=cache_size)  # fmt: skip
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise InvalidArgumentError(describe("tokenizer", type(tokenizer).__name__, f"a tokenizer xgrammar reads ({e})"))
+
     # -- requests ---------------------------------------------------------
     def add_request(
         self, request_id: str, prompt_token_ids: Seq[int], sampling_params: SamplingParams | None = None,
@@ -153,6 +175,8 @@ class LLMEngine:
         """
         check_bool("fork_samples", fork_samples)
         prompt, params = self.check_request(request_id, prompt_token_ids, sampling_params)
+        if not fork_samples and params.structured_outputs is not None:  # a caller's selection would skip the mask
+            raise InvalidArgumentError(describe("fork_samples", False, "True with structured_outputs (no beam search)"))
         return self.scheduler.add_request(request_id, prompt, params, fork_samples=fork_samples)
 
     def check_request(
@@ -168,7 +192,16 @@ class LLMEngine:
             raise InvalidArgumentError(describe("sampling_params", type(params).__name__, "a SamplingParams"))
         prompt = check_prompt(prompt_token_ids, self.model.config.vocab_size)
         check_request_fits(len(prompt), params, self.model.config, self.config.scheduler, self.block_manager.config)
+        if params.structured_outputs is not None:
+            self._check_structured(params.structured_outputs)
         return prompt, params
+
+    def _check_structured(self, spec: StructuredOutputsParams) -> None:
+        """Compile (and cache) the request's grammar now: an invalid one, or no tokenizer, raises before queueing."""
+        if self.structured is None:
+            expected = "None on an engine without a tokenizer (call enable_structured_outputs(tokenizer) first)"
+            raise InvalidArgumentError(describe("structured_outputs", spec.kind, expected))
+        self.structured.grammar(spec)
 
     def abort(self, request_id: str) -> RequestOutput:
         """Stop a request now and free its blocks; returns what it had generated."""
@@ -197,8 +230,7 @@ class LLMEngine:
         ``out.samples``) it returns the chosen tokens, and may fork and finish sequences through
         the scheduler first (a beam search does).
         """
-        if select is not None and not callable(select):
-            raise InvalidArgumentError(describe("select", select, "None or a callable (out, logits) -> tokens"))
+        self._check_select(select)
         start = time.perf_counter()
         out = self.scheduler.schedule()
         logits = self.runner.run(out)  # [R, vocab]
@@ -208,6 +240,13 @@ class LLMEngine:
         self.metrics.record_step(start, out.num_prompt_tokens, len(sampled), len(out.scheduled), usage)
         return [self._retire(group) for group in finished]
 
+    def _check_select(self, select: Selector | None) -> None:
+        """A selection hook must be callable, and cannot run while a request is constrained (it skips the mask)."""
+        if select is not None and not callable(select):
+            raise InvalidArgumentError(describe("select", select, "None or a callable (out, logits) -> tokens"))
+        if select is not None and any(g.params.structured_outputs for g in self.scheduler.requests.values()):
+            raise InvalidArgumentError(describe("select", select, "None while a request has structured_outputs"))
+
     def sample(self, out: SchedulerOutput, logits: torch.Tensor) -> list[SampledToken]:
         """Sample every sequence that reached its last token (forked samples draw from their parent's row)."""
         samples = out.samples
@@ -216,6 +255,8 @@ class LLMEngine:
         rows = [row for _, _, row in samples]
         if rows != list(range(logits.shape[0])):
             logits = logits[torch.tensor(rows).to(logits.device, non_blocking=True)]
+        if self.structured is not None:  # structured outputs: mask what each constrained sample's grammar forbids
+            self.structured.mask(samples, logits)
         result = sample(logits, [g.params for g, _, _ in samples], [self._generator(g, s) for g, s, _ in samples])
         chosen = zip(result.token_ids, result.logprobs, result.top_logprobs)
         return [SampledToken(g, s, *c) for (g, s, _), c in zip(samples, chosen)]

@@ -94,6 +94,7 @@ TOKENS = {OUT_OF_RANGE: [[-1], [1, 10_000]]}  # prompt ids past the vocab too
 
 # entries whose valid call builds a transformers model or config (the optional hf extra)
 NEEDS_TRANSFORMERS = (
+    "scheduler.LLMEngine.enable_structured_outputs",
     "scheduler.ModelConfig.from_hf",
     "scheduler.LLMEngine.from_hf",
     "scheduler.from_hf_model",
@@ -190,6 +191,9 @@ def _rows() -> list[Entry]:
             "prompt_token_ids": Arg("ids", [1, 2], bad={**TOKENS, WRONG_TYPE: ["ab", 5, None, []]}),
             "sampling_params": Arg("obj", None, bad={WRONG_TYPE: [{"max_tokens": 3}, "x"]}),
             "fork_samples": Arg("bool", True)}, engine),
+        Entry("scheduler.LLMEngine.enable_structured_outputs", "enable_structured_outputs", {
+            "tokenizer": Arg("obj", lambda: _tiny_text_model()[1], bad={WRONG_TYPE: [None, "x", 3, tiny_model()]}),
+            "cache_size": Arg("int", 4, bad={OUT_OF_RANGE: [0, 1 << 21]})}, engine),
         Entry("scheduler.LLMEngine.step", "step", {"select": Arg("obj", None, bad={WRONG_TYPE: ["x", 3]})}, engine),
         Entry("scheduler.LLMEngine.stop_samples", "stop_samples", {
             "request_id": Arg("obj", "r0", bad={WRONG_TYPE: [None, 7, ["x"]], BAD_ID: ["zz"]}),
