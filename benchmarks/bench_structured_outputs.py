@@ -5,8 +5,9 @@ prompts twice: all free ("free"), and 8 of them under a JSON schema ("half"). Ev
 ``--max-tokens`` steps (free ones ignore EOS; the schema's shortest output is longer than that), so
 every decode step samples 16 rows. The figure is the median wall time of those decode steps
 (``LLMEngine.step``: schedule, forward, mask, sample, update), rounds alternated ABBA, best round of
-each side (the median and the best round keep other processes' bursts out of the forward's time). Also printed: the mask's own share (bitmask fill on the host, upload, kernel) and the
-schema's one compilation, which ``add_request`` pays before the request is queued.
+each side (the median and the best round keep other processes' bursts out of the forward's time).
+Also printed: the mask's own share (bitmask fill on the host, upload, kernel) and the schema's one
+compilation, which ``add_request`` pays before the request is queued.
 
     .venv/bin/python benchmarks/bench_structured_outputs.py [--max-tokens 32] [--rounds 4]
 """

@@ -1,4 +1,4 @@
-"""What a structured-output request holds its samples to: a JSON schema, a regex, a choice, a grammar or any JSON object."""
+"""What a structured-output request holds its samples to: a JSON schema, a regex, a choice, a grammar, any object."""
 
 from __future__ import annotations
 

@@ -162,7 +162,8 @@ class LLMEngine:
             self.structured = StructuredOutputs(tokenizer, vocab, self.scheduler.eos_token_ids, self.device,
                                                 cache_size=cache_size)  # fmt: skip
         except (RuntimeError, ValueError, TypeError) as e:
-            raise InvalidArgumentError(describe("tokenizer", type(tokenizer).__name__, f"a tokenizer xgrammar reads ({e})"))
+            expected = f"a tokenizer xgrammar reads ({e})"
+            raise InvalidArgumentError(describe("tokenizer", type(tokenizer).__name__, expected)) from e
 
     # -- requests ---------------------------------------------------------
     def add_request(
@@ -244,7 +245,8 @@ class LLMEngine:
         """A selection hook must be callable, and cannot run while a request is constrained (it skips the mask)."""
         if select is not None and not callable(select):
             raise InvalidArgumentError(describe("select", select, "None or a callable (out, logits) -> tokens"))
-        if select is not None and any(g.params.structured_outputs for g in self.scheduler.requests.values()):
+        constrained = (g.params.structured_outputs is not None for g in self.scheduler.requests.values())
+        if select is not None and any(constrained):
             raise InvalidArgumentError(describe("select", select, "None while a request has structured_outputs"))
 
     def sample(self, out: SchedulerOutput, logits: torch.Tensor) -> list[SampledToken]:

@@ -68,7 +68,7 @@ class StructuredOutputs:
             raise InvalidArgumentError(describe(f"structured_outputs.{spec.kind}", shown, expected)) from None
 
     def mask(self, samples: Seq[tuple[SequenceGroup, Sequence, int]], logits: torch.Tensor) -> None:
-        """Set to -inf, in place, what each constrained sample's grammar forbids next; ``logits [S, V]``, row i of sample i."""
+        """Mask, in place, the logits each constrained sample's grammar forbids now (``logits [S, V]``: a row each)."""
         rows = [i for i, (group, _, _) in enumerate(samples) if group.params.structured_outputs is not None]
         if not rows:
             return

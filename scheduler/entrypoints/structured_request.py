@@ -82,4 +82,5 @@ def _only(value: Mapping, name: str, keys: tuple[str, ...]) -> None:
     """Refuse the first key of ``value`` not in ``keys`` (null ones aside), naming it."""
     extra = next((k for k, v in value.items() if k not in keys and v is not None), None)
     if extra is not None:
-        raise InvalidArgumentError(describe(f"{name}.{extra}", value[extra], f"no such field (known: {', '.join(keys)})"))
+        expected = f"no such field (known: {', '.join(keys)})"
+        raise InvalidArgumentError(describe(f"{name}.{extra}", value[extra], expected))

@@ -1,4 +1,4 @@
-"""Helpers of the structured-output tests: a constraint of every kind, its validity check, a tiny engine with a tokenizer."""
+"""Helpers of the structured-output tests: a constraint of each kind, its check, a tiny engine with a tokenizer."""
 
 from __future__ import annotations
 

@@ -14,7 +14,8 @@ SCHEMA = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type
 
 @pytest.mark.parametrize("kw, kind", [
     (dict(json=SCHEMA), "json"), (dict(json=json.dumps(SCHEMA)), "json"), (dict(regex="a+"), "regex"),
-    (dict(choice=["x", "y"]), "choice"), (dict(grammar='root ::= "a"'), "grammar"), (dict(json_object=True), "json_object"),
+    (dict(choice=["x", "y"]), "choice"), (dict(grammar='root ::= "a"'), "grammar"),
+    (dict(json_object=True), "json_object"),
 ])  # fmt: skip
 def test_one_constraint_and_its_kind(kw, kind):
     spec = StructuredOutputsParams(**kw)
@@ -33,7 +34,8 @@ def test_a_schema_is_kept_as_json_text_in_its_key_order():
 
 @pytest.mark.parametrize("kw, field", [
     (dict(), "structured_outputs="), (dict(json_object=False), "structured_outputs="),
-    (dict(regex="a", choice=["a"]), "structured_outputs="), (dict(json=SCHEMA, json_object=True), "structured_outputs="),
+    (dict(regex="a", choice=["a"]), "structured_outputs="),
+    (dict(json=SCHEMA, json_object=True), "structured_outputs="),
     (dict(json="{not json"), "structured_outputs.json="), (dict(json="[1, 2]"), "structured_outputs.json="),
     (dict(json=3), "structured_outputs.json="), (dict(json={"a": float("nan")}), "structured_outputs.json="),
     (dict(json={"a": {1, 2}}), "structured_outputs.json="),

@@ -1,4 +1,4 @@
-"""Structured outputs through xgrammar on the engine: every output in its language, through sampling, forks and preemption."""
+"""Structured outputs through xgrammar on the engine: every output in its language, sampled, forked, preempted."""
 
 from __future__ import annotations
 
@@ -60,7 +60,8 @@ def test_constrained_and_free_requests_share_a_batch(tiny):
     engine, tokenizer, prompts = tiny
     free = SamplingParams(max_tokens=12, ignore_eos=True)
     alone = engine.generate(prompts, free, use_tqdm=False)
-    mixed = engine.generate(prompts * 2, [free] * len(prompts) + [_params(SPECS["json"])] * len(prompts), use_tqdm=False)
+    params = [free] * len(prompts) + [_params(SPECS["json"])] * len(prompts)
+    mixed = engine.generate(prompts * 2, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in mixed[: len(prompts)]] == [o.outputs[0].token_ids for o in alone]
     for texts in texts_of(mixed[len(prompts) :], tokenizer):
         check_output(SPECS["json"], texts[0])
@@ -110,7 +111,7 @@ def test_grammar_end_stops_the_sample_even_with_ignore_eos(tiny):
 
 
 def test_logprobs_are_those_of_the_masked_distribution(tiny):
-    """As in vLLM: log-probabilities of the masked logits; the allowed first tokens (prefixes of a choice) sum to one."""
+    """As in vLLM: logprobs of the masked logits; the allowed first tokens (prefixes of a choice) sum to one."""
     engine, tokenizer, prompts = tiny
     spec = StructuredOutputsParams(choice=("red", "green", "blue"))
     (out,) = engine.generate(prompts[:1], _params(spec, logprobs=64), use_tqdm=False)
@@ -136,7 +137,8 @@ def test_compiles_once_per_constraint_in_a_bounded_lru():
     prompt, other = tokenizer.encode(TEXTS[0]), StructuredOutputsParams(json=SCHEMA)  # whitespace allowed: another
     engine.generate([prompt] * 3, _params(SPECS["json"]), use_tqdm=False)
     for i in range(3):
-        engine.add_request(f"r{i}", prompt, _params(StructuredOutputsParams(json=dict(SCHEMA), disable_any_whitespace=True)))
+        same = StructuredOutputsParams(json=dict(SCHEMA), disable_any_whitespace=True)
+        engine.add_request(f"r{i}", prompt, _params(same))
     assert engine.structured.num_compiled == 1  # equal schemas from other dicts too
     engine.check_request("a", prompt, _params(other))
     engine.check_request("b", prompt, _params(SPECS["regex"]))  # evicts the first schema (least recently used)

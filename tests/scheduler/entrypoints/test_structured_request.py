@@ -1,4 +1,4 @@
-"""response_format (OpenAI) and structured_outputs (vLLM) request values as StructuredOutputsParams, or a named error."""
+"""response_format (OpenAI) and structured_outputs (vLLM) request values as StructuredOutputsParams, or named errors."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "place", "schema":
      StructuredOutputsParams(json=SCHEMA)),
     (None, {"json": SCHEMA}, StructuredOutputsParams(json=SCHEMA)),
     (None, {"json": json.dumps(SCHEMA)}, StructuredOutputsParams(json=SCHEMA)),
-    (None, {"regex": "[a-z]+", "json": None, "choice": None, "structural_tag": None}, StructuredOutputsParams(regex="[a-z]+")),
+    (None, {"regex": "[a-z]+", "json": None, "choice": None, "structural_tag": None},
+     StructuredOutputsParams(regex="[a-z]+")),
     (None, {"choice": ["yes", "no"], "disable_fallback": False}, StructuredOutputsParams(choice=("yes", "no"))),
     (None, {"grammar": 'root ::= "a"'}, StructuredOutputsParams(grammar='root ::= "a"')),
     (None, {"json_object": True, "disable_any_whitespace": True},
@@ -44,7 +45,8 @@ def test_request_values_become_params(response_format, structured_outputs, expec
     ({"type": "json_schema"}, None, "response_format.json_schema="),
     ({"type": "json_schema", "json_schema": {"name": "p"}}, None, "response_format.json_schema.schema="),
     ({"type": "json_schema", "json_schema": {"schema": SCHEMA}}, None, "response_format.json_schema.name="),
-    ({"type": "json_schema", "json_schema": {"name": "p", "schema": "{}"}}, None, "response_format.json_schema.schema="),
+    ({"type": "json_schema", "json_schema": {"name": "p", "schema": "{}"}}, None,
+     "response_format.json_schema.schema="),
     ({"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA, "strict": "yes"}}, None,
      "response_format.json_schema.strict="),
     ({"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA, "format": 1}}, None,
