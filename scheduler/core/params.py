@@ -12,9 +12,11 @@ from paged_kv.errors import (
     check_bool,
     check_int,
     check_real,
+    check_type,
     describe,
 )
 from paged_kv.tokens import as_id_list
+from scheduler.core.structured_params import StructuredOutputsParams
 
 MAX_SAMPLES = 256
 MAX_LOGPROBS = 64
@@ -56,6 +58,8 @@ class SamplingParams:
     ``repetition_penalty`` (> 1 discourages tokens of the prompt and output: a positive logit
     is divided by it, a negative one multiplied), ``frequency_penalty`` and
     ``presence_penalty`` (subtracted per occurrence / once for tokens of the output).
+    ``structured_outputs`` constrains every sample to a JSON schema, regex, choice or grammar
+    (the engine needs a tokenizer for it: ``LLMEngine.enable_structured_outputs``).
     """
 
     max_tokens: int = 16
@@ -79,6 +83,7 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = ()
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         check_int("max_tokens", self.max_tokens, low=1)
@@ -110,6 +115,8 @@ class SamplingParams:
             object.__setattr__(self, "allowed_token_ids", allowed)
         if self.cache_salt is not None and not (isinstance(self.cache_salt, str) and self.cache_salt):
             raise InvalidArgumentError(describe("cache_salt", self.cache_salt, "a non-empty str or None"))
+        structured = (StructuredOutputsParams, type(None))
+        check_type("structured_outputs", self.structured_outputs, structured, "a StructuredOutputsParams or None")
 
     @property
     def greedy(self) -> bool:

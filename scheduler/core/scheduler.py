@@ -156,8 +156,10 @@ class Scheduler:
             self.finish(t.seq, reason, now)
 
     def _stop_reason(self, params: SamplingParams, seq: Sequence, token_id: int) -> str | None:
-        """"stop" for a stop token (or EOS unless ignored), "length" at ``max_tokens``, else None."""
+        """"stop" for a stop token, EOS unless ignored, or a finished grammar; "length" at ``max_tokens``; else None."""
         if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
+            return "stop"
+        if seq.matcher is not None and seq.matcher.is_terminated():  # structured outputs: took its stop token
             return "stop"
         return "length" if seq.num_outputs >= params.max_tokens else None
 

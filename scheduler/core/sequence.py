@@ -12,10 +12,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from paged_kv.block_hash import BlockHashes
+from paged_kv.errors import SequenceStateError, describe
 from scheduler.core.params import SamplingParams
 
 
@@ -26,6 +28,19 @@ class SequenceStatus(enum.Enum):
     RUNNING = "running"
     SWAPPED = "swapped"
     FINISHED = "finished"
+
+
+class TokenMatcher(Protocol):
+    """A grammar's state over a sequence's output tokens (xgrammar's ``GrammarMatcher`` is one)."""
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by one token; False, state unchanged, if the grammar does not allow it."""
+
+    def is_terminated(self) -> bool:
+        """Whether the grammar is complete and has accepted its stop token."""
+
+    def fork(self) -> TokenMatcher:
+        """An independent copy of the state."""
 
 
 class Sequence:
@@ -48,6 +63,9 @@ class Sequence:
         self.logprobs: list[float] = []  # log-probability of each output token
         self.top_logprobs: list[dict[int, float]] = []  # per output token, when asked for
         self.generator: torch.Generator | None = None
+        # structured outputs: the grammar's state, set by the engine when the sequence first samples. It has
+        # accepted exactly output_token_ids (append_token advances it, fork copies it), so preemption keeps it.
+        self.matcher: TokenMatcher | None = None
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -80,7 +98,9 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     def append_token(self, token_id: int, logprob: float, top: dict[int, float] | None = None) -> None:
-        """Record a sampled token (its KV is computed by the next step)."""
+        """Record a sampled token (its KV is computed by the next step); a grammar, if any, must allow it."""
+        if self.matcher is not None and not self.matcher.accept_token(token_id):
+            raise SequenceStateError(describe("token_id", token_id, "a token the sequence's grammar allows"))
         self.token_ids.append(token_id)
         self.logprobs.append(logprob)
         if top is not None:
@@ -95,6 +115,7 @@ class Sequence:
         child.status = self.status
         child.logprobs = list(self.logprobs)
         child.top_logprobs = list(self.top_logprobs)
+        child.matcher = self.matcher.fork() if self.matcher is not None else None
         return child
 
     def finish(self, reason: str, now: float) -> None:

@@ -30,6 +30,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm.auto import tqdm
@@ -41,6 +42,7 @@ from paged_kv.errors import (
     InvalidArgumentError,
     UnknownSequenceError,
     check_bool,
+    check_int,
     check_type,
     describe,
 )
@@ -52,6 +54,7 @@ from scheduler.core.params import SamplingParams, per_prompt
 from scheduler.core.scheduler import Scheduler
 from scheduler.core.scheduler_output import SampledToken, SchedulerOutput
 from scheduler.core.sequence import Sequence, SequenceGroup
+from scheduler.core.structured_params import StructuredOutputsParams
 from scheduler.distributed.parallel_state import TPShard
 from scheduler.engine.faults import Failure, isolate, restoring
 from scheduler.engine.metrics import EngineMetrics, MetricsSummary
@@ -64,6 +67,9 @@ from scheduler.runner.sampler import PromptRows, Sampler, SampleRow
 from scheduler.runner.step_input import StepInputBuilder
 from scheduler.runner.tp_executor import TPExecutor
 from scheduler.runner.tp_worker import WorkerSetup
+
+if TYPE_CHECKING:
+    from scheduler.engine.structured_outputs import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +104,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager, eos_ids)
         self.sampler = Sampler(model.config.vocab_size, self.device, eos_ids)  # keeps penalty counts per sequence
         self.metrics = EngineMetrics()
+        self.structured: StructuredOutputs | None = None  # set by enable_structured_outputs
         self._auto_ids = itertools.count()
 
     def _num_gpu_blocks(self, spec: KVCacheSpec, graphs: bool) -> int:
@@ -148,6 +155,22 @@ class LLMEngine:
         eos = eos if eos is not None else getattr(hf_model.config, "eos_token_id", None)
         return cls(model, config, eos_token_id=eos)
 
+    def enable_structured_outputs(self, tokenizer, *, cache_size: int = 64) -> None:
+        """Serve ``SamplingParams.structured_outputs`` with xgrammar over ``tokenizer`` (the model's transformers
+        tokenizer; ``LLM`` and the server give theirs), keeping ``cache_size`` compiled grammars."""
+        check_int("cache_size", cache_size, low=1, high=1 << 20)
+        if not callable(getattr(tokenizer, "get_vocab", None)):
+            raise InvalidArgumentError(describe("tokenizer", type(tokenizer).__name__, "a transformers tokenizer"))
+        from scheduler.engine.structured_outputs import StructuredOutputs  # imports xgrammar (about a second)
+
+        vocab = self.model.config.vocab_size
+        try:
+            self.structured = StructuredOutputs(tokenizer, vocab, self.scheduler.eos_token_ids, self.device,
+                                                cache_size=cache_size)  # fmt: skip
+        except (RuntimeError, ValueError, TypeError) as e:
+            expected = f"a tokenizer xgrammar reads ({e})"
+            raise InvalidArgumentError(describe("tokenizer", type(tokenizer).__name__, expected)) from e
+
     # -- requests ---------------------------------------------------------
     def add_request(
         self, request_id: str, prompt_token_ids: Seq[int], sampling_params: SamplingParams | None = None,
@@ -159,6 +182,8 @@ class LLMEngine:
         """
         check_bool("fork_samples", fork_samples)
         prompt, params = self.check_request(request_id, prompt_token_ids, sampling_params)
+        if not fork_samples and params.structured_outputs is not None:  # a caller's selection would skip the mask
+            raise InvalidArgumentError(describe("fork_samples", False, "True with structured_outputs (no beam search)"))
         return self.scheduler.add_request(request_id, prompt, params, fork_samples=fork_samples)
 
     def check_request(
@@ -175,7 +200,18 @@ class LLMEngine:
         prompt = check_prompt(prompt_token_ids, self.model.config.vocab_size)
         check_sampling_ids(params, self.model.config.vocab_size)
         check_request_fits(len(prompt), params, self.model.config, self.config.scheduler, self.block_manager.config)
+        if params.structured_outputs is not None:
+            self.check_structured_outputs(params.structured_outputs)
         return prompt, params
+
+    def check_structured_outputs(self, structured_outputs: StructuredOutputsParams) -> None:
+        """Compile (and cache) a request's grammar now: an invalid one, or no tokenizer, raises before queueing."""
+        spec = structured_outputs
+        check_type("structured_outputs", spec, StructuredOutputsParams, "a StructuredOutputsParams")
+        if self.structured is None:
+            expected = "None on an engine without a tokenizer (call enable_structured_outputs(tokenizer) first)"
+            raise InvalidArgumentError(describe("structured_outputs", spec.kind, expected))
+        self.structured.grammar(spec)
 
     def abort(self, request_id: str) -> RequestOutput:
         """Stop a request now and free its blocks; returns what it had generated."""
@@ -223,14 +259,16 @@ class LLMEngine:
         get the tokens they would have had without it. Anything else that raises (scheduling, the
         model step, a ``select`` hook) aborts every live request first, logs the cause and propagates.
         """
-        if select is not None and not callable(select):
-            raise InvalidArgumentError(describe("select", select, "None or a callable (out, logits) -> tokens"))
+        self._check_select(select)
         start = time.perf_counter()
         failures: dict[SequenceGroup, Failure] = {}
         try:
             out = self.scheduler.schedule()
             logits = self.runner.run(out)  # [R + P, vocab]: sampled rows, then prompt positions scored
-            sampled = self._select(select, out, logits) if select is not None else self._sample_each(out, logits, failures)
+            if select is None:
+                sampled = self._sample_each(out, logits, failures)
+            else:
+                sampled = self._select(select, out, logits)
             finished = self._update_each(out, sampled, failures)
         except BaseException as e:
             self._abort_all(e)
@@ -282,6 +320,14 @@ class LLMEngine:
             except Exception:  # the request is gone from the scheduler; keep freeing the others
                 logger.exception("freeing %s after the failed step failed", request_id)
 
+    def _check_select(self, select: Selector | None) -> None:
+        """A selection hook must be callable, and cannot run while a request is constrained (it skips the mask)."""
+        if select is not None and not callable(select):
+            raise InvalidArgumentError(describe("select", select, "None or a callable (out, logits) -> tokens"))
+        constrained = (g.params.structured_outputs is not None for g in self.scheduler.requests.values())
+        if select is not None and any(constrained):
+            raise InvalidArgumentError(describe("select", select, "None while a request has structured_outputs"))
+
     def sample(self, out: SchedulerOutput, logits: torch.Tensor) -> list[SampledToken]:
         """Sample every sequence that reached its last token and score the step's prompt rows, in one transfer.
 
@@ -300,6 +346,8 @@ class LLMEngine:
             return []
         num_rows = out.num_sample_rows
         picked = _rows(logits, [row for _, _, row in samples], 0, num_rows)
+        if self.structured is not None and samples:  # mask what each constrained sample's grammar forbids
+            self.structured.mask(samples, picked)
         prompt_logits = _rows(logits, [num_rows + i for i, *_ in prompts], num_rows, logits.shape[0])
         sample_rows = [SampleRow(g.params, self._generator(g, s), s) for g, s, _ in samples]
         targets = PromptRows([seq.token_ids[pos + 1] for _, _, seq, pos in prompts],

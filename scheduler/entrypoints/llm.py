@@ -39,6 +39,7 @@ class LLM:
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         self.engine = LLMEngine.from_hf(loaded.hf_model, engine_config)
+        self.engine.enable_structured_outputs(self.tokenizer)  # SamplingParams.structured_outputs
         self.processor = OutputProcessor(self.engine, self.tokenizer)
         self._ids = itertools.count()
 

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import torch
 from bad_input_machinery import (
+    BAD_DTYPE,
     BAD_ID,
+    BOOL_FOR_INT,
     INF,
     NAN,
     NAN_INF,
-    BAD_DTYPE,
-    BOOL_FOR_INT,
     NONINTEGRAL,
     OUT_OF_RANGE,
     WRONG_TYPE,
@@ -23,7 +23,6 @@ from bad_input_machinery import (
 )
 
 import scheduler
-
 
 # -- subjects --------------------------------------------------------------------------------------
 TINY = dict(vocab_size=64, hidden_size=16, intermediate_size=32, head_dim=8, max_position_embeddings=128)
@@ -63,6 +62,11 @@ def _tiny_text_model() -> tuple[object, object]:
     return LlamaForCausalLM(cfg).eval(), tokenizer
 
 
+def text_engine() -> scheduler.LLMEngine:
+    """A text-capable engine: the tiny text model's, with structured outputs enabled."""
+    return tiny_llm().engine
+
+
 def loaded_tiny() -> object:
     """The tiny model and tokenizer as the loader hands them to LLM."""
     from scheduler.model.loader import LoadedModel
@@ -96,6 +100,7 @@ TOKENS = {OUT_OF_RANGE: [[-1], [1, 10_000]]}  # prompt ids past the vocab too
 
 # entries whose valid call builds a transformers model or config (the optional hf extra)
 NEEDS_TRANSFORMERS = (
+    "scheduler.LLMEngine.enable_structured_outputs",
     "scheduler.ModelConfig.from_hf",
     "scheduler.LLMEngine.from_hf",
     "scheduler.from_hf_model",
@@ -138,7 +143,14 @@ def _rows() -> list[Entry]:
             "bad_words": Arg("obj", ("x",), bad={WRONG_TYPE: [3, [""], ["a", 3], b"x", {"a": 1}]}),
             "bad_words_token_ids": Arg("obj", ((1, 2), (3,)), bad={
                 WRONG_TYPE: [3, "ab", [[]], [[1, "x"]], {1: 2}, [5]], OUT_OF_RANGE: [[[-1]]],
-                BOOL_FOR_INT: [[[True]]], NONINTEGRAL: [[[1.5]]]})}),
+                BOOL_FOR_INT: [[[True]]], NONINTEGRAL: [[[1.5]]]}),
+            "structured_outputs": Arg("obj", None, bad={WRONG_TYPE: [{"regex": "a"}, "a+", 3]})}),
+        Entry("scheduler.StructuredOutputsParams", scheduler.StructuredOutputsParams, {
+            "json": Arg("obj", None, bad={WRONG_TYPE: [3, "{bad", "[1]", {"a": {1}}]}),
+            "regex": Arg("obj", "a+", bad={WRONG_TYPE: [3, "", b"a+"]}),
+            "choice": Arg("obj", None, bad={WRONG_TYPE: ["ab", [], ["a", 3]]}),
+            "grammar": Arg("obj", None, bad={WRONG_TYPE: [3, "", b"x"]}),
+            "json_object": Arg("bool", False), "disable_any_whitespace": Arg("bool", False)}),
         Entry("scheduler.SchedulerConfig", scheduler.SchedulerConfig, {
             "max_num_batched_tokens": Arg("int", 64, bad={OUT_OF_RANGE: [1, 1 << 62]}),
             "max_num_seqs": Arg("int", 8, bad={OUT_OF_RANGE: [0, 1 << 62]}),
@@ -201,7 +213,13 @@ def _rows() -> list[Entry]:
             "prompt_token_ids": Arg("ids", [1, 2], bad={**TOKENS, WRONG_TYPE: ["ab", 5, None, []]}),
             "sampling_params": Arg("obj", None, bad={WRONG_TYPE: [{"max_tokens": 3}, "x"]}),
             "fork_samples": Arg("bool", True)}, engine),
+        Entry("scheduler.LLMEngine.enable_structured_outputs", "enable_structured_outputs", {
+            "tokenizer": Arg("obj", lambda: _tiny_text_model()[1], bad={WRONG_TYPE: [None, "x", 3, tiny_model()]}),
+            "cache_size": Arg("int", 4, bad={OUT_OF_RANGE: [0, 1 << 21]})}, engine),
         Entry("scheduler.LLMEngine.step", "step", {"select": Arg("obj", None, bad={WRONG_TYPE: ["x", 3]})}, engine),
+        Entry("scheduler.LLMEngine.check_structured_outputs", "check_structured_outputs", {
+            "structured_outputs": Arg("obj", lambda: scheduler.StructuredOutputsParams(regex="a+"),
+                                      bad={WRONG_TYPE: [{"regex": "a+"}, "a+", 3, None]})}, text_engine),
         Entry("scheduler.LLMEngine.stop_samples", "stop_samples", {
             "request_id": Arg("obj", "r0", bad={WRONG_TYPE: [None, 7, ["x"]], BAD_ID: ["zz"]}),
             "indices": Arg("ids", [0]),

@@ -20,6 +20,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from paged_kv.errors import InvalidArgumentError, describe
 from scheduler.core.params import SamplingParams
+from scheduler.core.structured_params import StructuredOutputsParams
 from scheduler.engine.llm_engine import LLMEngine
 from scheduler.entrypoints.llm import LLM
 from scheduler.entrypoints.server.async_engine import AsyncEngine
@@ -86,6 +87,13 @@ class Frontend:
         return {"id": name, "object": "model", "created": self.created, "owned_by": "paged-kv",
                 "root": self.llm.model_name, "parent": None, "max_model_len": self.max_model_len}  # fmt: skip
 
+    def _compile(self, body: SamplingFields, spec: StructuredOutputsParams) -> None:
+        """Compile a request's grammar into the engine's cache; FieldError naming the field that asked for it."""
+        try:
+            self.llm.engine.check_structured_outputs(spec)
+        except InvalidArgumentError as e:
+            raise FieldError("response_format" if body.response_format else "structured_outputs", str(e)) from None
+
     async def prepare(self, body: SamplingFields, kind: str, encode: Callable[[], Prompts], num_prompts: int,
                       limit: tuple[str, int | None], logprobs: int | None
                       ) -> tuple[ResponseContext, Prompts, list[SamplingParams]]:  # fmt: skip
@@ -99,7 +107,10 @@ class Frontend:
         if num_prompts > self.engine.max_in_flight:  # never admitted: a 400, not a 503 forever
             expected = f"at most {self.engine.max_in_flight} prompts per request (--max-in-flight)"
             raise FieldError("prompt", describe("prompt", f"{num_prompts} prompts", expected))
-        encoded = await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, encode)
+        loop = asyncio.get_running_loop()
+        if constraints:  # compile off the event loop (cached: the engine thread finds it); a bad one is a 400 here
+            await loop.run_in_executor(self.tokenizer_pool, self._compile, body, constraints["structured_outputs"])
+        encoded = await loop.run_in_executor(self.tokenizer_pool, encode)
         prompts = [self._truncate(body, ids, text) for ids, text in encoded]
         vocab = self.llm.engine.model.config.vocab_size
         top = max(max(ids, default=0) for ids, _ in prompts)

@@ -13,6 +13,7 @@ import dataclasses
 from paged_kv.errors import InvalidArgumentError, describe
 from scheduler.core.params import SamplingParams
 from scheduler.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from scheduler.entrypoints.structured_request import structured_outputs_from_request
 
 # name -> the values at which it asks for nothing (always accepted)
 PASS_THROUGH: dict[str, tuple[object, ...]] = {
@@ -71,17 +72,19 @@ def _engine_value(name: str, value: object, vocab_size: int) -> object:
 
 
 def structured_outputs(body: SamplingFields) -> dict[str, object]:
-    """SamplingParams keywords of the request's output constraints.
-
-    None is supported yet: any structured-output field but ``response_format: {"type": "text"}``
-    is refused, naming it. The structured-outputs converter takes this function's place.
-    """
-    for name in STRUCTURED_FIELDS:
+    """SamplingParams keywords of the request's output constraint, from ``response_format`` (OpenAI) or
+    ``structured_outputs`` (vLLM) through :func:`structured_outputs_from_request`; vLLM's older
+    ``guided_*`` fields and ``structural_tag`` are refused, naming them."""
+    for name in STRUCTURED_FIELDS[2:]:
         value = getattr(body, name)
-        if value is not None and not (name == "response_format" and value == {"type": "text"}):
-            expected = 'null (or {"type": "text"}): structured outputs are not supported'
+        if value is not None:
+            expected = "null: use response_format or structured_outputs"
             raise FieldError(name, describe(name, value, expected))
-    return {}
+    try:
+        spec = structured_outputs_from_request(body.response_format, body.structured_outputs)
+    except InvalidArgumentError as e:  # names a nested field: the 400's param is the request's field
+        raise FieldError(str(e).split("=", 1)[0].split(".", 1)[0], str(e)) from None
+    return {} if spec is None else {"structured_outputs": spec}
 
 
 def check_request(body: SamplingFields, max_logprobs: int) -> None:

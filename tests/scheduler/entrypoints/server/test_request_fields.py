@@ -140,8 +140,10 @@ SHARED: dict[str, tuple[object, Check, dict]] = {
     "cache_salt": ("tenant", _param("cache_salt", "tenant"), {}),
     "truncate_prompt_tokens": (1, _ok(lambda s: len(s.prompts) == 1 and len(s.prompts[0]) == 1), {}),
     "request_id": ("abc", _ok(lambda s: s.body["id"].endswith("-abc")), {}),
-    "response_format": ({"type": "json_object"}, REFUSED, {}),
-    **{name: ({"regex": "a+"}, REFUSED, {}) for name in ("structured_outputs",)},
+    "response_format": ({"type": "json_object"}, _ok(lambda s: all(p.structured_outputs.json_object for p in s.params)
+                                                     and s.params), {}),
+    "structured_outputs": ({"regex": "a+"}, _ok(lambda s: all(p.structured_outputs.regex == "a+" for p in s.params)
+                                                and s.params), {}),
     **{name: ("a+", REFUSED, {}) for name in ("guided_json", "guided_regex", "guided_grammar", "structural_tag",
                                               "guided_decoding_backend", "guided_whitespace_pattern")},  # fmt: skip
     "guided_choice": (["a", "b"], REFUSED, {}),

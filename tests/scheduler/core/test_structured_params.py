@@ -1,0 +1,56 @@
+"""StructuredOutputsParams: exactly one constraint, each validated, immutable and hashable (the grammar cache's key)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from paged_kv.errors import InvalidArgumentError
+from scheduler import SamplingParams, StructuredOutputsParams
+
+SCHEMA = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
+
+
+@pytest.mark.parametrize("kw, kind", [
+    (dict(json=SCHEMA), "json"), (dict(json=json.dumps(SCHEMA)), "json"), (dict(regex="a+"), "regex"),
+    (dict(choice=["x", "y"]), "choice"), (dict(grammar='root ::= "a"'), "grammar"),
+    (dict(json_object=True), "json_object"),
+])  # fmt: skip
+def test_one_constraint_and_its_kind(kw, kind):
+    spec = StructuredOutputsParams(**kw)
+    assert spec.kind == kind
+    assert SamplingParams(structured_outputs=spec).structured_outputs is spec
+
+
+def test_a_schema_is_kept_as_json_text_in_its_key_order():
+    """A dict and its JSON text give equal, hashable params; property order (the generation order) is kept."""
+    from_dict, from_text = StructuredOutputsParams(json=SCHEMA), StructuredOutputsParams(json=json.dumps(SCHEMA))
+    assert from_dict == from_text and hash(from_dict) == hash(from_text)
+    assert json.loads(from_dict.json) == SCHEMA and list(json.loads(from_dict.json)["properties"]) == ["b", "a"]
+    assert StructuredOutputsParams(choice=["x", "y"]).choice == ("x", "y")
+    assert len({StructuredOutputsParams(regex="a"), StructuredOutputsParams(regex="a"), from_dict}) == 2
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(), "structured_outputs="), (dict(json_object=False), "structured_outputs="),
+    (dict(regex="a", choice=["a"]), "structured_outputs="),
+    (dict(json=SCHEMA, json_object=True), "structured_outputs="),
+    (dict(json="{not json"), "structured_outputs.json="), (dict(json="[1, 2]"), "structured_outputs.json="),
+    (dict(json=3), "structured_outputs.json="), (dict(json={"a": float("nan")}), "structured_outputs.json="),
+    (dict(json={"a": {1, 2}}), "structured_outputs.json="),
+    (dict(regex=""), "structured_outputs.regex="), (dict(regex=3), "structured_outputs.regex="),
+    (dict(grammar=b"root"), "structured_outputs.grammar="),
+    (dict(choice="ab"), "structured_outputs.choice="), (dict(choice=[]), "structured_outputs.choice="),
+    (dict(choice=["a", ""]), "structured_outputs.choice="), (dict(choice=["a", 3]), "structured_outputs.choice="),
+    (dict(json_object=1), "structured_outputs.json_object="),
+    (dict(regex="a", disable_any_whitespace="yes"), "structured_outputs.disable_any_whitespace="),
+])  # fmt: skip
+def test_bad_constraints_raise_naming_the_field(kw, field):
+    with pytest.raises(InvalidArgumentError, match=f"^{field}"):
+        StructuredOutputsParams(**kw)
+
+
+def test_sampling_params_take_only_structured_outputs_params():
+    with pytest.raises(InvalidArgumentError, match="^structured_outputs="):
+        SamplingParams(structured_outputs={"regex": "a"})
