@@ -122,7 +122,8 @@ class Frontend:
             for ids, _ in prompts
         ]  # fmt: skip
         ctx = ResponseContext(kind, model, body.n, self.llm.tokenizer, logprobs, request_id=body.request_id,
-                              tokens_as_ids=body.return_tokens_as_token_ids)  # fmt: skip
+                              tokens_as_ids=body.return_tokens_as_token_ids, echo=getattr(body, "echo", False),
+                              prompt_logprobs=body.prompt_logprobs)  # fmt: skip
         if self.config.log_requests:
             user = body.user or getattr(body, "safety_identifier", None)
             log.info("request %s: model %s, user %r, prompt tokens %s, %s", ctx.id, model, user,

@@ -109,7 +109,7 @@ class SamplingFields(OpenAIModel):
     skip_special_tokens: Neutral(True) = None
     spaces_between_special_tokens: Neutral(True) = None
     logprob_token_ids: Neutral() = None
-    prompt_logprobs: Neutral() = None  # the responses would need the prompt's log-probabilities (and echo)
+    prompt_logprobs: int | None = Field(None, ge=0)  # vLLM: log-probabilities of the prompt tokens (not streamed)
     priority: Neutral(0) = None
     logits_processors: Neutral([]) = None
     return_token_ids: Neutral(False) = None
@@ -146,7 +146,7 @@ class CompletionRequest(SamplingFields):
     max_tokens: int = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0)
     add_special_tokens: bool = True  # vLLM: the tokenizer's special tokens (BOS) around a text prompt
-    echo: Neutral(False) = None
+    echo: bool = False  # the prompt before each choice's text (and its tokens' logprobs first); not streamed
     suffix: Neutral("") = None
     prompt_embeds: Neutral() = None
 

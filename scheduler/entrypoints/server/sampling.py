@@ -99,6 +99,12 @@ def check_request(body: SamplingFields, max_logprobs: int) -> None:
         raise FieldError("best_of", describe("best_of", body.best_of, f"n={body.n} when streaming"))
     if isinstance(body, ChatCompletionRequest) and body.top_logprobs and not body.logprobs:
         raise FieldError("top_logprobs", describe("top_logprobs", body.top_logprobs, "0 unless logprobs=true"))
+    for field_name in ("echo", "prompt_logprobs"):  # the prompt's part of a response is sent whole
+        if getattr(body, field_name, None) and body.stream:
+            raise FieldError(field_name, describe(field_name, getattr(body, field_name), "unset with stream=true"))
+    if body.prompt_logprobs is not None and body.prompt_logprobs > max_logprobs:
+        expected = f"at most --max-logprobs={max_logprobs}"
+        raise FieldError("prompt_logprobs", describe("prompt_logprobs", body.prompt_logprobs, expected))
     name = "logprobs" if isinstance(body, CompletionRequest) else "top_logprobs"
     k = getattr(body, name)
     if k is not None and k > max_logprobs:
@@ -113,5 +119,12 @@ def sampling_params(body: SamplingFields, *, max_tokens: int, logprobs: int, voc
         top_k=body.top_k if 0 < body.top_k < vocab_size else 0,  # -1, 0 or the whole vocabulary: no filter
         seed=body.seed, n=body.num_samples, stop=tuple(body.stop), stop_token_ids=tuple(body.stop_token_ids),
         ignore_eos=body.ignore_eos, logprobs=logprobs, cache_salt=body.cache_salt,
-        **pass_through(body, vocab_size), **constraints,
+        prompt_logprobs=_prompt_logprobs(body, logprobs), **pass_through(body, vocab_size), **constraints,
     )  # fmt: skip
+
+
+def _prompt_logprobs(body: SamplingFields, logprobs: int) -> int | None:
+    """The prompt's top log-probabilities to compute: ``prompt_logprobs``, and an echo's ``logprobs`` (vLLM)."""
+    echo = isinstance(body, CompletionRequest) and body.echo and body.logprobs is not None
+    asked = [k for k in (body.prompt_logprobs, logprobs if echo else None) if k is not None]
+    return max(asked) if asked else None

@@ -3,6 +3,10 @@
 A request with ``P`` prompts and ``n`` samples each has ``P * n`` choices;
 choice ``key * n + index`` is sample ``index`` of prompt ``key``. With ``best_of > n`` each
 prompt's ``best_of`` samples are ranked by cumulative log-probability and the ``n`` best kept.
+A completion's ``echo`` puts the prompt before each choice's text (and, with ``logprobs``, its
+tokens before the choice's, the first with no log-probability); ``prompt_logprobs`` (vLLM) adds
+each prompt token's log-probabilities to a completion's choices, or to a chat response, as vLLM
+lays them out: ``None`` for the first token, then ``{token id: {logprob, rank, decoded_token}}``.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ class ResponseContext:
     logprobs: int | None  # top log-probabilities per token; None: no logprobs block
     request_id: str | None = None  # the client's (vLLM's request_id), else a random one
     tokens_as_ids: bool = False  # logprobs name tokens "token_id:<id>" (vLLM's return_tokens_as_token_ids)
+    echo: bool = False  # a completion's choices start with the prompt (non-streamed responses)
+    prompt_logprobs: int | None = None  # the prompt's top log-probabilities to show (vLLM; non-streamed)
     id: str = field(init=False)
     created: int = field(default_factory=lambda: int(time.time()))
     # per choice: characters of the token texts already sent (a streamed text_offset continues from there)
@@ -60,15 +66,20 @@ class ResponseContext:
             return {"content": entries}
         offsets = list(itertools.accumulate((len(s) for s in texts), initial=self.offsets.get(choice, 0)))
         self.offsets[choice] = offsets.pop()
-        # OpenAI's completion top_logprobs hold the sampled token too (logprobs=0: it alone)
-        tops_by_text = [{**{self.token_text(t): v for t, v in tp}, s: lp} for tp, s, lp in zip(top, texts, logprobs)]
+        # OpenAI's completion top_logprobs hold the sampled token too (logprobs=0: it alone); an echoed
+        # prompt's first token has none
+        tops_by_text = [None if lp is None else {**{self.token_text(t): v for t, v in tp}, s: lp}
+                        for tp, s, lp in zip(top, texts, logprobs)]  # fmt: skip
         return {"tokens": texts, "token_logprobs": logprobs, "top_logprobs": tops_by_text, "text_offset": offsets}
 
     # -- whole responses ---------------------------------------------------
     def response(self, results: list[TextRequestOutput]) -> dict:
         """The non-streamed body of a finished request."""
-        choices = [self._choice(key * self.n + i, c) for key, r in enumerate(results) for i, c in self._best(r)]
-        return {**self.head(chunk=False), "choices": choices, "usage": usage(results)}
+        choices = [self._choice(key * self.n + i, c, r) for key, r in enumerate(results) for i, c in self._best(r)]
+        body = {**self.head(chunk=False), "choices": choices, "usage": usage(results)}
+        if self.kind == "chat" and self.prompt_logprobs is not None:  # vLLM: one prompt, on the response
+            body["prompt_logprobs"] = self._prompt_logprobs(results[0])
+        return body
 
     def _best(self, result: TextRequestOutput) -> enumerate[TextCompletion]:
         """The ``n`` samples returned, in index order, or, of ``best_of > n``, the ``n`` most likely."""
@@ -77,14 +88,37 @@ class ResponseContext:
             outputs = sorted(outputs, key=lambda c: -c.cumulative_logprob)[: self.n]
         return enumerate(outputs)
 
-    def _choice(self, index: int, c: TextCompletion) -> dict:
-        logprobs = self.logprobs_block(index, c.token_ids, c.logprobs, c.top_logprobs)
-        body = {"index": index, "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+    def _choice(self, index: int, c: TextCompletion, r: TextRequestOutput) -> dict:
+        ids, lps, tops, text = c.token_ids, c.logprobs, c.top_logprobs, c.text
+        if self.echo:  # the prompt's tokens first: the first has no log-probability
+            prompt = r.prompt_logprobs or [None] * len(r.prompt_token_ids)
+            ids, text = r.prompt_token_ids + ids, (r.prompt or self.tokenizer.decode(r.prompt_token_ids)) + text
+            lps = [None if d is None else d[t] for d, t in zip(prompt, r.prompt_token_ids)] + lps
+            tops = [d or {} for d in prompt] + tops
+        body = {"index": index, "logprobs": self.logprobs_block(index, ids, lps, tops),
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}  # fmt: skip
         if self.kind == "chat":
-            body["message"] = {"role": "assistant", "content": c.text}
+            body["message"] = {"role": "assistant", "content": text}
         else:
-            body["text"] = c.text
+            body["text"] = text
+            if self.prompt_logprobs is not None:
+                body["prompt_logprobs"] = self._prompt_logprobs(r)
         return body
+
+    def _prompt_logprobs(self, r: TextRequestOutput) -> list[dict | None]:
+        """vLLM's prompt_logprobs: per prompt token, None for the first, else its and the top ones' entries."""
+        out: list[dict | None] = []
+        for token, scored in zip(r.prompt_token_ids, r.prompt_logprobs or []):
+            if scored is None:
+                out.append(None)
+                continue
+            # the first k scored are the true top k (a prompt token outside them is below them all)
+            top = sorted(scored.items(), key=lambda kv: -kv[1])[: self.prompt_logprobs]
+            entries = {t: (lp, i + 1) for i, (t, lp) in enumerate(top)}
+            entries.setdefault(token, (scored[token], None))  # a rank past the top ones is not computed
+            out.append({str(t): {"logprob": lp, "rank": rank, "decoded_token": self.token_text(t)}
+                        for t, (lp, rank) in entries.items()})  # fmt: skip
+        return out
 
     # -- streamed responses ------------------------------------------------
     def chunk(self, key: int, d: SampleDelta, include_usage: bool) -> dict:

@@ -133,7 +133,9 @@ SHARED: dict[str, tuple[object, Check, dict]] = {
     "logit_bias": ({"5": 10}, _pass_through({5: 10.0}), {}),
     "allowed_token_ids": ([1, 2, 3], _pass_through([1, 2, 3]), {}),
     "bad_words": (["hello"], _pass_through(["hello"]), {}),
-    "prompt_logprobs": (1, REFUSED, {}),
+    "prompt_logprobs": (1, _ok(lambda s: s.params[0].prompt_logprobs == 1
+                               and (s.body.get("prompt_logprobs") or s.body["choices"][0]["prompt_logprobs"])[0] is None),
+                        {}),  # fmt: skip
     "top_k": (5, _param("top_k", 5), {}),
     "ignore_eos": (True, _param("ignore_eos", True), {}),
     "stop_token_ids": ([7], _param("stop_token_ids", (7,)), {}),
@@ -161,7 +163,7 @@ SHARED: dict[str, tuple[object, Check, dict]] = {
 COMPLETION = SHARED | {
     "prompt": (["hello", "world"], _choices(2), {}),
     "logprobs": (2, _ok(lambda s: s.params[0].logprobs == 2 and s.body["choices"][0]["logprobs"]["tokens"]), {}),
-    "echo": (True, REFUSED, {}),
+    "echo": (True, _ok(lambda s: s.body["choices"][0]["text"].startswith(PROMPT)), {}),
     "suffix": ("!", REFUSED, {}),
     "truncation_side": ("right", _ok(lambda s: s.prompts == [s.tokens()[:2]]), {"truncate_prompt_tokens": 2}),
     "return_tokens_as_token_ids": (True, _ok(lambda s: s.body["choices"][0]["logprobs"]["tokens"][0].startswith(

@@ -8,7 +8,7 @@ import time
 import httpx
 import openai
 import pytest
-from server_helpers import refused, serving, sse_events, wait_idle
+from server_helpers import CHAT, refused, serving, sse_events, wait_idle
 from text_helpers import first_text_token
 
 from scheduler.core.config import CacheConfig, EngineConfig
@@ -160,3 +160,29 @@ def test_health_answers_promptly_while_a_huge_prompt_is_tokenized(served):
     assert max(waits) < 1.0, waits
     assert done["at"] > probed  # every probe was answered while the big request was still being worked on
     refused(done["response"], "prompt")  # far past max_model_len
+
+
+def test_echo_and_prompt_logprobs_show_the_prompt_as_the_offline_engine_scores_it(served, offline):
+    """echo puts the prompt before the text and its tokens (first: no logprob) before the output's;
+    prompt_logprobs (vLLM) gives each prompt token's log-probability, equal to the offline engine's."""
+    prompt = "the quick brown fox"
+    body = {"model": served.model, "prompt": prompt, "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 1,
+            "prompt_logprobs": 2}  # fmt: skip
+    r = served.post("completions", body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    ref = offline.generate(prompt, SamplingParams(max_tokens=3, prompt_logprobs=2))[0]
+    ids, scored = ref.prompt_token_ids, ref.prompt_logprobs
+    assert choice["text"] == prompt + ref.outputs[0].text
+    lps = choice["logprobs"]["token_logprobs"]
+    assert len(lps) == len(ids) + 3 and lps[0] is None and choice["logprobs"]["top_logprobs"][0] is None
+    assert lps[1 : len(ids)] == pytest.approx([scored[i][t] for i, t in enumerate(ids) if i], abs=1e-5)
+    shown = choice["prompt_logprobs"]
+    assert shown[0] is None and len(shown) == len(ids)
+    for i, t in enumerate(ids[1:], start=1):
+        assert shown[i][str(t)]["logprob"] == pytest.approx(scored[i][t], abs=1e-5)
+        ranks = sorted(e["rank"] for e in shown[i].values() if e["rank"] is not None)
+        assert ranks[:2] == [1, 2]  # the two most likely, ranked
+    chat = served.post("chat/completions", {"model": served.model, "messages": CHAT, "max_tokens": 2,
+                                            "prompt_logprobs": 0})  # fmt: skip
+    assert chat.status_code == 200 and chat.json()["prompt_logprobs"][0] is None
