@@ -21,11 +21,11 @@ from the start onto empty rows gives every resident sequence's table as a prefix
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
 from paged_kv.block_hash import BlockHash, BlockHashes, salt_root
-from paged_kv.block_pool import BlockId, BlockPool, CopyOp, InvariantError, SeqId
+from paged_kv.block_pool import BlockId, BlockPool, CacheRecord, CopyOp, InvariantError, SeqId
 from paged_kv.config import BlockManagerConfig
 from paged_kv.errors import (
     DuplicateSequenceError,
@@ -38,11 +38,13 @@ from paged_kv.errors import (
     check_type,
     describe,
 )
+from paged_kv.host_tier import BlockRecord, HostTier, TierOps
 from paged_kv.positional_edits import PositionalEdits
 from paged_kv.stats import BlockManagerStats, HitCounter
 from paged_kv.tokens import Tokens, as_token_array
 
 TableEntry = tuple[SeqId, int, BlockId]  # (seq_id, logical index, physical block), or a release
+CacheEvent = tuple[str, CacheRecord]  # (medium "GPU" or "CPU", a pool's journal record)
 RELEASED = -1  # index and block of the journal entry that says a sequence's table is gone
 
 
@@ -61,6 +63,7 @@ class _Seq:
     hashes: BlockHashes | None
     frozen: BlockHashes | None = None
     swapped: bool = False
+    priority: int = 0  # its blocks' eviction priority once released (lower: kept longer)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,8 +98,13 @@ class BlockManager(PositionalEdits):
         check_type("config", config, BlockManagerConfig, "a BlockManagerConfig")
         self.config = config
         self.block_size = config.block_size
-        self.gpu = BlockPool(config.num_blocks, "gpu")
+        tiered = config.num_host_blocks > 0 and config.enable_prefix_caching
+        self.gpu = BlockPool(config.num_blocks, "gpu", journal=tiered or config.track_cache_events)
         self.cpu = BlockPool(config.num_cpu_blocks, "cpu")
+        self.host = HostTier(config.num_host_blocks, config.host_store) if tiered else None
+        self._owed: list[CacheRecord] = []  # device records the host tier has not seen yet
+        self._events: list[CacheEvent] | None = [] if config.track_cache_events else None
+        self._pins: dict[Hashable, list[BlockId]] = {}  # pinned prefixes: device blocks held while pinned
         self._seqs: dict[SeqId, _Seq] = {}
         self._hits = HitCounter()
         self.num_cow_copies = 0
@@ -145,13 +153,114 @@ class BlockManager(PositionalEdits):
         changes, self._journal = self._journal, []
         return changes
 
+    # -- tiers and cache events ------------------------------------------
+    def take_tier_ops(self) -> TierOps:
+        """The host-tier transfers owed since the last call, in the order they must run (see paged_kv.host_tier)."""
+        self._drain(self.gpu, "GPU")
+        if self.host is None:
+            return TierOps()
+        owed, self._owed = self._owed, []
+        ops = self.host.take_ops(owed)
+        self._drain(self.host.pool, "CPU")
+        return ops
+
+    def take_cache_events(self) -> list[CacheEvent]:
+        """Every change of the device and host cache indexes since the last call, in order (KV events)."""
+        if self._events is None:
+            raise InvalidArgumentError(describe("track_cache_events", False, "a manager configured to track them"))
+        self._drain(self.gpu, "GPU")
+        if self.host is not None:
+            self._drain(self.host.pool, "CPU")
+        events, self._events = self._events, []
+        return events
+
+    def _drain(self, pool: BlockPool, medium: str) -> None:
+        """Move a pool's journal to the events (and a device pool's to the host tier's owed records)."""
+        records = pool.journal
+        if not records:
+            return
+        pool.journal = []
+        if self._events is not None:
+            self._events += [(medium, r) for r in records]
+        if pool is self.gpu and self.host is not None:
+            self._owed += records
+
+    # -- pinned prefixes ---------------------------------------------------
+    def pin(self, pin_id: Hashable, token_ids: Tokens, *, cache_salt: str | None = None) -> int:
+        """Hold the cached device blocks of ``token_ids``'s leading full blocks while pinned; return tokens held.
+
+        Pinned blocks are referenced, so never evicted. Only the run cached now is held: pin
+        a prompt after a request has computed it (``LLMEngine.pin_prefix`` does).
+        """
+        try:
+            taken = pin_id in self._pins
+        except TypeError:
+            raise InvalidArgumentError(describe("pin_id", pin_id, "a hashable id")) from None
+        if taken:
+            raise DuplicateSequenceError(describe("pin_id", pin_id, "an id not already pinned"))
+        ids = as_token_array("token_ids", token_ids)
+        if ids is None:
+            raise InvalidArgumentError(describe("token_ids", token_ids, "a sequence of token ids (not a count)"))
+        h = self._stream(ids, cache_salt, None)
+        blocks = [] if h is None else self.gpu.lookup_chain(h.root, h.hashes, h.contents, len(h.hashes))
+        self._version += 1
+        self.gpu.touch_all(blocks)
+        self._pins[pin_id] = blocks
+        return len(blocks) * self.block_size
+
+    def unpin(self, pin_id: Hashable) -> None:
+        """Release a pinned prefix's blocks (cached and evictable again, most recently used)."""
+        try:
+            blocks = self._pins.pop(pin_id)
+        except (KeyError, TypeError):
+            raise UnknownSequenceError(describe("pin_id", pin_id, "a pinned prefix's id")) from None
+        self._version += 1
+        self.gpu.release(reversed(blocks))
+
+    @property
+    def pinned(self) -> dict[Hashable, int]:
+        """Tokens held by each pinned prefix."""
+        return {k: len(v) * self.block_size for k, v in self._pins.items()}
+
+    def chain_past_cache(
+        self, token_ids: Tokens, *, cache_salt: str | None = None, hashes: BlockHashes | None = None
+    ) -> tuple[BlockHash, list[BlockHash], list[bytes]]:
+        """The full blocks of a prompt past its device and host hits (never its last token): a lower tier's query.
+
+        ``(parent, hashes, contents)``: what :meth:`fill_host` may add, in chain order.
+        """
+        ids = as_token_array("token_ids", token_ids)
+        h, n = self._stream(ids, cache_salt, hashes), _count(ids, token_ids)
+        if h is None or self.host is None:
+            return (b"", [], [])
+        gpu = len(self._hits_of(h, n))
+        k = gpu + len(self._host_hits(h, gpu, n))
+        end = self._max_hit_blocks(n)
+        return (h.hashes[k - 1] if k else h.root), h.hashes[k:end], h.contents[k:end]
+
+    def fill_host(self, records: list[BlockRecord], payload: object) -> int:
+        """Add a lower tier's blocks (``records``, chained, with their data ``payload``) to the host tier.
+
+        Returns how many leading records found room; the runner writes ``payload`` into their
+        host blocks before this step's loads (``TierOps.fills``).
+        """
+        if self.host is None:
+            raise InvalidArgumentError(describe("num_host_blocks", 0, "> 0 for a lower tier to fill the host tier"))
+        check_type("records", records, list, "a list of BlockRecord")
+        for i, r in enumerate(records):
+            check_type(f"records[{i}]", r, BlockRecord, "a BlockRecord")
+        self._version += 1
+        return self.host.fill(records, payload)
+
     # -- admission and allocate -------------------------------------------
     def num_cached_tokens(
         self, token_ids: Tokens, *, cache_salt: str | None = None, hashes: BlockHashes | None = None
     ) -> int:
         """Leading tokens a new allocation of ``token_ids`` would find in the prefix cache (``hashes``: as allocate)."""
         ids = as_token_array("token_ids", token_ids)
-        return len(self._hits_of(self._stream(ids, cache_salt, hashes), _count(ids, token_ids))) * self.block_size
+        h, n = self._stream(ids, cache_salt, hashes), _count(ids, token_ids)
+        hits = self._hits_of(h, n)
+        return (len(hits) + len(self._host_hits(h, len(hits), n))) * self.block_size
 
     def admission(
         self, requests: Iterable[tuple[Tokens, BlockHashes | None]], *, cache_salt: str | None = None
@@ -161,12 +270,14 @@ class BlockManager(PositionalEdits):
         Hashes only the blocks the kept objects lack (see ``allocate``); the manager does not change.
         """
         salt_root(cache_salt)  # checked even for no request
-        hits, lengths = [], []
+        hits, lengths, cached = [], [], []
         for token_ids, hashes in _pairs(requests, "(token_ids, hashes) pairs"):
             ids = as_token_array("token_ids", token_ids)
             lengths.append(_count(ids, token_ids))
-            hits.append(tuple(self._hits_of(self._stream(ids, cache_salt, hashes), lengths[-1])))
-        return Admission(cached=tuple(len(h) * self.block_size for h in hits), _manager=self,
+            h = self._stream(ids, cache_salt, hashes)
+            hits.append(tuple(self._hits_of(h, lengths[-1])))
+            cached.append((len(hits[-1]) + len(self._host_hits(h, len(hits[-1]), lengths[-1]))) * self.block_size)
+        return Admission(cached=tuple(cached), _manager=self,
                          _version=self._version, _hits=tuple(hits), _lengths=tuple(lengths))  # fmt: skip
 
     def can_allocate(
@@ -204,7 +315,7 @@ class BlockManager(PositionalEdits):
 
     def allocate(
         self, seq_id: SeqId, token_ids: Tokens, *, cache_salt: str | None = None, hashes: BlockHashes | None = None,
-        num_lookahead_slots: int = 0, num_queried: int | None = None,
+        num_lookahead_slots: int = 0, num_queried: int | None = None, priority: int = 0,
     ) -> int:
         """Give a new sequence blocks for its prompt; return how many leading tokens were cached.
 
@@ -218,6 +329,8 @@ class BlockManager(PositionalEdits):
         one prompt) each take their own (``copy()`` hashes nothing). ``num_queried``: the tokens
         the hit rate counts as looked up (default: those allocated); a caller allocating the
         first chunk of a longer prompt passes the whole prompt, whose hits the chunk holds.
+        ``priority`` (vLLM's request priority: lower is more important) orders the eviction of
+        its blocks once released: the cache evicts the highest value first, then LRU.
         Raises OutOfBlocksError (nothing changed) when the blocks do not fit.
         """
         self._check_new_id("seq_id", seq_id)
@@ -225,8 +338,10 @@ class BlockManager(PositionalEdits):
         ids = as_token_array("token_ids", token_ids)
         n = _count(ids, token_ids)
         queried = n if num_queried is None else check_int("num_queried", num_queried, low=n, high=1 << 40)
+        check_int("priority", priority, low=-(1 << 62), high=1 << 62)
         h, gpu = self._stream(ids, cache_salt, hashes), self.gpu
         hits = self._hits_of(h, n)
+        loads = self._host_hits(h, len(hits), n)  # in new device blocks, loaded before the step reads them
         num_new = self._blocks_for(n + num_lookahead_slots) - len(hits)
         num_revived = gpu.count_evictable(hits)
         if num_new + num_revived > gpu.num_free:
@@ -235,13 +350,17 @@ class BlockManager(PositionalEdits):
             )
         self._version += 1
         gpu.touch_all(hits)
-        seq = self._seqs[seq_id] = _Seq(hits + gpu.take(num_new), n, h)
+        new = gpu.take(num_new)
+        seq = self._seqs[seq_id] = _Seq(hits + new, n, h, priority=priority)
         self._log(seq_id, seq.blocks)
+        if loads:
+            self.host.load(loads, new[: len(loads)])
         if h is not None:
             self._grow(seq, ids, len(hits))
+        cached = (len(hits) + len(loads)) * self.block_size
         if ids is not None:
-            self._hits.record(queried, len(hits) * self.block_size)
-        return len(hits) * self.block_size
+            self._hits.record(queried, cached)
+        return cached
 
     def _stream(self, ids: array | None, cache_salt: str | None, hashes: BlockHashes | None) -> BlockHashes | None:
         """The hashes of a new stream of ``ids`` (None if it is not cached): ``hashes``, checked and extended where
@@ -270,6 +389,15 @@ class BlockManager(PositionalEdits):
         if hashes is None:
             return []
         return self.gpu.lookup_chain(hashes.root, hashes.hashes, hashes.contents, self._max_hit_blocks(num_tokens))
+
+    def _host_hits(self, hashes: BlockHashes | None, num_hits: int, num_tokens: int) -> list[BlockId]:
+        """Host-tier blocks continuing a stream's ``num_hits`` device hits (never covering its last token)."""
+        limit = self._max_hit_blocks(num_tokens) - num_hits
+        if self.host is None or hashes is None or limit <= 0 or len(hashes.hashes) <= num_hits:
+            return []
+        parent = hashes.hashes[num_hits - 1] if num_hits else hashes.root
+        end = num_hits + limit
+        return self.host.hits(parent, hashes.hashes[num_hits:end], hashes.contents[num_hits:end], limit)
 
     def _grow(self, seq: _Seq, ids: array, first: int) -> None:
         """A cacheable sequence's last ids (at least those its hashes lack) are ``ids``: extend its hashes where
@@ -511,7 +639,7 @@ class BlockManager(PositionalEdits):
         self.gpu.touch_all(blocks)
         if h is not None and hashes is None:
             hashes = h.copy(n)
-        child = self._seqs[child_id] = _Seq(list(blocks), n, None if h is None else hashes)
+        child = self._seqs[child_id] = _Seq(list(blocks), n, None if h is None else hashes, priority=parent.priority)
         if parent.frozen is not None:
             child.frozen = parent.frozen.copy(min(n // self.block_size, len(parent.frozen.hashes)) * self.block_size)
         self._log(child_id, child.blocks)
@@ -521,7 +649,7 @@ class BlockManager(PositionalEdits):
         seq = self._get(seq_id)
         self._version += 1
         pool = self.cpu if seq.swapped else self.gpu
-        pool.release(reversed(seq.blocks))  # tail blocks become the first to evict
+        pool.release(reversed(seq.blocks), seq.priority)  # tail blocks become the first to evict
         del self._seqs[seq_id]
         if self._journal is not None:
             self._journal.append((seq_id, RELEASED, RELEASED))
@@ -601,7 +729,7 @@ class BlockManager(PositionalEdits):
         new = dict(zip(blocks, dst.take(len(blocks))))  # each with refcount 1
         dst.touch_all(new[b] for b, refs in blocks.items() for _ in range(refs - 1))  # the other sharers in the set
         for seq in seqs:
-            src.release(reversed(seq.blocks))  # as free: tail blocks become the first to evict
+            src.release(reversed(seq.blocks), seq.priority)  # as free: tail blocks become the first to evict
             seq.blocks, seq.swapped = [new[b] for b in seq.blocks], to_cpu
         return list(new.items())
 
@@ -610,6 +738,8 @@ class BlockManager(PositionalEdits):
         """Forget every cached block hash and restart the since-reset hit rate."""
         self._version += 1
         self.gpu.reset_cache()
+        if self.host is not None:
+            self.host.clear()
         self._hits.reset()
 
     def _max_hit_blocks(self, num_tokens: int) -> int:
@@ -627,8 +757,18 @@ class BlockManager(PositionalEdits):
             hit_rate=self._hits.lifetime_rate(), hit_rate_since_reset=self._hits.rate(),
             num_queried_tokens=self._hits.total_queried, num_hit_tokens=self._hits.total_hits,
             fragmentation=self._fragmentation(), num_cow_copies=self.num_cow_copies,
-            num_evictions=gpu.num_evictions,
+            num_evictions=gpu.num_evictions, **self._host_stats(),
         )
+
+    def _host_stats(self) -> dict[str, int]:
+        """The host tier's fields of the stats (none without a host tier)."""
+        host = self.host
+        if host is None:
+            return {}
+        bs = self.block_size
+        return dict(num_host_blocks=host.pool.num_blocks, num_host_cached=host.pool.num_cached,
+                    num_host_hit_tokens=host.num_hit_blocks * bs, num_lower_hit_tokens=host.num_lower_hit_blocks * bs,
+                    num_host_stored_blocks=host.num_stored_blocks)  # fmt: skip
 
     def _fragmentation(self) -> float:
         """Fraction of slots in used GPU blocks that hold no token."""
@@ -657,8 +797,13 @@ class BlockManager(PositionalEdits):
                 and h.num_tokens == len(h.hashes) * self.block_size + len(h.tail) >= seq.num_tokens
             ):  # fmt: skip
                 raise InvariantError(f"seq {seq_id!r}: {len(h.hashes)} hashes for {seq.num_tokens} tokens")
+        for blocks in self._pins.values():
+            for b in blocks:
+                refs["gpu"][b] += 1
         self.gpu.check(refs["gpu"])
         self.cpu.check(refs["cpu"])
+        if self.host is not None:
+            self.host.check()
 
     # -- helpers ----------------------------------------------------------
     def _blocks_for(self, num_tokens: int) -> int:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from paged_kv.errors import check_bool, check_int, check_real
+from paged_kv.errors import InvalidArgumentError, check_bool, check_int, check_real, describe
 
 MAX_BLOCKS = 1 << 26  # 64M blocks: any larger count is a unit mistake, not a real pool
 MAX_BLOCK_SIZE = 1 << 12
+HOST_STORE_POLICIES = ("evict", "write")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -19,6 +20,9 @@ class BlockManagerConfig:
     num_cpu_blocks: int = 0
     watermark: float = 0.01
     enable_prefix_caching: bool = True
+    num_host_blocks: int = 0  # the host tier of the prefix cache (0: none); see paged_kv.host_tier
+    host_store: str = "evict"  # what the host tier receives: "evict" (blocks leaving the pool) or "write" (every full block)
+    track_cache_events: bool = False  # journal every change of the cache indexes (KV events)
 
     def __post_init__(self) -> None:
         check_int("num_blocks", self.num_blocks, low=1, high=MAX_BLOCKS)
@@ -26,6 +30,10 @@ class BlockManagerConfig:
         check_int("num_cpu_blocks", self.num_cpu_blocks, low=0, high=MAX_BLOCKS)
         check_real("watermark", self.watermark, low=0.0, high=1.0, open_high=True)
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        check_int("num_host_blocks", self.num_host_blocks, low=0, high=MAX_BLOCKS)
+        if self.host_store not in HOST_STORE_POLICIES:
+            raise InvalidArgumentError(describe("host_store", self.host_store, f"one of {HOST_STORE_POLICIES}"))
+        check_bool("track_cache_events", self.track_cache_events)
 
     @property
     def watermark_blocks(self) -> int:

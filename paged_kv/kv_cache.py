@@ -24,7 +24,7 @@ from kernels.block_copy import copy_blocks, swap_blocks
 from kernels.quant import is_quantized
 from kernels.cache_write import check_slots, write_kv
 from paged_kv.config import MAX_BLOCK_SIZE, MAX_BLOCKS
-from paged_kv.errors import InvalidArgumentError, check_int, check_type, describe
+from paged_kv.errors import InvalidArgumentError, check_bool, check_int, check_type, describe
 from paged_kv.tokens import as_id_list
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
@@ -80,10 +80,13 @@ class LayerKV(NamedTuple):
 class PagedKVCache:
     """Owns the per-layer paged K/V tensors and applies writes, copies and swaps to them."""
 
-    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self, spec: KVCacheSpec, num_blocks: int, device: str | torch.device = "cpu", *, pin_memory: bool = False
+    ) -> None:
         check_type("spec", spec, KVCacheSpec, "a KVCacheSpec")
         check_int("num_blocks", num_blocks, low=1, high=MAX_BLOCKS)
         self.device = check_device("device", device)
+        self.pin_memory = check_bool("pin_memory", pin_memory) and self.device.type == "cpu"  # host pages for DMA
         self.spec = spec
         self.num_blocks = num_blocks
         shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
@@ -96,7 +99,8 @@ class PagedKVCache:
         return cls(spec, spec.num_blocks_for_bytes(budget_bytes), device)
 
     def _make_layer(self, shape: tuple[int, ...]) -> LayerKV:
-        make = lambda s, dt: torch.zeros(s, dtype=dt, device=self.device)  # noqa: E731
+        pin = self.pin_memory
+        make = lambda s, dt: torch.zeros(s, dtype=dt, device=self.device, pin_memory=pin)  # noqa: E731
         quantized = self.spec.quantized
         scales = (make(shape[:3], torch.float32), make(shape[:3], torch.float32)) if quantized else (None, None)
         return LayerKV(make(shape, self.spec.dtype), make(shape, self.spec.dtype), *scales)
@@ -169,6 +173,39 @@ class PagedKVCache:
         if other.spec != self.spec:
             raise InvalidArgumentError(describe("other.spec", other.spec, f"{self.spec}"))
         swap_blocks(other.tensors(), self.tensors(), mapping)  # validates (an empty mapping copies nothing)
+
+    def read_blocks(self, blocks: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Whole blocks as one tensor ``kv: [n, 2, L, B, H, D]`` (K then V) and ``scales: [n, 2, L, B, H]`` or None."""
+        ids = self._block_ids("blocks", blocks)
+        kv = torch.stack([torch.stack([layer.k[ids], layer.v[ids]], 1) for layer in self.layers], 2)
+        if not self.spec.quantized:
+            return kv, None
+        return kv, torch.stack([torch.stack([la.k_scale[ids], la.v_scale[ids]], 1) for la in self.layers], 2)
+
+    def write_blocks(self, blocks: Sequence[int], kv: torch.Tensor, scales: torch.Tensor | None) -> None:
+        """Overwrite whole blocks with ``read_blocks``'s layout (checked before anything is written)."""
+        ids = self._block_ids("blocks", blocks)
+        shape = (len(blocks), 2, self.spec.num_layers, *self.layers[0].k.shape[1:])
+        check_tensor("kv", kv, ndim=6, dtypes=(self.spec.dtype,))
+        check_shape("kv", kv, shape)
+        if self.spec.quantized:
+            check_tensor("scales", scales, ndim=5, dtypes=(torch.float32,))
+            check_shape("scales", scales, shape[:5])
+        elif scales is not None:
+            raise InvalidArgumentError(describe("scales", "a tensor", f"None for {self.spec.dtype} storage"))
+        ids = ids.to(self.device)
+        for i, layer in enumerate(self.layers):
+            layer.k[ids], layer.v[ids] = kv[:, 0, i].to(self.device), kv[:, 1, i].to(self.device)
+            if scales is not None:
+                layer.k_scale[ids], layer.v_scale[ids] = scales[:, 0, i].to(self.device), scales[:, 1, i].to(self.device)
+
+    def _block_ids(self, name: str, blocks: Sequence[int]) -> torch.Tensor:
+        """Distinct block ids, checked in range, as an int64 tensor on the cache's device."""
+        ids = torch.tensor(as_id_list(name, blocks, "block ids"), dtype=torch.int64)
+        check_range(name, ids, 0, self.num_blocks)
+        if ids.unique().numel() != ids.numel():
+            raise InvalidArgumentError(describe(name, list(blocks), "distinct block ids"))
+        return ids.to(self.device)
 
     # -- reads ------------------------------------------------------------
     def gather(

@@ -23,6 +23,12 @@ class BlockManagerStats:
     fragmentation: float
     num_cow_copies: int
     num_evictions: int
+    # the host tier (all 0 without one): its blocks, those holding a cached block, and what it served
+    num_host_blocks: int = 0
+    num_host_cached: int = 0
+    num_host_hit_tokens: int = 0  # tokens loaded back from host blocks
+    num_lower_hit_tokens: int = 0  # tokens loaded back from a lower tier (disk), through the host tier
+    num_host_stored_blocks: int = 0  # device blocks copied to the host tier
 
     @property
     def usage(self) -> float:

@@ -7,7 +7,7 @@ from typing import Literal
 
 import torch
 
-from paged_kv.config import MAX_BLOCK_SIZE, MAX_BLOCKS
+from paged_kv.config import HOST_STORE_POLICIES, MAX_BLOCK_SIZE, MAX_BLOCKS
 from paged_kv.errors import InvalidArgumentError, check_bool, check_int, check_real, describe
 from paged_kv.kv_cache import KERNEL_DTYPES
 from paged_kv.tensor_checks import check_device, check_dtype
@@ -54,6 +54,14 @@ class CacheConfig:
     # CUDA: the fraction of the device's memory the engine may use (weights, activations, graphs and
     # the KV pool, as vLLM means it); the pool gets what is left. None: num_gpu_blocks / kv_cache_bytes.
     gpu_memory_utilization: float | None = None
+    # the prefix cache's lower tiers (docs/tiered_cache.md): a host tier of this many bytes (vLLM's
+    # --kv-offloading-size, in GiB there), fed by the blocks that leave the pool ("evict") or every full
+    # block as it is written ("write"); under it, a disk tier in a directory, kept across restarts
+    kv_offloading_bytes: int = 0
+    host_store: str = "evict"
+    kv_disk_dir: str | None = None
+    kv_disk_bytes: int = 0
+    kv_disk_blocks_per_file: int = 8
 
     def __post_init__(self) -> None:
         check_int("block_size", self.block_size, low=1, high=MAX_BLOCK_SIZE)
@@ -74,6 +82,28 @@ class CacheConfig:
             check_int("cascade_min_saved_bytes", self.cascade_min_saved_bytes, low=0)
         if self.dtype is not None:
             check_dtype("dtype", self.dtype, KERNEL_DTYPES)  # storage the attention kernels read
+        self._check_tiers()
+
+    def _check_tiers(self) -> None:
+        """The lower tiers' fields: sizes, policy, and a disk tier only under a host tier."""
+        check_int("kv_offloading_bytes", self.kv_offloading_bytes, low=0, high=1 << 50)  # 1 PiB: a unit mistake
+        if self.host_store not in HOST_STORE_POLICIES:
+            raise InvalidArgumentError(describe("host_store", self.host_store, f"one of {HOST_STORE_POLICIES}"))
+        if self.kv_offloading_bytes and not self.enable_prefix_caching:
+            raise InvalidArgumentError(describe("kv_offloading_bytes", self.kv_offloading_bytes,
+                                                "0 when enable_prefix_caching=False (the tiers hold cached blocks)"))
+        check_int("kv_disk_blocks_per_file", self.kv_disk_blocks_per_file, low=1, high=1 << 16)
+        check_int("kv_disk_bytes", self.kv_disk_bytes, low=0, high=1 << 56)
+        if self.kv_disk_dir is None:
+            if self.kv_disk_bytes:
+                raise InvalidArgumentError(describe("kv_disk_bytes", self.kv_disk_bytes, "0 without kv_disk_dir"))
+            return
+        if not isinstance(self.kv_disk_dir, str) or not self.kv_disk_dir:
+            raise InvalidArgumentError(describe("kv_disk_dir", self.kv_disk_dir, "a directory path (str) or None"))
+        check_int("kv_disk_bytes", self.kv_disk_bytes, low=1)
+        if not self.kv_offloading_bytes:
+            raise InvalidArgumentError(describe("kv_offloading_bytes", 0, "> 0 with kv_disk_dir (disk reads land "
+                                                "in the host tier)"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,6 +127,9 @@ class EngineConfig:
             raise InvalidArgumentError(describe("cache", self.cache, "a CacheConfig"))
         if not isinstance(self.scheduler, SchedulerConfig):
             raise InvalidArgumentError(describe("scheduler", self.scheduler, "a SchedulerConfig"))
+        if self.tensor_parallel_size > 1 and self.cache.kv_offloading_bytes:
+            raise InvalidArgumentError(describe("cache.kv_offloading_bytes", self.cache.kv_offloading_bytes,
+                                                "0 with tensor_parallel_size > 1 (tiers run on one rank)"))
         if self.scheduler.preemption_mode == "swap" and self.cache.num_cpu_blocks == 0:
             raise InvalidArgumentError(
                 describe("cache.num_cpu_blocks", 0, "> 0 when scheduler.preemption_mode='swap'")

@@ -34,15 +34,18 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from paged_kv.block_hash import BlockHashes
 from paged_kv.block_manager import BlockManager, CopyOp
-from paged_kv.errors import DuplicateSequenceError, OutOfBlocksError, UnknownSequenceError, describe
+from paged_kv.errors import DuplicateSequenceError, OutOfBlocksError, UnknownSequenceError, check_int, describe
 from scheduler.core.config import SchedulerConfig
 from scheduler.core.params import SamplingParams
 from scheduler.core.scheduler_output import SampledToken, ScheduledSeq, SchedulerOutput
 from scheduler.core.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+Prefetch = Callable[[list[int], "BlockHashes | None", "str | None"], None]  # (prompt ids, its hashes, cache salt)
 
 
 class Scheduler:
@@ -52,10 +55,12 @@ class Scheduler:
     """
 
     def __init__(
-        self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: Iterable[int] = ()
-    ) -> None:
+        self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: Iterable[int] = (), *,
+        prefetch: Prefetch | None = None,
+    ) -> None:  # fmt: skip
         self.config = config
         self.bm = block_manager
+        self.prefetch = prefetch  # brings a waiting prompt's blocks from a lower tier into the host tier
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, SequenceGroup] = {}  # every unfinished request
         self.waiting: deque[SequenceGroup] = deque()
@@ -66,18 +71,21 @@ class Scheduler:
 
     # -- requests ---------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt: list[int], params: SamplingParams, *, fork_samples: bool = True
+        self, request_id: str, prompt: list[int], params: SamplingParams, *, fork_samples: bool = True,
+        priority: int = 0,
     ) -> SequenceGroup:
         """Queue a request: one sequence, and ``params.n`` sequence slots reserved for it.
 
         With ``fork_samples`` the other ``n - 1`` samples are forked from the first when it first
         samples; without, the caller forks its own sequences (a beam search of width ``n``).
+        ``priority`` (vLLM's: lower is more important) orders the eviction of its cached blocks.
         """
+        check_int("priority", priority, low=-(1 << 62), high=1 << 62)
         if request_id in self.requests:
             raise DuplicateSequenceError(describe("request_id", request_id, "an id not already in use"))
         seq = Sequence(next(self._ids), 0, prompt, self._new_hashes(params.cache_salt))
         unforked = params.n - 1 if fork_samples else 0
-        group = SequenceGroup(request_id, [seq], params, max_seqs=params.n, num_unforked=unforked)
+        group = SequenceGroup(request_id, [seq], params, max_seqs=params.n, num_unforked=unforked, priority=priority)
         self.requests[request_id] = group
         group.set_status(SequenceStatus.WAITING)
         self.waiting.append(group)
@@ -186,6 +194,7 @@ class Scheduler:
             queued = f"{len(self.waiting)} waiting, {len(self.swapped)} swapped"
             raise RuntimeError(f"scheduler stalled: {queued}, none runnable")
         step.table_changes = self.bm.take_table_changes()
+        step.tier_ops = self.bm.take_tier_ops()
         return step
 
     def _tokens_left(self, step: SchedulerOutput) -> int:
@@ -339,9 +348,9 @@ class Scheduler:
                     ids = seq.token_ids[: cached + n]
                     looked_up = seq.num_computed + _num_to_compute(group, seq)  # the whole prompt, once per admission
                     start = self.bm.allocate(seq.seq_id, ids, cache_salt=salt, hashes=seq.block_hashes,
-                                             num_queried=looked_up)  # >= cached  # fmt: skip
+                                             num_queried=looked_up, priority=group.priority)  # >= cached  # fmt: skip
                 else:  # anonymous tokens: no prefix-cache hit (prompt positions must be computed to be scored)
-                    start = self.bm.allocate(seq.seq_id, cached + n, cache_salt=salt)
+                    start = self.bm.allocate(seq.seq_id, cached + n, cache_salt=salt, priority=group.priority)
                 if group.num_cached_tokens is None:  # its first admission: the first sequence's prefix-cache hit
                     group.num_cached_tokens = start
                 self._scheduled(step, group, seq, start, cached + n - start)
@@ -358,6 +367,9 @@ class Scheduler:
         seqs = group.active()
         tokens = [s.token_ids[: s.num_computed + _num_to_compute(group, s)] for s in seqs]  # to fork_at if parked
         requests = zip(tokens, (s.block_hashes for s in seqs))
+        if self.prefetch is not None and group.reads_prefix_cache:
+            for seq, ids in zip(seqs, tokens):
+                self.prefetch(ids, seq.block_hashes, group.params.cache_salt)
         if not group.reads_prefix_cache:
             requests = [(len(t), None) for t in tokens]  # counts of anonymous tokens: nothing cached
         admission = self.bm.admission(requests, cache_salt=group.params.cache_salt)

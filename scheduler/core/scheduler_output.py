@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from paged_kv.block_manager import CopyOp, TableEntry
+from paged_kv.host_tier import TierOps
 from scheduler.core.sequence import Sequence, SequenceGroup
 
 
@@ -55,6 +56,7 @@ class SchedulerOutput:
     # (seq_id, RELEASED, RELEASED) for a table gone; the runner's block tables apply it and read nothing else
     table_changes: list[TableEntry] = field(default_factory=list)
     num_batched_tokens: int = 0  # new tokens the step runs through the model
+    tier_ops: TierOps = field(default_factory=TierOps)  # host-tier stores, fills and loads (paged_kv.host_tier)
 
     def add(self, item: ScheduledSeq) -> None:
         """Schedule ``item`` (counted against the step's token budget)."""
@@ -87,4 +89,4 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         """Whether the step has nothing to run and no block to move."""
-        return not (self.scheduled or self.swap_out or self.swap_in or self.copies)
+        return not (self.scheduled or self.swap_out or self.swap_in or self.copies or self.tier_ops)

@@ -140,6 +140,7 @@ class SequenceGroup:
     finish_time: float | None = None
     num_preemptions: int = 0
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at admission (None: not yet)
+    priority: int = 0  # vLLM's request priority (lower: more important): orders the eviction of its blocks
     max_seqs: int = 1  # sequences the group may run at once (n samples, beam width)
     num_unforked: int = 0  # samples forked from the first sequence when it first samples (n - 1 at admission)
     # after a recompute preemption: sequences holding no blocks until the first active one has computed the

@@ -59,6 +59,8 @@ from scheduler.distributed.parallel_state import TPShard
 from scheduler.engine.faults import Failure, isolate, restoring
 from scheduler.engine.metrics import EngineMetrics, MetricsSummary
 from scheduler.engine.request_checks import check_prompt, check_request_fits, check_sampling_ids
+from scheduler.engine.pinned_prefixes import PinnedPrefixes
+from scheduler.engine.tiered_cache import TieredCache, model_identity
 from scheduler.model.llama import LlamaModel
 from scheduler.runner.cascade_plan import min_saved_tokens
 from scheduler.runner.memory import plan_kv_memory
@@ -99,13 +101,29 @@ class LLMEngine:
         self.block_manager = BlockManager(BlockManagerConfig(
             num_blocks=num_blocks, block_size=cc.block_size, num_cpu_blocks=cc.num_cpu_blocks,
             watermark=cc.watermark, enable_prefix_caching=cc.enable_prefix_caching,
+            num_host_blocks=TieredCache.num_host_blocks(spec, cc), host_store=cc.host_store,
         ), track_changes=True)  # fmt: skip
         self.runner = self._make_runner(spec, num_blocks, graphs)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, eos_ids)
+        self.tiers = self._make_tiers(spec)
+        prefetch = self.tiers.prefetch if self.tiers is not None and self.tiers.disk is not None else None
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, eos_ids, prefetch=prefetch)
+        self.pins = PinnedPrefixes(self.block_manager)
         self.sampler = Sampler(model.config.vocab_size, self.device, eos_ids)  # keeps penalty counts per sequence
         self.metrics = EngineMetrics()
         self.structured: StructuredOutputs | None = None  # set by enable_structured_outputs
         self._auto_ids = itertools.count()
+
+    def _make_tiers(self, spec: KVCacheSpec) -> TieredCache | None:
+        """The host (and disk) tiers under the device pool, when configured; logged."""
+        if self.block_manager.host is None:
+            return None
+        cc = self.config.cache
+        tiers = TieredCache(spec, cc, self.block_manager, self.runner.gpu_cache, model_identity(self.model, self.model.config))
+        self.runner.tiers = tiers.transfers
+        logger.info("host tier %d blocks (%.3f GiB, store on %s)%s", tiers.host_cache.num_blocks,
+                    tiers.host_cache.nbytes / 2**30, cc.host_store,
+                    f"; disk tier {cc.kv_disk_dir} ({cc.kv_disk_bytes / 2**30:.3f} GiB)" if tiers.disk else "")
+        return tiers
 
     def _num_gpu_blocks(self, spec: KVCacheSpec, graphs: bool) -> int:
         """The pool size: from gpu_memory_utilization on CUDA, else num_gpu_blocks or the byte budget; logged."""
@@ -174,17 +192,32 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------
     def add_request(
         self, request_id: str, prompt_token_ids: Seq[int], sampling_params: SamplingParams | None = None,
-        *, fork_samples: bool = True,
+        *, fork_samples: bool = True, priority: int = 0,
     ) -> SequenceGroup:  # fmt: skip
         """Queue a request; raises (engine unchanged) on a bad id, prompt or parameters.
 
         ``fork_samples=False``: the caller forks the request's sequences itself (see :meth:`step`).
+        ``priority`` (vLLM's: lower is more important) orders the eviction of its cached blocks.
         """
         check_bool("fork_samples", fork_samples)
         prompt, params = self.check_request(request_id, prompt_token_ids, sampling_params)
         if not fork_samples and params.structured_outputs is not None:  # a caller's selection would skip the mask
             raise InvalidArgumentError(describe("fork_samples", False, "True with structured_outputs (no beam search)"))
-        return self.scheduler.add_request(request_id, prompt, params, fork_samples=fork_samples)
+        return self.scheduler.add_request(request_id, prompt, params, fork_samples=fork_samples, priority=priority)
+
+    def pin_prefix(self, token_ids: Seq[int], *, cache_salt: str | None = None) -> str:
+        """Keep a prompt's full blocks on the device, never evicted, until :meth:`unpin`; returns the pin's id.
+
+        A prefix not cached yet is computed by a one-token request first (its output is not
+        returned); the pin holds from the step that finishes it.
+        """
+        prompt = check_prompt(token_ids, self.model.config.vocab_size)
+        params = SamplingParams(max_tokens=1, cache_salt=cache_salt)
+        return self.pins.pin(prompt, params.cache_salt, lambda rid: self.add_request(rid, prompt, params))
+
+    def unpin(self, pin_id: str) -> None:
+        """Release a pinned prefix: its blocks are cached and evictable again."""
+        self.pins.unpin(pin_id)
 
     def check_request(
         self, request_id: str, prompt_token_ids: Seq[int], sampling_params: SamplingParams | None
@@ -276,7 +309,7 @@ class LLMEngine:
         usage = self.block_manager.usage
         self.metrics.record_step(start, out, len(sampled), usage)
         failed = [self._failed(g, f.describe()) for g, f in failures.items()]
-        return [self._retire(group) for group in finished if group not in failures] + failed
+        return self.pins.settle([self._retire(group) for group in finished if group not in failures] + failed)
 
     def _sample_each(self, out: SchedulerOutput, logits: torch.Tensor,
                      failures: dict[SequenceGroup, Failure]) -> list[SampledToken]:  # fmt: skip
@@ -319,6 +352,8 @@ class LLMEngine:
                 self.scheduler.abort(request_id, reason="error")
             except Exception:  # the request is gone from the scheduler; keep freeing the others
                 logger.exception("freeing %s after the failed step failed", request_id)
+        # the step registered blocks (device, host) whose K/V it may never have written: forget them all
+        self.block_manager.reset_prefix_cache()
 
     def _check_select(self, select: Selector | None) -> None:
         """A selection hook must be callable, and cannot run while a request is constrained (it skips the mask)."""
@@ -405,7 +440,9 @@ class LLMEngine:
         return [done[i] for i in ids]
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers and destroy the process groups (a no-op with one rank); idempotent."""
+        """Write the cached blocks to the disk tier (if any), stop the tensor-parallel workers; idempotent."""
+        if self.tiers is not None:
+            self.tiers.close()
         if self.executor is not None:
             self.executor.shutdown()
 

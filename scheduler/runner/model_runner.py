@@ -22,6 +22,7 @@ from scheduler.core.scheduler_output import SchedulerOutput
 from scheduler.model.llama import LlamaModel
 from scheduler.runner.cuda_graphs import DecodeGraphs
 from scheduler.runner.step_input import StepInput, StepInputBuilder
+from scheduler.runner.tier_transfers import TierTransfers
 
 T = TypeVar("T")
 
@@ -65,11 +66,17 @@ class ModelRunner:
         self.inputs = inputs  # the driver's step builder (None on a worker: it receives payloads)
         self.group = group  # the other tensor-parallel ranks (None: one rank)
         self.graphs: DecodeGraphs | None = None
+        self.tiers: TierTransfers | None = None  # the host tier's copies (one rank only)
 
     def run(self, out: SchedulerOutput) -> torch.Tensor:
         """The driver's step: build ``out``'s inputs (sent to the workers first), execute; logits ``[R, vocab]``."""
+        if self.tiers is not None:
+            self.tiers.before_forward(out.tier_ops)
         if self.group is None:
-            return self.execute(self.inputs.build(out))
+            logits = self.execute(self.inputs.build(out))
+            if self.tiers is not None:
+                self.tiers.after_forward(out.tier_ops)
+            return logits
         payload = self.inputs.build_payload(out)
         self.group.broadcast(payload)
         return self.group.guard(lambda: self.execute(self.inputs.materializer.materialize(payload)))

@@ -18,6 +18,7 @@ from bad_input_machinery import (
 )
 
 from paged_kv import BlockHashes, BlockManager, BlockManagerConfig
+from paged_kv.host_tier import BlockRecord
 from paged_kv.kv_cache import KVCacheSpec, PagedKVCache
 
 
@@ -30,6 +31,27 @@ def manager() -> BlockManager:
     m.allocate("s", list(range(10, 15)))
     m.swap_out(["s"])
     return m
+
+
+def pinned() -> BlockManager:
+    """``manager()`` with 'q' pinning the cached block of ids 0..3."""
+    m = manager()
+    m.pin("q", list(range(5)))
+    return m
+
+
+def tiered() -> BlockManager:
+    """8 device blocks of 4 over a 4-block host tier; ids 0..8 were computed and freed (2 cached blocks)."""
+    m = BlockManager(BlockManagerConfig(num_blocks=8, block_size=4, watermark=0.0, num_host_blocks=4))
+    m.allocate("a", list(range(9)))
+    m.free("a")
+    return m
+
+
+def record() -> BlockRecord:
+    """A block a lower tier could hold: ids 8..11 chained after ids 0..7."""
+    h = stream(12)
+    return BlockRecord(h.hashes[2], h.hashes[1], h.contents[2])
 
 
 def stream(num_tokens: int = 5, cache_salt: str | None = None, block_size: int = 4) -> BlockHashes:
@@ -78,13 +100,27 @@ def entries() -> list[Entry]:
             "num_blocks": Arg("int", 8, bad={OUT_OF_RANGE: [0, -1, 1 << 62]}),
             "block_size": Arg("int", 4, bad={OUT_OF_RANGE: [0, 1 << 20]}),
             "num_cpu_blocks": Arg("int", 0), "watermark": Arg("real", 0.01, bad={OUT_OF_RANGE: [1.0, -0.5]}),
-            "enable_prefix_caching": Arg("bool", True)}),
+            "enable_prefix_caching": Arg("bool", True), "num_host_blocks": Arg("int", 0),
+            "host_store": Arg("obj", "evict", bad={WRONG_TYPE: [None, 3, "lru"]}),
+            "track_cache_events": Arg("bool", False)}),
+        Entry("paged_kv.BlockManager.pin", "pin", {
+            "pin_id": Arg("new_seq_id", "p", bad={BAD_ID: [["l"], "q"]}),
+            "token_ids": Arg("ids", [0, 1, 2, 3, 4], bad={WRONG_TYPE: ["ab", {1: 2}, None, 3]}),
+            "cache_salt": Arg("opt_str", None)}, pinned),
+        Entry("paged_kv.BlockManager.unpin", "unpin", {"pin_id": Arg("seq_id", "q")}, pinned),
+        Entry("paged_kv.BlockManager.chain_past_cache", "chain_past_cache", {
+            "token_ids": Arg("ids", [0, 1, 2, 3, 4, 5, 6, 7, 8]), "cache_salt": Arg("opt_str", None),
+            "hashes": Arg("obj", lambda: stream(9), bad=OTHER_STREAMS)}, tiered),
+        Entry("paged_kv.BlockManager.fill_host", "fill_host", {
+            "records": Arg("obj", lambda: [record()], bad={WRONG_TYPE: [None, "x", 3, ["x"], [(b"h", b"p", b"t")]]}),
+            "payload": Arg("obj", None, skip=(WRONG_TYPE,))}, tiered),  # the reader's data: opaque to the manager
         Entry("paged_kv.BlockManager.add_blocks", "add_blocks", {"num_blocks": Arg("int", 2)}, m),
         Entry("paged_kv.BlockManager.allocate", "allocate", {
             "seq_id": Arg("new_seq_id", "n", bad={BAD_ID: [["l"], "a", "s"]}), "token_ids": Arg("ids", [0, 1, 2]),
             "cache_salt": Arg("opt_str", None), "hashes": Arg("obj", lambda: stream(2), bad=OTHER_STREAMS),
             "num_lookahead_slots": Arg("int", 0),
-            "num_queried": Arg("opt_int", 5, bad={OUT_OF_RANGE: [2, -1, 1 << 62]})}, m),  # at least the 3 tokens
+            "num_queried": Arg("opt_int", 5, bad={OUT_OF_RANGE: [2, -1, 1 << 62]}),  # at least the 3 tokens
+            "priority": Arg("int", -3, bad={OUT_OF_RANGE: [1 << 63, -(1 << 63)]})}, m),  # any int64 (vLLM's)
         Entry("paged_kv.BlockManager.append", "append", {
             "seq_id": Arg("seq_id", "a", bad={BAD_ID: [["l"], "zz", "s"]}), "token_ids": Arg("ids", [7]),
             "num_lookahead_slots": Arg("int", 0)}, m),
@@ -174,7 +210,13 @@ def entries() -> list[Entry]:
         Entry("paged_kv.kv_cache.PagedKVCache", PagedKVCache, {
             "spec": Arg("obj", spec, bad={WRONG_TYPE: [None, SPEC]}),
             "num_blocks": Arg("int", 4, bad={OUT_OF_RANGE: [0, 1 << 62]}),
-            "device": Arg("device", "cpu")}),
+            "device": Arg("device", "cpu"), "pin_memory": Arg("bool", False)}),
+        Entry("paged_kv.kv_cache.PagedKVCache.read_blocks", "read_blocks", {
+            "blocks": Arg("ids", [1, 3], bad={OUT_OF_RANGE: [[-1], [8], [1 << 40]], BAD_ID: [[1, 1]]})}, cache),
+        Entry("paged_kv.kv_cache.PagedKVCache.write_blocks", "write_blocks", {
+            "blocks": Arg("ids", [1, 3], bad={OUT_OF_RANGE: [[-1, 3], [8, 3]], BAD_ID: [[1, 1]]}),
+            "kv": Arg("tensor", lambda: cache().read_blocks([0, 2])[0]),
+            "scales": Arg("obj", None, bad={WRONG_TYPE: [torch.ones(2, 2, 2, 4, 2)]})}, cache),
         Entry("paged_kv.kv_cache.PagedKVCache.from_bytes", PagedKVCache.from_bytes, {
             "spec": Arg("obj", spec, bad={WRONG_TYPE: [None, SPEC]}),
             "budget_bytes": Arg("int", 4096, bad={OUT_OF_RANGE: [-1, 2]}),

@@ -40,6 +40,13 @@ def engine_config() -> scheduler.EngineConfig:
     return scheduler.EngineConfig(cache=cache_cfg, device="cpu")
 
 
+def pinned_engine() -> scheduler.LLMEngine:
+    """``engine()`` with a pin waiting for its warm-up request (id "paged-kv-pin-0")."""
+    e = engine()
+    e.pin_prefix([5, 6, 7, 8, 9])
+    return e
+
+
 def engine() -> scheduler.LLMEngine:
     """An engine holding one waiting request 'r0'."""
     e = scheduler.LLMEngine(tiny_model(), engine_config(), eos_token_id=2)
@@ -165,7 +172,11 @@ def _rows() -> list[Entry]:
             "cascade_min_saved_bytes": Arg("opt_int", 0, bad={OUT_OF_RANGE: [-1]}),
             "dtype": Arg("dtype", torch.float16, bad={BAD_DTYPE: [torch.complex64, torch.int16, torch.float64]}),
             "gpu_memory_utilization": Arg("real", None, skip=(WRONG_TYPE,),
-                                          bad={OUT_OF_RANGE: [0.0, 1.5, -0.5], WRONG_TYPE: ["0.5"]})}),
+                                          bad={OUT_OF_RANGE: [0.0, 1.5, -0.5], WRONG_TYPE: ["0.5"]}),
+            "kv_offloading_bytes": Arg("int", 0), "host_store": Arg("obj", "evict", bad={WRONG_TYPE: [None, 3, "lru"]}),
+            "kv_disk_dir": Arg("obj", None, bad={WRONG_TYPE: [3, b"x", ""]}),  # without a host tier: refused
+            "kv_disk_bytes": Arg("int", 0, bad={OUT_OF_RANGE: [-1, 1]}),  # > 0 only with a disk directory
+            "kv_disk_blocks_per_file": Arg("int", 8, bad={OUT_OF_RANGE: [0, 1 << 62]})}),
         Entry("scheduler.EngineConfig", scheduler.EngineConfig, {
             "cache": Arg("obj", lambda: scheduler.CacheConfig(num_cpu_blocks=1), bad={WRONG_TYPE: [None, {}]}),
             "scheduler": Arg("obj", lambda: scheduler.SchedulerConfig(), bad={WRONG_TYPE: [None, {}]}),
@@ -212,7 +223,14 @@ def _rows() -> list[Entry]:
             "request_id": Arg("obj", "x", bad={WRONG_TYPE: [None, 7, ["x"]], BAD_ID: ["r0"]}),
             "prompt_token_ids": Arg("ids", [1, 2], bad={**TOKENS, WRONG_TYPE: ["ab", 5, None, []]}),
             "sampling_params": Arg("obj", None, bad={WRONG_TYPE: [{"max_tokens": 3}, "x"]}),
-            "fork_samples": Arg("bool", True)}, engine),
+            "fork_samples": Arg("bool", True),
+            "priority": Arg("int", 0, bad={OUT_OF_RANGE: [1 << 63, -(1 << 63)]})}, engine),
+        Entry("scheduler.LLMEngine.pin_prefix", "pin_prefix", {
+            "token_ids": Arg("ids", [1, 2, 3, 4, 5], bad={**TOKENS, WRONG_TYPE: ["ab", 5, None, []]}),
+            "cache_salt": Arg("opt_str", None)}, engine),
+        Entry("scheduler.LLMEngine.unpin", "unpin", {
+            "pin_id": Arg("obj", "paged-kv-pin-0", bad={WRONG_TYPE: [None, 3, ["x"]], BAD_ID: ["paged-kv-pin-9"]})},
+              pinned_engine),
         Entry("scheduler.LLMEngine.enable_structured_outputs", "enable_structured_outputs", {
             "tokenizer": Arg("obj", lambda: _tiny_text_model()[1], bad={WRONG_TYPE: [None, "x", 3, tiny_model()]}),
             "cache_size": Arg("int", 4, bad={OUT_OF_RANGE: [0, 1 << 21]})}, engine),

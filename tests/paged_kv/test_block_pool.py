@@ -39,7 +39,7 @@ def block_hash(pool: BlockPool, block: int) -> bytes | None:
 def state(pool: BlockPool) -> tuple:
     """Everything a pool holds, for before/after comparison."""
     return (
-        pool.num_blocks, list(pool.ref_counts), list(pool._free), list(pool._evictable), dict(pool._cached),
+        pool.num_blocks, list(pool.ref_counts), list(pool._free), {p: list(v) for p, v in pool._evictable.items() if v}, dict(pool._cached),
         list(pool.hash_of), list(pool._parent), list(pool._tokens), pool.num_evictions,
     )
 
@@ -205,7 +205,7 @@ def test_check_detects_refcount_mismatch():
     [
         lambda p: p._free.append(2),  # 2 twice in the free list
         lambda p: p._free.append(0),  # an in-use block also free
-        lambda p: p._evictable.__setitem__(2, None),  # both free and evictable
+        lambda p: p._evictable.setdefault(0, {}).__setitem__(2, None),  # both free and evictable
         lambda p: p.hash_of.__setitem__(2, h(9)),  # a free block with a hash
         lambda p: p._cached.__setitem__(h(9), 0),  # a stale hash map entry
         lambda p: p._cached.__setitem__(h(1), 2),  # hash of block 1 maps elsewhere
