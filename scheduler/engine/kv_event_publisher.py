@@ -114,7 +114,7 @@ class ZmqEventPublisher:
                 self._dropped += 1
 
     def shutdown(self, timeout: float = SHUTDOWN_TIMEOUT) -> None:
-        """Send what is queued (waiting at most ``timeout`` seconds), then close the sockets; a second call is a no-op."""
+        """Send what is queued (waiting at most ``timeout`` seconds), then close the sockets; then a no-op."""
         check_real("timeout", timeout, low=0.0)
         with self._lock:
             if self._closed:

@@ -140,8 +140,9 @@ class KVEventRecorder:
             last.block_hashes.extend(hashes)
             last.token_ids.extend(tokens)
             return
-        self._events.append(BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens,
-                                        block_size=block_size, lora_id=None, medium=medium, lora_name=None))  # fmt: skip
+        event = BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=block_size,
+                            lora_id=None, medium=medium, lora_name=None)  # fmt: skip
+        self._events.append(event)
 
     def removed(self, hashes: Sequence[bytes], medium: str = MEDIUM_GPU) -> None:
         """Record that the blocks ``hashes`` left the cache of ``medium``."""
