@@ -52,6 +52,10 @@ class WorkerError(PagedKVError, RuntimeError):
         self.rank = rank  # the failed worker's rank, None when the collective could not tell
 
 
+class PublisherClosedError(PagedKVError, RuntimeError):
+    """An event publisher was asked to publish after its shutdown."""
+
+
 def describe(name: str, value: object, expected: str) -> str:
     """Format the standard message: argument name, the value given, what was expected."""
     return f"{name}={value!r}: expected {expected}"
