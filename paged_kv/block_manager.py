@@ -737,9 +737,14 @@ class BlockManager(PositionalEdits):
     def reset_prefix_cache(self) -> None:
         """Forget every cached block hash and restart the since-reset hit rate."""
         self._version += 1
+        self._drain(self.gpu, "GPU")  # the events so far, in order, then one CLEARED for every tier
+        if self.host is not None:
+            self._drain(self.host.pool, "CPU")
+        self._owed = []  # a reset after a failed step: what it registered may never have been written
         self.gpu.reset_cache()
         if self.host is not None:
             self.host.clear()
+            self.host.pool.journal = []
         self._hits.reset()
 
     def _max_hit_blocks(self, num_tokens: int) -> int:

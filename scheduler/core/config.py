@@ -11,6 +11,7 @@ from paged_kv.config import HOST_STORE_POLICIES, MAX_BLOCK_SIZE, MAX_BLOCKS
 from paged_kv.errors import InvalidArgumentError, check_bool, check_int, check_real, describe
 from paged_kv.kv_cache import KERNEL_DTYPES
 from paged_kv.tensor_checks import check_device, check_dtype
+from scheduler.core.kv_events_config import KVEventsConfig
 
 PreemptionMode = Literal["recompute", "swap"]
 PREEMPTION_MODES = ("recompute", "swap")
@@ -117,6 +118,7 @@ class EngineConfig:
     # ranks the model is split over (scheduler.distributed); > 1 runs eagerly, no CUDA graphs
     tensor_parallel_size: int = 1
     distributed_timeout_s: float = 60.0  # a worker that dies or hangs fails a step within this
+    kv_events: KVEventsConfig | None = None  # KV cache events for routers (vLLM's format, on ZeroMQ); None: off
 
     def __post_init__(self) -> None:
         if not isinstance(self.enforce_eager, bool):
@@ -125,6 +127,8 @@ class EngineConfig:
         check_real("distributed_timeout_s", self.distributed_timeout_s, low=0.0, open_low=True)
         if not isinstance(self.cache, CacheConfig):
             raise InvalidArgumentError(describe("cache", self.cache, "a CacheConfig"))
+        if self.kv_events is not None and not isinstance(self.kv_events, KVEventsConfig):
+            raise InvalidArgumentError(describe("kv_events", self.kv_events, "a KVEventsConfig or None"))
         if not isinstance(self.scheduler, SchedulerConfig):
             raise InvalidArgumentError(describe("scheduler", self.scheduler, "a SchedulerConfig"))
         if self.tensor_parallel_size > 1 and self.cache.kv_offloading_bytes:

@@ -29,7 +29,7 @@ import zmq
 
 from paged_kv.errors import InvalidArgumentError, PublisherClosedError, check_int, check_real, check_type, describe
 from scheduler.engine.kv_events import KVEventBatch, encode_batch
-from scheduler.engine.kv_events_config import KVEventsConfig
+from scheduler.core.kv_events_config import KVEventsConfig
 
 logger = logging.getLogger(__name__)
 

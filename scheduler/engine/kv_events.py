@@ -29,12 +29,12 @@ import msgspec
 
 from paged_kv.config import MAX_BLOCK_SIZE
 from paged_kv.errors import InvalidArgumentError, check_int, check_type, describe
+from scheduler.core.kv_events_config import ENCODINGS
 
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
 MEDIUM_STORAGE = "STORAGE"  # vLLM's one medium for its file-system and object-store tiers (vllm#48123)
 MEDIA = (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE)
-ENCODINGS = ("array", "map")  # an event as a positional array (vLLM <= 0.25) or a tagged map (>= 0.26)
 
 ExternalBlockHash = bytes | int  # what vLLM's consumers accept; paged-kv sends bytes
 

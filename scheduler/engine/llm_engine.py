@@ -59,6 +59,7 @@ from scheduler.distributed.parallel_state import TPShard
 from scheduler.engine.faults import Failure, isolate, restoring
 from scheduler.engine.metrics import EngineMetrics, MetricsSummary
 from scheduler.engine.request_checks import check_prompt, check_request_fits, check_sampling_ids
+from scheduler.engine.cache_events import CacheEvents
 from scheduler.engine.pinned_prefixes import PinnedPrefixes
 from scheduler.engine.tiered_cache import TieredCache, model_identity
 from scheduler.model.llama import LlamaModel
@@ -98,16 +99,21 @@ class LLMEngine:
         spec = model.kv_cache_spec(cc.block_size, cc.dtype)
         graphs = self.device.type == "cuda" and not config.enforce_eager and tp == 1
         num_blocks = self._num_gpu_blocks(spec, graphs)
+        events = config.kv_events if config.kv_events is not None and config.kv_events.enable_kv_cache_events else None
         self.block_manager = BlockManager(BlockManagerConfig(
             num_blocks=num_blocks, block_size=cc.block_size, num_cpu_blocks=cc.num_cpu_blocks,
             watermark=cc.watermark, enable_prefix_caching=cc.enable_prefix_caching,
             num_host_blocks=TieredCache.num_host_blocks(spec, cc), host_store=cc.host_store,
+            track_cache_events=events is not None,
         ), track_changes=True)  # fmt: skip
         self.runner = self._make_runner(spec, num_blocks, graphs)
         self.tiers = self._make_tiers(spec)
         prefetch = self.tiers.prefetch if self.tiers is not None and self.tiers.disk is not None else None
         self.scheduler = Scheduler(config.scheduler, self.block_manager, eos_ids, prefetch=prefetch)
         self.pins = PinnedPrefixes(self.block_manager)
+        disk = self.tiers.disk if self.tiers is not None else None
+        self.cache_events = None if events is None else CacheEvents(events, self.block_manager,
+                                                                    disk.take_changes if disk else None)  # fmt: skip
         self.sampler = Sampler(model.config.vocab_size, self.device, eos_ids)  # keeps penalty counts per sequence
         self.metrics = EngineMetrics()
         self.structured: StructuredOutputs | None = None  # set by enable_structured_outputs
@@ -308,6 +314,8 @@ class LLMEngine:
             raise
         usage = self.block_manager.usage
         self.metrics.record_step(start, out, len(sampled), usage)
+        if self.cache_events is not None:
+            self.cache_events.after_step()
         failed = [self._failed(g, f.describe()) for g, f in failures.items()]
         return self.pins.settle([self._retire(group) for group in finished if group not in failures] + failed)
 
@@ -443,6 +451,9 @@ class LLMEngine:
         """Write the cached blocks to the disk tier (if any), stop the tensor-parallel workers; idempotent."""
         if self.tiers is not None:
             self.tiers.close()
+        if self.cache_events is not None:
+            self.cache_events.shutdown()
+            self.cache_events = None
         if self.executor is not None:
             self.executor.shutdown()
 

@@ -21,7 +21,7 @@ from scheduler.engine.kv_event_publisher import END_SEQ, NullEventPublisher, Zmq
 from scheduler.engine.kv_events import (
     MEDIUM_CPU, MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KVEventRecorder, encode_batch,
 )  # fmt: skip
-from scheduler.engine.kv_events_config import KVEventsConfig
+from scheduler.core.kv_events_config import KVEventsConfig
 
 TOPIC = "kv@pod-0@model"
 H = [bytes([i]) * 32 for i in range(8)]  # 32-byte block hashes, like paged-kv's SHA-256 digests

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from paged_kv.errors import InvalidArgumentError, check_bool, check_int, check_type, describe
-from scheduler.engine.kv_events import ENCODINGS
 
+ENCODINGS = ("array", "map")  # an event as a positional array (vLLM <= 0.25) or a tagged map (>= 0.26)
 PUBLISHERS = ("null", "zmq")
 SCHEMES = ("tcp://", "ipc://", "inproc://")
 

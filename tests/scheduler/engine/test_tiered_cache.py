@@ -1,0 +1,145 @@
+"""The engine with the prefix cache's host tier: same outputs as without, more cached tokens, KV events, pins."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import msgspec
+import pytest
+import zmq
+from sched_helpers import tiny_llama
+from vllm_kv_consumer import KVEventBatch, subscribe
+
+from scheduler import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
+from scheduler.core.kv_events_config import KVEventsConfig
+
+BS = 4
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    return tiny_llama()
+
+
+def engine(hf_model, *, offload: int = 0, store: str = "evict", blocks: int = 20, preemption: str = "recompute",
+           kv_events: KVEventsConfig | None = None, max_seqs: int = 4) -> LLMEngine:  # fmt: skip
+    cache = CacheConfig(block_size=BS, num_gpu_blocks=blocks, watermark=0.0, kv_offloading_bytes=offload,
+                        host_store=store, num_cpu_blocks=16 if preemption == "swap" else 0)  # fmt: skip
+    sched = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=max_seqs, preemption_mode=preemption)
+    return LLMEngine.from_hf(hf_model, EngineConfig(cache=cache, scheduler=sched, device="cpu", kv_events=kv_events))
+
+
+def multi_round_chat(eng: LLMEngine, users: int = 4, rounds: int = 3, together: bool = False) -> list[tuple]:
+    """Users x rounds of a chat: each round appends a question and the answer to the user's history.
+
+    ``together``: each round's users run as one batch (so they compete for blocks and preempt).
+    """
+    rng = random.Random(0)
+    history = {u: list(range(10, 30)) for u in range(users)}  # a shared 20-token system prompt
+    params = SamplingParams(max_tokens=5, temperature=0.0)
+    results = []
+    for _ in range(rounds):
+        for u in range(users):
+            history[u] += [rng.randrange(3, 256) for _ in range(6)]
+        batches = [list(range(users))] if together else [[u] for u in range(users)]
+        for batch in batches:
+            outs = eng.generate([history[u] for u in batch], params, use_tqdm=False)
+            for u, out in zip(batch, outs):
+                history[u] += out.outputs[0].token_ids
+                results.append((tuple(out.outputs[0].token_ids), out.num_cached_tokens))
+    eng.block_manager.check()
+    return results
+
+
+@pytest.mark.parametrize("store", ["evict", "write"])
+def test_the_host_tier_serves_evicted_prefixes_and_changes_no_output(hf_model, store):
+    base = multi_round_chat(engine(hf_model))
+    eng = engine(hf_model, offload=1 << 20, store=store)
+    tiered = multi_round_chat(eng)
+    assert [t for t, _ in tiered] == [t for t, _ in base]  # greedy: token for token
+    assert sum(c for _, c in tiered) > sum(c for _, c in base)  # the host tier served what the device evicted
+    stats = eng.block_manager.stats()
+    assert stats.num_host_hit_tokens > 0 and stats.num_host_stored_blocks > 0
+    assert eng.tiers.stats().bytes_loaded == stats.num_host_hit_tokens // BS * eng.tiers.host_cache.spec.bytes_per_block
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_outputs_are_the_same_with_tiers_under_preemption(hf_model, preemption):
+    base = multi_round_chat(engine(hf_model, blocks=14, preemption=preemption), together=True)
+    eng = engine(hf_model, blocks=14, preemption=preemption, offload=1 << 20)
+    tiered = multi_round_chat(eng, together=True)
+    assert sum(eng.scheduler.num_preemptions.values()) > 0
+    assert [t for t, _ in tiered] == [t for t, _ in base]
+
+
+def test_a_failed_step_forgets_every_cached_block_of_every_tier(hf_model, monkeypatch):
+    eng = engine(hf_model, offload=1 << 20, store="write")
+    multi_round_chat(eng, rounds=1)
+    assert eng.block_manager.stats().num_host_cached > 0
+    eng.add_request("r", list(range(40, 60)), SamplingParams(max_tokens=2))
+    monkeypatch.setattr(eng.runner, "execute", lambda step: (_ for _ in ()).throw(RuntimeError("device lost")))
+    with pytest.raises(RuntimeError, match="device lost"):
+        eng.step()
+    stats = eng.block_manager.stats()
+    assert (stats.num_cached, stats.num_host_cached, stats.num_used) == (0, 0, 0)
+
+
+def test_a_pinned_system_prompt_is_never_evicted(hf_model):
+    eng = engine(hf_model, blocks=12)
+    system = list(range(100, 120))  # 5 full blocks
+    pin = eng.pin_prefix(system)
+    assert eng.pins.is_waiting(pin)
+    assert eng.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)[0].request_id != pin
+    while eng.has_unfinished_requests():
+        assert all(o.request_id != pin for o in eng.step())  # the warm-up's output is not returned
+    assert eng.pins.held == {pin: 20}
+    for i in range(4):  # prompts that need every block the pin leaves
+        eng.generate([list(range(130 + 30 * i, 150 + 30 * i))], SamplingParams(max_tokens=2), use_tqdm=False)
+    out = eng.generate([system + [7]], SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    assert out.num_cached_tokens == 20
+    eng.unpin(pin)
+    for i in range(2):
+        eng.generate([list(range(130 + 30 * i, 168 + 30 * i))], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert eng.block_manager.num_cached_tokens(system + [7]) < 20  # evictable again
+    eng.block_manager.check()
+
+
+def test_kv_events_rebuild_each_tiers_cached_blocks_exactly(hf_model):
+    config = KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:*", event_encoding="map")
+    eng = engine(hf_model, offload=1 << 20, store="write", kv_events=config)
+    ctx = zmq.Context()
+    try:
+        sub = subscribe(ctx, eng.cache_events.publisher.endpoint)
+        deadline = time.monotonic() + 10
+        while not sub.poll(50):  # the slow joiner: probe until the subscription lands
+            assert time.monotonic() < deadline, "the subscription never landed"
+            eng.cache_events.publisher.publish(msgspec.structs.replace(_probe()))
+        multi_round_chat(eng)
+        eng.block_manager.reset_prefix_cache()
+        multi_round_chat(eng, rounds=1)
+        expected = {"GPU": {h for _, h, _, _ in eng.block_manager.gpu.cached_blocks()},
+                    "CPU": {h for _, h, _, _ in eng.block_manager.host.pool.cached_blocks()}}  # fmt: skip
+        eng.shutdown()  # publishes the last batch, then closes
+        cached, seqs, decoder = {"GPU": set(), "CPU": set()}, [], msgspec.msgpack.Decoder(KVEventBatch)
+        while sub.poll(1000):
+            _, seq, payload = sub.recv_multipart()
+            seqs.append(int.from_bytes(seq, "big"))
+            for event in decoder.decode(payload).events:
+                kind = type(event).__name__
+                if kind == "BlockStored":
+                    cached[event.medium] |= set(event.block_hashes)
+                elif kind == "BlockRemoved":
+                    cached[event.medium] -= set(event.block_hashes)
+                else:
+                    cached = {m: set() for m in cached}
+        assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # no batch lost
+        assert cached == expected and expected["GPU"] and expected["CPU"]
+    finally:
+        ctx.destroy(linger=0)
+
+
+def _probe():
+    from scheduler.engine.kv_events import AllBlocksCleared, KVEventBatch as OurBatch
+
+    return OurBatch(ts=time.time(), events=[AllBlocksCleared()])
