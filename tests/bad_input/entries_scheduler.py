@@ -182,7 +182,8 @@ def _rows() -> list[Entry]:
             "scheduler": Arg("obj", lambda: scheduler.SchedulerConfig(), bad={WRONG_TYPE: [None, {}]}),
             "device": Arg("device", "cpu"), "enforce_eager": Arg("bool", False),
             "tensor_parallel_size": Arg("int", 1, bad={OUT_OF_RANGE: [0, -1, 1 << 62]}),
-            "distributed_timeout_s": Arg("real", 60.0, bad={OUT_OF_RANGE: [0.0, -1.0]})}),
+            "distributed_timeout_s": Arg("real", 60.0, bad={OUT_OF_RANGE: [0.0, -1.0]}),
+            "kv_events": Arg("obj", None, bad={WRONG_TYPE: ["tcp://*:5557", {}, 3]})}),
         Entry("scheduler.ModelConfig", scheduler.ModelConfig, {
             "vocab_size": Arg("int", 64, bad={OUT_OF_RANGE: [0]}),
             "hidden_size": Arg("int", 16, bad={OUT_OF_RANGE: [0]}),

@@ -163,6 +163,9 @@ def test_a_subscriber_sees_the_gap_and_replay_fills_it(make_pub, ctx):
     lost = step_batches()
     for b in lost:  # no subscriber yet: PUB drops them, the buffer keeps them
         pub.publish(b)
+    deadline = time.monotonic() + 10
+    while len(vllm.request_replay(ctx, pub.replay_endpoint, 0)) <= len(lost):  # sent (the thread may lag)
+        assert time.monotonic() < deadline, "the publisher never sent the first batches"
     sub = vllm.subscribe(ctx, pub.endpoint, TOPIC.encode())
     first, next_seq = join(pub, sub, base=len(lost))
     assert first > 0  # seq jumped from "none yet" (-1): batches 0..first-1 are missing
