@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from pathlib import Path
 
 import torch
@@ -104,15 +103,25 @@ class DiskStore:
         if any(loaded[0][slot] != block for slot, block in expect.items()):
             self._reject(name, RejectedFile("its header no longer lists the indexed blocks"), delete=False)
             return None
-        now = time.time_ns()
-        try:
-            os.utime(path, ns=(now, now))  # the LRU mark every engine sees
-        except OSError:
-            pass  # deleted meanwhile: the data in hand is verified all the same
         with self.lock:
-            self.index.touch(name, now)
             self.counts["bytes_read"] += len(data)
+        self._mark_used(name)
         return loaded
+
+    def _mark_used(self, name: str) -> None:
+        """Set a file's mtime to now, the LRU mark every engine sees.
+
+        The kernel stamps it (not ``time.time_ns()``), so it compares right with the mtimes of files
+        written later, whose clock may be coarser than Python's.
+        """
+        path = self.directory / name
+        try:
+            os.utime(path)
+            mtime = path.stat().st_mtime_ns
+        except OSError:
+            return  # deleted meanwhile: the data in hand is verified all the same
+        with self.lock:
+            self.index.touch(name, mtime)
 
     def write(self, blocks: list[DiskBlock], kv: torch.Tensor, scales: torch.Tensor | None) -> None:
         """Write one file atomically (kv [n, 2, L, B, H, D], scales [n, 2, L, B, H] or None) and index it."""
