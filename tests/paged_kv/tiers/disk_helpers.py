@@ -23,11 +23,12 @@ def fingerprint(**changes: object) -> ModelFingerprint:
     return dataclasses.replace(FP16, **changes)
 
 
-def chain(tokens: Iterable[int], salt: str | None = None) -> tuple[bytes, list[bytes], list[bytes], list[DiskBlock]]:
+def chain(tokens: Iterable[int], salt: str | None = None, block_size: int = BS
+          ) -> tuple[bytes, list[bytes], list[bytes], list[DiskBlock]]:  # fmt: skip
     """(root, hashes, contents, blocks) of the full blocks of a token list under a salt."""
     ids = list(tokens)
     root = root_hash(salt)
-    hashes, contents = hash_blocks(root, ids, BS), block_bytes(ids, BS)
+    hashes, contents = hash_blocks(root, ids, block_size), block_bytes(ids, block_size)
     blocks = [DiskBlock(hash=h, parent=p, tokens=c) for h, p, c in zip(hashes, [root, *hashes[:-1]], contents)]
     return root, hashes, contents, blocks
 
