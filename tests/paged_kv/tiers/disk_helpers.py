@@ -47,9 +47,11 @@ def block_data(fp: ModelFingerprint, block: DiskBlock) -> tuple[torch.Tensor, to
 
 def batch(fp: ModelFingerprint, blocks: list[DiskBlock]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """kv [n, 2, L, B, H, D] and scales [n, 2, L, B, H] (or None) of blocks, from their hashes."""
+    if not blocks:
+        scales = torch.empty((0, *fp.scales_shape)) if fp.quantized else None
+        return torch.empty((0, *fp.kv_shape), dtype=fp.torch_dtype), scales
     data = [block_data(fp, b) for b in blocks]
-    kv = torch.stack([k for k, _ in data]) if data else torch.empty((0, *fp.kv_shape), dtype=fp.torch_dtype)
-    return kv, (torch.stack([s for _, s in data]) if fp.quantized and data else None)
+    return torch.stack([k for k, _ in data]), (torch.stack([s for _, s in data]) if fp.quantized else None)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
