@@ -130,7 +130,8 @@ def read_header(path: Path, fingerprint: ModelFingerprint) -> tuple[DiskBlock, .
 def decode(data: bytes, fingerprint: ModelFingerprint) -> tuple[tuple[DiskBlock, ...], torch.Tensor,
                                                                torch.Tensor | None]:
     """A file's blocks, kv [n, 2, L, B, H, D] and scales [n, 2, L, B, H] (or None), all checked; else RejectedFile."""
-    blocks = _check_metadata(_metadata_of(data), fingerprint)
+    meta = _metadata_of(data)
+    blocks = _check_metadata(meta, fingerprint)
     try:
         tensors = load(data)
     except SafetensorError as err:
@@ -140,7 +141,7 @@ def decode(data: bytes, fingerprint: ModelFingerprint) -> tuple[tuple[DiskBlock,
     kv, scales = tensors["kv"], tensors.get("scales")
     if kv.dtype != fingerprint.torch_dtype or (scales is not None and scales.dtype != torch.float32):
         raise RejectedFile(f"tensor dtypes {kv.dtype}, {None if scales is None else scales.dtype} are not ours")
-    if _data_digest(t for t in (kv, scales) if t is not None) != _metadata_of(data)["data_checksum"]:
+    if _data_digest(t for t in (kv, scales) if t is not None) != meta["data_checksum"]:
         raise RejectedFile("data checksum mismatch")
     return blocks, kv, scales
 

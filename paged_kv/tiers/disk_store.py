@@ -45,8 +45,12 @@ class DiskStore:
     def refresh(self) -> None:
         """Rescan: index our model's files written since, forget vanished ones, keep the budget."""
         ours: set[str] = set()
-        with os.scandir(self.directory) as entries:
-            names = [e.name for e in entries]
+        try:
+            with os.scandir(self.directory) as entries:
+                names = [e.name for e in entries]
+        except FileNotFoundError:  # removed under us: every file is gone; later writes need the directory
+            names = []
+            self.directory.mkdir(parents=True, exist_ok=True)
         for name in names:
             tag = name_tag(name)
             if name.startswith(TMP_PREFIX):

@@ -60,7 +60,11 @@ class _Write:
 
 
 class DiskTier:
-    """KV blocks of one model in a directory of safetensors files, within a byte budget."""
+    """KV blocks of one model in a directory of safetensors files, within a byte budget.
+
+    Writes queued at exit without :meth:`close` (or :meth:`flush`) are lost; at worst they leave
+    temporary files, which later scans delete once stale.
+    """
 
     def __init__(self, directory: str | os.PathLike, *, capacity_bytes: int, fingerprint: ModelFingerprint,
                  blocks_per_file: int = 8, max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES) -> None:  # fmt: skip
@@ -117,15 +121,14 @@ class DiskTier:
             if loaded is None:
                 break
             _, kv, scales = loaded
-            index = torch.tensor(slots)
-            kv_parts.append(kv.index_select(0, index))
-            scale_parts += [] if scales is None else [scales.index_select(0, index)]
+            kv_parts.append(_rows(kv, slots))
+            scale_parts += [] if scales is None else [_rows(scales, slots)]
             got += expect
         with self._cond:
             self._store.counts["hits"] += len(got)
         if not got:
             return [], None, None
-        return got, torch.cat(kv_parts), torch.cat(scale_parts) if scale_parts else None
+        return got, _joined(kv_parts), _joined(scale_parts) if scale_parts else None
 
     # -- writes -----------------------------------------------------------------------------------------
     def put(self, blocks: Sequence[DiskBlock], kv: torch.Tensor, scales: torch.Tensor | None) -> None:
@@ -233,11 +236,18 @@ class DiskTier:
 
 def _batch(blocks: Sequence[DiskBlock], kv: torch.Tensor, scales: torch.Tensor | None, picks: list[int]) -> _Write:
     """The picked blocks of a batch as one write (views when the picks are consecutive)."""
-    if picks[-1] - picks[0] + 1 == len(picks):
-        take = lambda t: t[picks[0] : picks[-1] + 1]  # noqa: E731
-    else:
-        index = torch.tensor(picks)
-        take = lambda t: t.index_select(0, index)  # noqa: E731
-    kv = take(kv)
-    scales = None if scales is None else take(scales)
+    kv = _rows(kv, picks)
+    scales = None if scales is None else _rows(scales, picks)
     return _Write([blocks[i] for i in picks], kv, scales, kv.nbytes + (0 if scales is None else scales.nbytes))
+
+
+def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``t[rows]`` along dim 0: a view when the rows are consecutive (the usual case), else a copy."""
+    if rows[-1] - rows[0] + 1 == len(rows) and rows == list(range(rows[0], rows[-1] + 1)):
+        return t[rows[0] : rows[-1] + 1]
+    return t[torch.tensor(rows)]
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The parts concatenated along dim 0 (the part itself when there is one)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

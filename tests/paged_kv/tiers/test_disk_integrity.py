@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 
 import pytest
@@ -156,4 +157,17 @@ def test_a_file_deleted_behind_the_index_is_a_miss_not_an_error(tmp_path):
     tier.refresh()  # vanished files are forgotten
     assert tier.stats.num_files == 0 and tier.stats.bytes_used == 0
     assert journal_set(tier.take_changes()) == indexed(tier) == set()
+    tier.close()
+
+
+def test_a_directory_removed_under_the_tier_empties_the_index_and_writes_go_on(tmp_path):
+    directory = tmp_path / "cache"
+    root, hashes, contents, blocks = chain(range(2 * BS))
+    tier = DiskTier(directory, capacity_bytes=BIG, fingerprint=FP16)
+    store(tier, blocks[:1])
+    shutil.rmtree(directory)
+    tier.refresh()
+    assert tier.stats.num_blocks == 0 and directory.is_dir()
+    store(tier, blocks)
+    assert tier.read(root, hashes, contents, limit=2)[0] == blocks
     tier.close()
