@@ -14,7 +14,8 @@ import logging
 import os
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,13 +25,14 @@ from paged_kv.errors import ClosedError, check_int, check_type, describe
 from paged_kv.tiers.disk_checks import check_capacity, check_chain, check_put, prepare_directory
 from paged_kv.tiers.disk_format import DiskBlock, file_bytes
 from paged_kv.tiers.disk_index import Change
-from paged_kv.tiers.disk_store import DiskStore
+from paged_kv.tiers.disk_store import DiskStore, Loaded
 from paged_kv.tiers.fingerprint import ModelFingerprint
 
 __all__ = ["DiskBlock", "DiskTier", "DiskTierStats", "ModelFingerprint"]
 
 MAX_BLOCKS_PER_FILE = 1024
 DEFAULT_MAX_PENDING_BYTES = 1 << 30  # queued tensor bytes past this drop the oldest queued writes
+READ_THREADS = min(4, os.cpu_count() or 1)  # files of one read load at once (I/O and checksums release the GIL)
 logger = logging.getLogger(__name__)
 
 
@@ -84,6 +86,7 @@ class DiskTier:
         self._store.refresh()
         self._writer = threading.Thread(target=self._write_loop, name="paged-kv-disk-writer", daemon=True)
         self._writer.start()
+        self._readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="paged-kv-disk-reader")
 
     @property
     def directory(self) -> Path:
@@ -113,22 +116,32 @@ class DiskTier:
         with self._cond:
             wanted = self._store.index.chain(parent, hashes, contents, limit)
             runs = self._store.index.plan(wanted)
+        jobs, start = [], 0
+        for name, slots in runs:
+            jobs.append((name, dict(zip(slots, wanted[start : start + len(slots)]))))
+            start += len(slots)
         got: list[DiskBlock] = []
         kv_parts, scale_parts = [], []
-        for name, slots in runs:
-            expect = wanted[len(got) : len(got) + len(slots)]
-            loaded = self._store.load(name, dict(zip(slots, expect)))
+        for (_, slots), loaded in zip(runs, self._load_all(jobs)):
             if loaded is None:
                 break
             _, kv, scales = loaded
             kv_parts.append(_rows(kv, slots))
             scale_parts += [] if scales is None else [_rows(scales, slots)]
-            got += expect
+            got += wanted[len(got) : len(got) + len(slots)]
         with self._cond:
             self._store.counts["hits"] += len(got)
         if not got:
             return [], None, None
         return got, _joined(kv_parts), _joined(scale_parts) if scale_parts else None
+
+    def _load_all(self, jobs: list[tuple[str, dict[int, DiskBlock]]]) -> Iterator[Loaded | None]:
+        """Each file loaded and verified, in order: on the reader threads when there are several."""
+        with self._cond:  # close() shuts the pool down only after it set _closed under this lock
+            if len(jobs) > 1 and not self._closed:
+                futures = [self._readers.submit(self._store.load, *job) for job in jobs]
+                return (future.result() for future in futures)
+        return (self._store.load(*job) for job in jobs)
 
     # -- writes -----------------------------------------------------------------------------------------
     def put(self, blocks: Sequence[DiskBlock], kv: torch.Tensor, scales: torch.Tensor | None) -> None:
@@ -208,6 +221,7 @@ class DiskTier:
             self._stopping = True
             self._cond.notify_all()
         self._writer.join()
+        self._readers.shutdown()
 
     def __enter__(self) -> DiskTier:
         return self
