@@ -28,7 +28,7 @@ complete file. Scans ignore ``.tmp-`` names and delete those left for ten minute
 
 Checks: a scan reads only headers (the size must cover the header's tensors: no truncation; format,
 header checksum, fingerprint, block list); a read checks all of that again on the bytes it read,
-then dtypes, shapes and the data checksum, before any tensor is used. ``disk_tier`` holds the
+then dtypes, shapes and the data checksum, before any tensor is used. ``disk_store`` holds the
 multi-engine rules (budget, eviction, refresh).
 """
 

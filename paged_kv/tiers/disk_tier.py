@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from paged_kv.errors import ClosedError, check_int, check_type, describe
 from paged_kv.tiers.disk_checks import check_capacity, check_chain, check_put, prepare_directory
 from paged_kv.tiers.disk_format import DiskBlock, file_bytes
 from paged_kv.tiers.disk_index import Change
+from paged_kv.tiers.disk_queue import WriteQueue, batch, joined, rows
 from paged_kv.tiers.disk_store import DiskStore, Loaded
 from paged_kv.tiers.fingerprint import ModelFingerprint
 
@@ -51,16 +51,6 @@ class DiskTierStats:
     writes_dropped: int  # blocks whose write was dropped (queue over its limit, or a write error)
 
 
-@dataclass(slots=True)
-class _Write:
-    """Blocks queued for one file: kv [n, 2, L, B, H, D], scales [n, 2, L, B, H] or None."""
-
-    blocks: list[DiskBlock]
-    kv: torch.Tensor
-    scales: torch.Tensor | None
-    nbytes: int
-
-
 class DiskTier:
     """KV blocks of one model in a directory of safetensors files, within a byte budget.
 
@@ -72,16 +62,14 @@ class DiskTier:
                  blocks_per_file: int = 8, max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES) -> None:  # fmt: skip
         check_type("fingerprint", fingerprint, ModelFingerprint, "a ModelFingerprint")
         check_int("blocks_per_file", blocks_per_file, low=1, high=MAX_BLOCKS_PER_FILE)
-        self._max_pending = check_int("max_pending_bytes", max_pending_bytes, low=1)
+        check_int("max_pending_bytes", max_pending_bytes, low=1)
         one_block_file = file_bytes(fingerprint, 1)
         capacity = check_capacity(capacity_bytes, one_block_file)
         self.fingerprint = fingerprint
         self._store = DiskStore(prepare_directory(directory), fingerprint, capacity)
         self._per_file = min(blocks_per_file, capacity // one_block_file)  # k blocks <= k one-block files: fits
         self._cond = threading.Condition(self._store.lock)  # one lock for the index and the queue
-        self._jobs: deque[_Write] = deque()
-        self._pending: set[bytes] = set()  # hashes queued or being written
-        self._pending_bytes = 0  # tensor bytes queued (the write in hand not counted)
+        self._queue = WriteQueue(max_pending_bytes)
         self._busy = self._closed = self._stopping = False
         self._store.refresh()
         self._writer = threading.Thread(target=self._write_loop, name="paged-kv-disk-writer", daemon=True)
@@ -126,14 +114,14 @@ class DiskTier:
             if loaded is None:
                 break
             _, kv, scales = loaded
-            kv_parts.append(_rows(kv, slots))
-            scale_parts += [] if scales is None else [_rows(scales, slots)]
+            kv_parts.append(rows(kv, slots))
+            scale_parts += [] if scales is None else [rows(scales, slots)]
             got += wanted[len(got) : len(got) + len(slots)]
         with self._cond:
             self._store.counts["hits"] += len(got)
         if not got:
             return [], None, None
-        return got, _joined(kv_parts), _joined(scale_parts) if scale_parts else None
+        return got, joined(kv_parts), joined(scale_parts) if scale_parts else None
 
     def _load_all(self, jobs: list[tuple[str, dict[int, DiskBlock]]]) -> Iterator[Loaded | None]:
         """Each file loaded and verified, in order: on the reader threads when there are several."""
@@ -154,45 +142,34 @@ class DiskTier:
         with self._cond:
             if self._closed:
                 raise ClosedError(describe("self", "a closed DiskTier", "an open DiskTier to put blocks in"))
-            indexed, keep, seen = self._store.index.blocks, [], set()
+            indexed, pending, keep, seen = self._store.index.blocks, self._queue.pending, [], set()
             for i, block in enumerate(blocks):
-                if block.hash not in indexed and block.hash not in self._pending and block.hash not in seen:
+                if block.hash not in indexed and block.hash not in pending and block.hash not in seen:
                     keep.append(i)
                     seen.add(block.hash)
             for start in range(0, len(keep), self._per_file):
-                self._enqueue(_batch(blocks, kv, scales, keep[start : start + self._per_file]))
+                dropped = self._queue.push(batch(blocks, kv, scales, keep[start : start + self._per_file]))
+                self._store.counts["writes_dropped"] += dropped
             self._cond.notify_all()
-
-    def _enqueue(self, write: _Write) -> None:
-        """Queue a write (lock held); drop the oldest queued ones while over the byte limit, keeping this one."""
-        self._jobs.append(write)
-        self._pending_bytes += write.nbytes
-        self._pending.update(b.hash for b in write.blocks)
-        while self._pending_bytes > self._max_pending and len(self._jobs) > 1:
-            old = self._jobs.popleft()
-            self._pending_bytes -= old.nbytes
-            self._pending.difference_update(b.hash for b in old.blocks)
-            self._store.counts["writes_dropped"] += len(old.blocks)
 
     def flush(self) -> None:
         """Wait until every queued write is on disk and indexed, and the budget kept."""
         with self._cond:
-            self._cond.wait_for(lambda: not self._jobs and not self._busy)
+            self._cond.wait_for(lambda: not self._queue and not self._busy)
 
     def _write_loop(self) -> None:
         """The writer thread: each queued batch becomes one file, then the budget is kept."""
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._jobs or self._stopping)
-                if not self._jobs:
+                self._cond.wait_for(lambda: self._queue or self._stopping)
+                if not self._queue:
                     return
-                write = self._jobs.popleft()
-                self._pending_bytes -= write.nbytes
+                write = self._queue.pop()
                 self._busy = True
                 fresh = [i for i, b in enumerate(write.blocks) if b.hash not in self._store.index.blocks]
             try:
                 if fresh:  # blocks a refresh indexed meanwhile are not written again
-                    part = _batch(write.blocks, write.kv, write.scales, fresh)
+                    part = batch(write.blocks, write.kv, write.scales, fresh)
                     self._store.write(part.blocks, part.kv, part.scales)
                     self._store.evict()
             except Exception:  # noqa: BLE001 -- no caller to raise to: log, count the loss, keep writing
@@ -201,7 +178,7 @@ class DiskTier:
                     self._store.counts["writes_dropped"] += len(write.blocks)
             finally:
                 with self._cond:
-                    self._pending.difference_update(b.hash for b in write.blocks)
+                    self._queue.done(write)
                     self._busy = False
                     self._cond.notify_all()
 
@@ -247,21 +224,3 @@ class DiskTier:
             return DiskTierStats(num_blocks=len(index.blocks), num_files=len(index.files), bytes_used=index.bytes_used,
                                  capacity_bytes=self.capacity_bytes, **self._store.counts)  # fmt: skip
 
-
-def _batch(blocks: Sequence[DiskBlock], kv: torch.Tensor, scales: torch.Tensor | None, picks: list[int]) -> _Write:
-    """The picked blocks of a batch as one write (views when the picks are consecutive)."""
-    kv = _rows(kv, picks)
-    scales = None if scales is None else _rows(scales, picks)
-    return _Write([blocks[i] for i in picks], kv, scales, kv.nbytes + (0 if scales is None else scales.nbytes))
-
-
-def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """``t[rows]`` along dim 0: a view when the rows are consecutive (the usual case), else a copy."""
-    if rows[-1] - rows[0] + 1 == len(rows) and rows == list(range(rows[0], rows[-1] + 1)):
-        return t[rows[0] : rows[-1] + 1]
-    return t[torch.tensor(rows)]
-
-
-def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
-    """The parts concatenated along dim 0 (the part itself when there is one)."""
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
