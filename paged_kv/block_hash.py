@@ -24,6 +24,7 @@ from paged_kv.tokens import as_token_array
 BlockHash = bytes  # a 32-byte SHA-256 digest
 
 _DOMAIN = b"paged-kv/block/v1"
+HASH_SCHEME = "sha256:" + _DOMAIN.decode()  # names this chaining in stored blocks (the disk tier's files)
 ROOT_CACHE_SIZE = 1024  # root hashes kept for recently used cache salts
 
 

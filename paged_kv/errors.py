@@ -44,6 +44,10 @@ class OutOfBlocksError(PagedKVError, MemoryError):
     """Not enough free blocks for the request; nothing was allocated."""
 
 
+class ClosedError(PagedKVError, ValueError):
+    """The object was closed and takes no more work (like I/O on a closed file)."""
+
+
 class WorkerError(PagedKVError, RuntimeError):
     """A tensor-parallel worker died, hung past the timeout or failed; the engine cannot go on."""
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from paged_kv.errors import (
+    ClosedError,
     DuplicateSequenceError,
     InvalidArgumentError,
     OutOfBlocksError,
@@ -30,6 +31,7 @@ from paged_kv.errors import (
         (DuplicateSequenceError, ValueError),
         (SequenceStateError, ValueError),
         (OutOfBlocksError, MemoryError),
+        (ClosedError, ValueError),
     ],
 )
 def test_every_error_is_a_paged_kv_error_and_its_builtin(cls, builtin):
