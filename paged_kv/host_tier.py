@@ -13,9 +13,9 @@ block manager hands the runner a :class:`TierOps` to run, in this order:
 4. ``post_stores`` (device -> host, policy ``"write"``): every device block the step filled,
    copied after the forward wrote it.
 
-Invariants: a host block read by a load or written by a fill is pinned (referenced) from the
-moment it is chosen until the step's ops are taken, so no store or fill of the same step can
-reuse it; a store's host block is registered under the device block's hash at once, and the
+Invariants: a host block read by a load or written by a fill or a store is pinned (referenced)
+from the moment it is chosen until the step's ops are taken, so no other op of the same step
+can reuse it; a store's host block is registered under the device block's hash at once, and the
 runner runs a step's ops before the next step's, so a later load reads what the store wrote.
 """
 
@@ -123,9 +123,9 @@ class HostTier:
             return None
         if pool.num_free == 0:  # every host block pinned by this step
             return None
-        block = pool.take(1)
+        block = pool.take(1)  # pinned until the ops are taken: no later store of the step reuses it
         pool.register_chain(block, (r.hash,), r.parent, (r.tokens,))
-        pool.release(block)
+        self._pinned += block
         self.num_stored_blocks += 1
         return device_block, block[0], r
 

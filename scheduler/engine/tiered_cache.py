@@ -20,6 +20,7 @@ from paged_kv.block_hash import BlockHashes
 from paged_kv.block_manager import BlockManager
 from paged_kv.host_tier import BlockRecord
 from paged_kv.kv_cache import KVCacheSpec, PagedKVCache
+from paged_kv.tiers.disk_tier import DiskBlock, DiskTier, ModelFingerprint
 from scheduler.core.config import CacheConfig
 from scheduler.runner.tier_transfers import TierTransfers
 
@@ -67,10 +68,9 @@ class TieredCache:
         self.bm = bm
         cuda = device_cache.device.type == "cuda"
         self.host_cache = PagedKVCache(spec, bm.host.pool.num_blocks, "cpu", pin_memory=cuda)
-        self.disk = None  # a paged_kv.tiers.disk_tier.DiskTier when configured
+        self.disk: DiskTier | None = None
+        self._disk_closed = False
         if config.kv_disk_dir is not None:
-            from paged_kv.tiers.disk_tier import DiskTier, ModelFingerprint
-
             fingerprint = ModelFingerprint.from_spec(spec, architecture)
             self.disk = DiskTier(config.kv_disk_dir, capacity_bytes=config.kv_disk_bytes, fingerprint=fingerprint,
                                  blocks_per_file=config.kv_disk_blocks_per_file)  # fmt: skip
@@ -95,8 +95,6 @@ class TieredCache:
 
     def _write_through(self, records: list[BlockRecord], kv: torch.Tensor, scales: torch.Tensor | None) -> None:
         """Blocks the host tier just received go to disk too (the disk tier writes them in the background)."""
-        from paged_kv.tiers.disk_tier import DiskBlock
-
         self.disk.put([DiskBlock(hash=r.hash, parent=r.parent, tokens=r.tokens) for r in records], kv, scales)
 
     def spill(self) -> int:
@@ -105,8 +103,6 @@ class TieredCache:
             return 0
         cached = [c for c in self.bm.gpu.cached_blocks() if not self.disk.find(c[2], [c[1]], [c[3]], 1)]
         if cached:
-            from paged_kv.tiers.disk_tier import DiskBlock
-
             kv, scales = self.transfers.device_cache.read_blocks([b for b, _, _, _ in cached])
             blocks = [DiskBlock(hash=h, parent=p, tokens=t) for _, h, p, t in cached]
             self.disk.put(blocks, kv.cpu(), None if scales is None else scales.cpu())
@@ -115,10 +111,10 @@ class TieredCache:
     def close(self) -> None:
         """Land the stores in flight, spill the device's cached blocks and finish the disk writes; idempotent."""
         self.transfers.flush()
-        if self.disk is not None:
+        if self.disk is not None and not self._disk_closed:
             self.spill()
             self.disk.close()
-            self.disk = None
+            self._disk_closed = True
 
     def stats(self) -> TierStats:
         """A snapshot of the tiers' figures."""

@@ -12,6 +12,7 @@ from sched_helpers import tiny_llama
 from vllm_kv_consumer import KVEventBatch, subscribe
 
 from scheduler import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
+from paged_kv.errors import InvalidArgumentError
 from scheduler.core.kv_events_config import KVEventsConfig
 
 BS = 4
@@ -143,3 +144,87 @@ def _probe():
     from scheduler.engine.kv_events import AllBlocksCleared, KVEventBatch as OurBatch
 
     return OurBatch(ts=time.time(), events=[AllBlocksCleared()])
+
+
+# -- the disk tier ---------------------------------------------------------------------------------
+def disk_engine(hf_model, directory, *, host_blocks: int = 1024, blocks: int = 20) -> LLMEngine:
+    """An engine with a host tier of ``host_blocks`` and a disk tier in ``directory``."""
+    probe = engine(hf_model, blocks=blocks)
+    per_block = probe.runner.gpu_cache.spec.bytes_per_block
+    cache = CacheConfig(block_size=BS, num_gpu_blocks=blocks, watermark=0.0, kv_offloading_bytes=host_blocks * per_block,
+                        kv_disk_dir=str(directory), kv_disk_bytes=1 << 30, kv_disk_blocks_per_file=4)  # fmt: skip
+    sched = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4)
+    return LLMEngine.from_hf(hf_model, EngineConfig(cache=cache, scheduler=sched, device="cpu"))
+
+
+def returning_users(eng: LLMEngine, histories: list[list[int]], salt: str | None = None) -> list[tuple]:
+    """Each user's history plus a new question, at once: (answer, cached tokens) per user."""
+    prompts = [h + [7, 8, 9, 10, 11] for h in histories]
+    outs = eng.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, cache_salt=salt), use_tqdm=False)
+    return [(tuple(o.outputs[0].token_ids), o.num_cached_tokens) for o in outs]
+
+
+HISTORIES = [list(range(10, 30)) + [50 + u] * 17 for u in range(3)]  # 37 tokens each: a shared 20-token start
+
+
+def test_a_small_host_tier_spills_to_disk_and_reads_it_back_with_the_same_outputs(hf_model, tmp_path):
+    base = multi_round_chat(engine(hf_model))
+    eng = disk_engine(hf_model, tmp_path, host_blocks=3)
+    tiered = multi_round_chat(eng)
+    assert [t for t, _ in tiered] == [t for t, _ in base]
+    stats = eng.block_manager.stats()
+    assert stats.num_lower_hit_tokens > 0  # blocks that left the 3-block host tier came back from disk
+    eng.shutdown()
+
+
+def test_a_restarted_engine_finds_its_prefixes_on_disk(hf_model, tmp_path):
+    cold = returning_users(engine(hf_model), HISTORIES)
+    first = disk_engine(hf_model, tmp_path)
+    returning_users(first, HISTORIES)
+    first.shutdown()  # the device's cached blocks spill to disk
+    again = disk_engine(hf_model, tmp_path)
+    warm = returning_users(again, HISTORIES)
+    assert [t for t, _ in warm] == [t for t, _ in cold]
+    assert all(c >= 36 for _, c in warm)  # the whole history but its last partial block... from disk
+    assert again.block_manager.stats().num_lower_hit_tokens >= 36  # (the shared start: once from disk, then device)
+    again.shutdown()
+
+
+def test_another_salt_never_reads_a_prefix_from_any_tier(hf_model, tmp_path):
+    first = disk_engine(hf_model, tmp_path)
+    returning_users(first, HISTORIES, salt="tenant-a")
+    first.shutdown()
+    again = disk_engine(hf_model, tmp_path)
+    returning_users(again, HISTORIES, salt="tenant-b")  # (its users share their start among themselves)
+    assert again.block_manager.stats().num_lower_hit_tokens == 0
+    assert all(c >= 36 for _, c in returning_users(again, HISTORIES, salt="tenant-a"))
+    assert again.block_manager.stats().num_lower_hit_tokens > 0
+    again.shutdown()
+
+
+def test_corrupted_or_foreign_files_are_skipped_never_loaded(hf_model, tmp_path):
+    cold = returning_users(engine(hf_model), HISTORIES)
+    first = disk_engine(hf_model, tmp_path)
+    returning_users(first, HISTORIES)
+    first.shutdown()
+    other = disk_engine(tiny_llama(seed=1), tmp_path)  # same geometry, other weights: a foreign model
+    returning_users(other, HISTORIES)
+    assert other.block_manager.stats().num_lower_hit_tokens == 0
+    other.shutdown()
+    for f in tmp_path.glob("*.safetensors"):  # flip one byte near the end of every file: its K/V data
+        data = bytearray(f.read_bytes())
+        data[-3] ^= 0xFF
+        f.write_bytes(bytes(data))
+    again = disk_engine(hf_model, tmp_path)
+    warm = returning_users(again, HISTORIES)
+    assert [t for t, _ in warm] == [t for t, _ in cold]
+    assert again.block_manager.stats().num_lower_hit_tokens == 0
+    assert again.tiers.disk.stats.files_skipped > 0
+    again.shutdown()
+
+
+def test_a_bad_disk_directory_is_refused_at_construction(hf_model, tmp_path):
+    a_file = tmp_path / "not-a-dir"
+    a_file.write_text("x")
+    with pytest.raises(InvalidArgumentError, match="directory"):
+        disk_engine(hf_model, a_file)
