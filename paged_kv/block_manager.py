@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from paged_kv.block_hash import BlockHash, BlockHashes, salt_root
 from paged_kv.block_pool import BlockId, BlockPool, CacheRecord, CopyOp, InvariantError, SeqId
+from paged_kv.cache_tiers import CacheEvent, CacheTiers
 from paged_kv.config import BlockManagerConfig
 from paged_kv.errors import (
     DuplicateSequenceError,
@@ -38,13 +39,12 @@ from paged_kv.errors import (
     check_type,
     describe,
 )
-from paged_kv.host_tier import BlockRecord, HostTier, TierOps
+from paged_kv.host_tier import HostTier
 from paged_kv.positional_edits import PositionalEdits
 from paged_kv.stats import BlockManagerStats, HitCounter
 from paged_kv.tokens import Tokens, as_token_array
 
 TableEntry = tuple[SeqId, int, BlockId]  # (seq_id, logical index, physical block), or a release
-CacheEvent = tuple[str, CacheRecord]  # (medium "GPU" or "CPU", a pool's journal record)
 RELEASED = -1  # index and block of the journal entry that says a sequence's table is gone
 
 
@@ -91,7 +91,7 @@ class Admission:
         return self._manager._fits(self, num_tokens)
 
 
-class BlockManager(PositionalEdits):
+class BlockManager(PositionalEdits, CacheTiers):
     """Allocates, grows, forks, swaps and frees the block tables of sequences."""
 
     def __init__(self, config: BlockManagerConfig, *, track_changes: bool = False) -> None:
@@ -152,105 +152,6 @@ class BlockManager(PositionalEdits):
             raise InvalidArgumentError(describe("track_changes", False, "a manager built with track_changes=True"))
         changes, self._journal = self._journal, []
         return changes
-
-    # -- tiers and cache events ------------------------------------------
-    def take_tier_ops(self) -> TierOps:
-        """The host-tier transfers owed since the last call, in the order they must run (see paged_kv.host_tier)."""
-        self._drain(self.gpu, "GPU")
-        if self.host is None:
-            return TierOps()
-        owed, self._owed = self._owed, []
-        ops = self.host.take_ops(owed)
-        self._drain(self.host.pool, "CPU")
-        return ops
-
-    def take_cache_events(self) -> list[CacheEvent]:
-        """Every change of the device and host cache indexes since the last call, in order (KV events)."""
-        if self._events is None:
-            raise InvalidArgumentError(describe("track_cache_events", False, "a manager configured to track them"))
-        self._drain(self.gpu, "GPU")
-        if self.host is not None:
-            self._drain(self.host.pool, "CPU")
-        events, self._events = self._events, []
-        return events
-
-    def _drain(self, pool: BlockPool, medium: str) -> None:
-        """Move a pool's journal to the events (and a device pool's to the host tier's owed records)."""
-        records = pool.journal
-        if not records:
-            return
-        pool.journal = []
-        if self._events is not None:
-            self._events += [(medium, r) for r in records]
-        if pool is self.gpu and self.host is not None:
-            self._owed += records
-
-    # -- pinned prefixes ---------------------------------------------------
-    def pin(self, pin_id: Hashable, token_ids: Tokens, *, cache_salt: str | None = None) -> int:
-        """Hold the cached device blocks of ``token_ids``'s leading full blocks while pinned; return tokens held.
-
-        Pinned blocks are referenced, so never evicted. Only the run cached now is held: pin
-        a prompt after a request has computed it (``LLMEngine.pin_prefix`` does).
-        """
-        try:
-            taken = pin_id in self._pins
-        except TypeError:
-            raise InvalidArgumentError(describe("pin_id", pin_id, "a hashable id")) from None
-        if taken:
-            raise DuplicateSequenceError(describe("pin_id", pin_id, "an id not already pinned"))
-        ids = as_token_array("token_ids", token_ids)
-        if ids is None:
-            raise InvalidArgumentError(describe("token_ids", token_ids, "a sequence of token ids (not a count)"))
-        h = self._stream(ids, cache_salt, None)
-        blocks = [] if h is None else self.gpu.lookup_chain(h.root, h.hashes, h.contents, len(h.hashes))
-        self._version += 1
-        self.gpu.touch_all(blocks)
-        self._pins[pin_id] = blocks
-        return len(blocks) * self.block_size
-
-    def unpin(self, pin_id: Hashable) -> None:
-        """Release a pinned prefix's blocks (cached and evictable again, most recently used)."""
-        try:
-            blocks = self._pins.pop(pin_id)
-        except (KeyError, TypeError):
-            raise UnknownSequenceError(describe("pin_id", pin_id, "a pinned prefix's id")) from None
-        self._version += 1
-        self.gpu.release(reversed(blocks))
-
-    @property
-    def pinned(self) -> dict[Hashable, int]:
-        """Tokens held by each pinned prefix."""
-        return {k: len(v) * self.block_size for k, v in self._pins.items()}
-
-    def chain_past_cache(
-        self, token_ids: Tokens, *, cache_salt: str | None = None, hashes: BlockHashes | None = None
-    ) -> tuple[BlockHash, list[BlockHash], list[bytes]]:
-        """The full blocks of a prompt past its device and host hits (never its last token): a lower tier's query.
-
-        ``(parent, hashes, contents)``: what :meth:`fill_host` may add, in chain order.
-        """
-        ids = as_token_array("token_ids", token_ids)
-        h, n = self._stream(ids, cache_salt, hashes), _count(ids, token_ids)
-        if h is None or self.host is None:
-            return (b"", [], [])
-        gpu = len(self._hits_of(h, n))
-        k = gpu + len(self._host_hits(h, gpu, n))
-        end = self._max_hit_blocks(n)
-        return (h.hashes[k - 1] if k else h.root), h.hashes[k:end], h.contents[k:end]
-
-    def fill_host(self, records: list[BlockRecord], payload: object) -> int:
-        """Add a lower tier's blocks (``records``, chained, with their data ``payload``) to the host tier.
-
-        Returns how many leading records found room; the runner writes ``payload`` into their
-        host blocks before this step's loads (``TierOps.fills``).
-        """
-        if self.host is None:
-            raise InvalidArgumentError(describe("num_host_blocks", 0, "> 0 for a lower tier to fill the host tier"))
-        check_type("records", records, list, "a list of BlockRecord")
-        for i, r in enumerate(records):
-            check_type(f"records[{i}]", r, BlockRecord, "a BlockRecord")
-        self._version += 1
-        return self.host.fill(records, payload)
 
     # -- admission and allocate -------------------------------------------
     def num_cached_tokens(
@@ -389,15 +290,6 @@ class BlockManager(PositionalEdits):
         if hashes is None:
             return []
         return self.gpu.lookup_chain(hashes.root, hashes.hashes, hashes.contents, self._max_hit_blocks(num_tokens))
-
-    def _host_hits(self, hashes: BlockHashes | None, num_hits: int, num_tokens: int) -> list[BlockId]:
-        """Host-tier blocks continuing a stream's ``num_hits`` device hits (never covering its last token)."""
-        limit = self._max_hit_blocks(num_tokens) - num_hits
-        if self.host is None or hashes is None or limit <= 0 or len(hashes.hashes) <= num_hits:
-            return []
-        parent = hashes.hashes[num_hits - 1] if num_hits else hashes.root
-        end = num_hits + limit
-        return self.host.hits(parent, hashes.hashes[num_hits:end], hashes.contents[num_hits:end], limit)
 
     def _grow(self, seq: _Seq, ids: array, first: int) -> None:
         """A cacheable sequence's last ids (at least those its hashes lack) are ``ids``: extend its hashes where
