@@ -120,7 +120,7 @@ def entries() -> list[Entry]:
             "cache_salt": Arg("opt_str", None), "hashes": Arg("obj", lambda: stream(2), bad=OTHER_STREAMS),
             "num_lookahead_slots": Arg("int", 0),
             "num_queried": Arg("opt_int", 5, bad={OUT_OF_RANGE: [2, -1, 1 << 62]}),  # at least the 3 tokens
-            "priority": Arg("int", -3, bad={OUT_OF_RANGE: [1 << 63, -(1 << 63)]})}, m),  # any int64 (vLLM's)
+            "priority": Arg("int", -3, bad={OUT_OF_RANGE: [1 << 63, -(1 << 63) - 1]})}, m),  # any int64 (vLLM's)
         Entry("paged_kv.BlockManager.append", "append", {
             "seq_id": Arg("seq_id", "a", bad={BAD_ID: [["l"], "zz", "s"]}), "token_ids": Arg("ids", [7]),
             "num_lookahead_slots": Arg("int", 0)}, m),

@@ -225,7 +225,7 @@ def _rows() -> list[Entry]:
             "prompt_token_ids": Arg("ids", [1, 2], bad={**TOKENS, WRONG_TYPE: ["ab", 5, None, []]}),
             "sampling_params": Arg("obj", None, bad={WRONG_TYPE: [{"max_tokens": 3}, "x"]}),
             "fork_samples": Arg("bool", True),
-            "priority": Arg("int", 0, bad={OUT_OF_RANGE: [1 << 63, -(1 << 63)]})}, engine),
+            "priority": Arg("int", 0, bad={OUT_OF_RANGE: [1 << 63, -(1 << 63) - 1]})}, engine),
         Entry("scheduler.LLMEngine.pin_prefix", "pin_prefix", {
             "token_ids": Arg("ids", [1, 2, 3, 4, 5], bad={**TOKENS, WRONG_TYPE: ["ab", 5, None, []]}),
             "cache_salt": Arg("opt_str", None)}, engine),

@@ -77,3 +77,15 @@ def test_a_fork_inherits_its_parents_priority():
     assert cached_after(bm, list(range(30, 34))) == 4
     assert cached_after(bm, list(range(4))) == 0
     bm.check()
+
+
+def test_every_int64_priority_is_accepted_and_orders_eviction():
+    bm = manager(num_blocks=3)
+    lowest, highest = -(1 << 63), (1 << 63) - 1  # vLLM's priority is any int64
+    bm.allocate("keep", list(range(4)) + [9], priority=lowest)
+    bm.free("keep")
+    bm.allocate("drop", list(range(10, 14)) + [9], priority=highest)
+    bm.free("drop")
+    bm.allocate("x", list(range(20, 28)))  # 2 blocks: the free one, then the least important (highest value)
+    assert [cached_after(bm, list(range(4))), cached_after(bm, list(range(10, 14)))] == [4, 0]
+    bm.check()
