@@ -222,6 +222,11 @@ class BlockManager(PositionalEdits):
         """Tokens held by each pinned prefix."""
         return {k: len(v) * self.block_size for k, v in self._pins.items()}
 
+    @property
+    def num_pinned_blocks(self) -> int:
+        """Device blocks held by pinned prefixes (each once: pins may share blocks)."""
+        return len({b for blocks in self._pins.values() for b in blocks})
+
     def chain_past_cache(
         self, token_ids: Tokens, *, cache_salt: str | None = None, hashes: BlockHashes | None = None
     ) -> tuple[BlockHash, list[BlockHash], list[bytes]]:

@@ -238,7 +238,9 @@ class LLMEngine:
             raise InvalidArgumentError(describe("sampling_params", type(params).__name__, "a SamplingParams"))
         prompt = check_prompt(prompt_token_ids, self.model.config.vocab_size)
         check_sampling_ids(params, self.model.config.vocab_size)
-        check_request_fits(len(prompt), params, self.model.config, self.config.scheduler, self.block_manager.config)
+        bm = self.block_manager
+        check_request_fits(len(prompt), params, self.model.config, self.config.scheduler, bm.config,
+                           pinned_blocks=bm.num_pinned_blocks)  # fmt: skip
         if params.structured_outputs is not None:
             self.check_structured_outputs(params.structured_outputs)
         return prompt, params

@@ -84,6 +84,7 @@ class AsyncEngine:
         self.metrics = metrics or ServerMetrics(model_name, engine.model.config.max_position_embeddings)
         self.num_in_flight = 0  # requests admitted and not yet done; event-loop thread only
         self.num_aborted = 0  # requests aborted by their client; worker thread only
+        self.pinned_blocks = engine.block_manager.num_pinned_blocks  # pinned at start-up, held until shutdown
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}  # worker thread only
         self._ids = itertools.count()
@@ -107,7 +108,7 @@ class AsyncEngine:
     def max_new_tokens(self, prompt_len: int, n: int) -> int:
         """The most tokens each of ``n`` samples of a prompt can generate: model context and KV pool."""
         pool = self.engine.block_manager.config
-        usable = pool.num_blocks - pool.watermark_blocks
+        usable = pool.num_blocks - pool.watermark_blocks - self.pinned_blocks
         fits = (usable // n) * pool.block_size
         return min(self.engine.model.config.max_position_embeddings, fits) - prompt_len
 
@@ -115,7 +116,8 @@ class AsyncEngine:
         """Raise (a PagedKVError) if the engine could never serve the request; reads only immutable config."""
         prompt = check_prompt(prompt_token_ids, self.engine.model.config.vocab_size)
         e = self.engine
-        check_request_fits(len(prompt), params, e.model.config, e.config.scheduler, e.block_manager.config)
+        check_request_fits(len(prompt), params, e.model.config, e.config.scheduler, e.block_manager.config,
+                           pinned_blocks=self.pinned_blocks)  # fmt: skip
 
     async def generate(self, prompts: list[tuple[list[int], str | None]], params: list[SamplingParams]
                        ) -> AsyncIterator[Event]:  # fmt: skip

@@ -106,6 +106,22 @@ def test_a_pinned_system_prompt_is_never_evicted(hf_model):
     eng.block_manager.check()
 
 
+def test_a_request_too_long_for_the_blocks_pins_leave_is_refused_not_stalled(hf_model):
+    eng = engine(hf_model, blocks=12)
+    pin = eng.pin_prefix(list(range(100, 132)))  # 8 full blocks held: 4 left
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert eng.block_manager.num_pinned_blocks == 8
+    with pytest.raises(InvalidArgumentError, match=r"max_tokens.*8 held by pinned prefixes"):
+        eng.add_request("long", list(range(1, 15)), SamplingParams(max_tokens=4))  # 18 tokens: 5 blocks
+    assert not eng.has_unfinished_requests()
+    eng.generate([list(range(1, 13))], SamplingParams(max_tokens=4), use_tqdm=False)  # 16 tokens: 4 blocks, fits
+    eng.unpin(pin)
+    assert eng.block_manager.num_pinned_blocks == 0
+    eng.add_request("long", list(range(1, 15)), SamplingParams(max_tokens=4))
+    assert len(eng.generate([[1, 2, 3]], SamplingParams(max_tokens=1), use_tqdm=False)) == 1
+
+
 def test_kv_events_rebuild_each_tiers_cached_blocks_exactly(hf_model):
     config = KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:*", event_encoding="map")
     eng = engine(hf_model, offload=1 << 20, store="write", kv_events=config)
