@@ -193,6 +193,27 @@ def test_a_small_host_tier_spills_to_disk_and_reads_it_back_with_the_same_output
     eng.shutdown()
 
 
+@pytest.mark.parametrize("host_blocks", [8, 4])
+def test_a_disk_read_extends_the_host_hits_it_continues_as_far_as_the_host_tier_has_room(hf_model, tmp_path,
+                                                                                         host_blocks):
+    """A returning prompt whose leading blocks are on the host and the rest only on disk: the fill from disk
+    must not evict those host blocks to make room (it did: nothing was hit), and a read longer than the
+    host tier's room fills what fits (it wrote the whole read into fewer blocks: the step failed)."""
+    eng, greedy = disk_engine(hf_model, tmp_path, host_blocks=host_blocks, blocks=24), SamplingParams(max_tokens=2)
+    prompt = lambda first: [first] + list(range(3, 42))  # noqa: E731 (40 tokens: 9 blocks a hit may cover)
+    for first in (220, 221, 222, 223):  # each evicts the one before it from the 24-block device pool
+        eng.generate([prompt(first)], greedy, use_tqdm=False)
+    eng.tiers.disk.flush()
+    (out,) = eng.generate([prompt(220)], greedy, use_tqdm=False)
+    tiers = eng.tiers.stats()
+    assert tiers.host_hit_tokens > 0 and tiers.disk_hit_tokens > 0
+    assert out.num_cached_tokens == tiers.host_hit_tokens + tiers.disk_hit_tokens == host_blocks * BS  # all it holds
+    assert out.outputs[0].token_ids == engine(hf_model).generate([prompt(220)], greedy, use_tqdm=False)[0].outputs[
+        0].token_ids  # fmt: skip
+    eng.block_manager.check()
+    eng.shutdown()
+
+
 def test_a_restarted_engine_finds_its_prefixes_on_disk(hf_model, tmp_path):
     cold = returning_users(engine(hf_model), HISTORIES)
     first = disk_engine(hf_model, tmp_path)
