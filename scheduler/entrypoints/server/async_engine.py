@@ -119,9 +119,11 @@ class AsyncEngine:
         check_request_fits(len(prompt), params, e.model.config, e.config.scheduler, e.block_manager.config,
                            pinned_blocks=self.pinned_blocks)  # fmt: skip
 
-    async def generate(self, prompts: list[tuple[list[int], str | None]], params: list[SamplingParams]
-                       ) -> AsyncIterator[Event]:  # fmt: skip
+    async def generate(self, prompts: list[tuple[list[int], str | None]], params: list[SamplingParams], *,
+                       priority: int = 0) -> AsyncIterator[Event]:  # fmt: skip
         """Run every prompt; yield events until each is done. Closing the iterator early aborts what is left.
+
+        ``priority`` (vLLM's: lower is more important) orders the eviction of the requests' cached blocks.
 
         Raises Overloaded when the server is full and a PagedKVError on a request it can never serve,
         both before anything is queued.
@@ -137,7 +139,7 @@ class AsyncEngine:
         self.num_in_flight += len(prompts)
         try:
             for key, (rid, (ids, text), p) in enumerate(zip(rids, prompts, params)):
-                self._commands.put(("add", rid, ids, text, p, _Live(sink, key, now)))
+                self._commands.put(("add", rid, ids, text, p, priority, _Live(sink, key, now)))
             while left:
                 ev = await events.get()
                 if ev.result is not None or ev.error is not None:
@@ -177,9 +179,9 @@ class AsyncEngine:
 
     def _apply(self, command: tuple) -> None:
         if command[0] == "add":
-            _, rid, ids, text, params, live = command
+            _, rid, ids, text, params, priority, live = command
             try:
-                self.processor.add(rid, ids, params, text)
+                self.processor.add(rid, ids, params, text, priority=priority)
             except Exception as e:  # PagedKVError: a bad request (400); anything else: a bug, still answered
                 _send(live, Event(live.key, [], error=e))
                 return
