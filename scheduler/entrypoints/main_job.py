@@ -18,7 +18,7 @@ from paged_kv.errors import PagedKVError
 from scheduler.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from scheduler.core.outputs import RequestOutput
 from scheduler.engine.llm_engine import LLMEngine
-from scheduler.entrypoints.tier_options import add_tier_options, kv_events, tier_fields
+from scheduler.entrypoints.tier_options import add_tier_options, kv_events, tier_fields, tier_summary
 from scheduler.entrypoints.workload import ChatRequest, chat_workload
 from scheduler.model.loader import load_smollm2
 from scheduler.runner.tp_worker import is_torchrun_worker, serve_rank
@@ -168,6 +168,9 @@ def main(argv: list[str] | None = None) -> None:
     done = serve(engine, requests, args.arrivals_per_step)
     print_answers(tokenizer, requests, done, args.show)
     print("\n" + engine.metrics_summary().format())
+    tiers = tier_summary(engine)
+    if tiers is not None:
+        print(tiers)
     if args.beam_width:
         beam_example(engine, tokenizer, args.beam_width, max_tokens=24)
     engine.shutdown()

@@ -1,4 +1,5 @@
-"""The command line's options of the tiered prefix cache and of KV cache events (vLLM's flag names where vLLM has one).
+"""The command line's options of the tiered prefix cache and of KV cache events (vLLM's flag names where vLLM has one),
+and the tiers' lines of the main job's summary.
 
 ``--kv-offloading-size`` (GiB, vLLM's) sizes the host tier under the device pool and
 ``--kv-offloading-policy`` says what it stores; ``--kv-disk-dir`` / ``--kv-disk-size`` add the disk
@@ -17,8 +18,10 @@ import math
 from paged_kv.config import HOST_STORE_POLICIES
 from paged_kv.errors import InvalidArgumentError, PagedKVError, describe
 from scheduler.core.kv_events_config import KVEventsConfig
+from scheduler.engine.llm_engine import LLMEngine
 
 GIB = 1 << 30
+MIB = 1 << 20
 
 
 def add_tier_options(p: argparse.ArgumentParser) -> None:
@@ -102,3 +105,31 @@ def kv_events(args: argparse.Namespace) -> KVEventsConfig | None:
         return config
     base = config if config is not None else KVEventsConfig()
     return dataclasses.replace(base, enable_kv_cache_events=True, endpoint=args.kv_events_endpoint)
+
+
+def tier_summary(engine: LLMEngine) -> str | None:
+    """The tiers' lines of a run's summary: hits by tier, bytes moved, occupancy (None without a host tier)."""
+    if engine.tiers is None:
+        return None
+    stats = engine.block_manager.stats()
+    t = engine.tiers.stats(stats)
+    device = stats.num_hit_tokens - t.host_hit_tokens - t.disk_hit_tokens
+    hits = [f"device {device} tokens", f"host {t.host_hit_tokens}"]
+    moved = [f"device->host {_mib(t.bytes_stored)}, host->device {_mib(t.bytes_loaded)}"]
+    cached = _share(t.host_cached_blocks, t.host_blocks)
+    held = [f"host {t.host_cached_blocks} of {t.host_blocks} blocks cached ({cached})"]
+    if t.disk_capacity_bytes:
+        hits.append(f"disk {t.disk_hit_tokens}")
+        moved.append(f"disk written {_mib(t.disk_bytes_written)}, read {_mib(t.disk_bytes_read)}")
+        used = _share(t.disk_bytes_used, t.disk_capacity_bytes)
+        held.append(f"disk {_mib(t.disk_bytes_used)} of {_mib(t.disk_capacity_bytes)} ({used})")
+    return "\n".join((f"prefix-cache hits by tier: {', '.join(hits)}", f"tier traffic: {'; '.join(moved)}",
+                      f"tier occupancy: {'; '.join(held)}"))
+
+
+def _mib(n: int) -> str:
+    return f"{n / MIB:.1f} MiB"
+
+
+def _share(part: int, whole: int) -> str:
+    return f"{part / whole:.0%}" if whole else "0%"

@@ -6,11 +6,13 @@ import httpx
 import pytest
 
 from scheduler.core.kv_events_config import KVEventsConfig
+from scheduler.core.params import SamplingParams
 from scheduler.entrypoints.cli import build_server, serve_args
 from scheduler.entrypoints.llm import LLM
 from scheduler.entrypoints.main_job import engine_config, parse_args
 from scheduler.entrypoints.pinned_prompt import system_prefix
 from scheduler.entrypoints.server.background import serve_in_thread
+from scheduler.entrypoints.tier_options import tier_summary
 
 GIB = 1 << 30
 SYSTEM = "the quick brown fox jumps over the lazy dog. " * 4
@@ -83,6 +85,28 @@ def test_the_flags_build_an_engine_with_its_tiers_and_events(tiny_model_dir, tmp
         assert llm.engine.tiers.disk is not None and llm.engine.cache_events is not None
     finally:
         llm.engine.shutdown()
+
+
+def test_the_main_jobs_summary_gives_each_tiers_hits_traffic_and_occupancy(tiny_model_dir, tmp_path):
+    args = parse_args(["--device", "cpu", "--kv-blocks", "24", "--block-size", "4", "--kv-offloading-size",
+                       str(64 / 1024**2), "--kv-disk-dir", str(tmp_path), "--kv-disk-size", str(1 / 1024)])  # fmt: skip
+    llm = LLM(tiny_model_dir, engine_config=engine_config(args))
+    for first in (220, 221, 222, 223, 220):  # the last comes back from the host tier
+        llm.generate([[first] + list(range(3, 42))], SamplingParams(max_tokens=2))
+    llm.engine.tiers.disk.flush()
+    stats, t = llm.engine.block_manager.stats(), llm.engine.tiers.stats()
+    hits, traffic, held = tier_summary(llm.engine).splitlines()
+    device = stats.num_hit_tokens - t.host_hit_tokens - t.disk_hit_tokens
+    assert t.host_hit_tokens > 0 and t.disk_bytes_written > 0
+    assert hits == f"prefix-cache hits by tier: device {device} tokens, host {t.host_hit_tokens}, disk {t.disk_hit_tokens}"
+    mib = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
+    assert traffic == (f"tier traffic: device->host {mib(t.bytes_stored)}, host->device {mib(t.bytes_loaded)}; "
+                       f"disk written {mib(t.disk_bytes_written)}, read {mib(t.disk_bytes_read)}")  # fmt: skip
+    share = f"{t.host_cached_blocks / t.host_blocks:.0%}"
+    assert held.startswith(f"tier occupancy: host {t.host_cached_blocks} of 32 blocks cached ({share}); disk ")
+    assert held.endswith(f"of {mib(1 << 20)} ({t.disk_bytes_used / (1 << 20):.0%})")
+    llm.engine.shutdown()
+    assert tier_summary(LLM(tiny_model_dir, engine_config=engine_config(parse_args(["--device", "cpu"]))).engine) is None
 
 
 def test_the_pinned_system_prompt_is_what_a_chat_request_starts_with_and_stays_cached(tiny_model_dir, tmp_path):
