@@ -227,6 +227,18 @@ class BlockManager(PositionalEdits):
         """Device blocks held by pinned prefixes (each once: pins may share blocks)."""
         return len({b for blocks in self._pins.values() for b in blocks})
 
+    def num_pinned_blocks_apart(self, token_ids: Tokens, *, cache_salt: str | None = None) -> int:
+        """Device blocks held by pinned prefixes that a new allocation of ``token_ids`` would not share (hit)."""
+        ids = as_token_array("token_ids", token_ids)
+        salt_root(cache_salt)
+        if not self._pins:
+            return 0
+        pinned = {b for blocks in self._pins.values() for b in blocks}
+        if ids is None:  # anonymous tokens share nothing
+            return len(pinned)
+        head = ids[: max(map(len, self._pins.values())) * self.block_size + 1]  # a pin is shared within its length
+        return len(pinned.difference(self._hits_of(self._stream(head, cache_salt, None), len(head))))
+
     def chain_past_cache(
         self, token_ids: Tokens, *, cache_salt: str | None = None, hashes: BlockHashes | None = None
     ) -> tuple[BlockHash, list[BlockHash], list[bytes]]:

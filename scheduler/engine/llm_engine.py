@@ -239,8 +239,9 @@ class LLMEngine:
         prompt = check_prompt(prompt_token_ids, self.model.config.vocab_size)
         check_sampling_ids(params, self.model.config.vocab_size)
         bm = self.block_manager
+        pinned = bm.num_pinned_blocks_apart(prompt, cache_salt=params.cache_salt) if bm.pinned else 0
         check_request_fits(len(prompt), params, self.model.config, self.config.scheduler, bm.config,
-                           pinned_blocks=bm.num_pinned_blocks)  # fmt: skip
+                           pinned_blocks=pinned)  # fmt: skip
         if params.structured_outputs is not None:
             self.check_structured_outputs(params.structured_outputs)
         return prompt, params

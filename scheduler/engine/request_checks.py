@@ -32,8 +32,8 @@ def check_request_fits(
 
     The pool check is the worst case: every one of the ``n`` samples at full
     length, alone in the pool beside the ``pinned_blocks`` pinned prefixes hold
-    (never freed), sharing nothing (so a request that passes can always run once
-    the others are done or preempted).
+    that it does not share (never freed), sharing nothing else (so a request
+    that passes can always run once the others are done or preempted).
     """
     total = prompt_len + params.max_tokens
     if total > model.max_position_embeddings:

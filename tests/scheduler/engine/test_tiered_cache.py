@@ -116,6 +116,9 @@ def test_a_request_too_long_for_the_blocks_pins_leave_is_refused_not_stalled(hf_
         eng.add_request("long", list(range(1, 15)), SamplingParams(max_tokens=4))  # 18 tokens: 5 blocks
     assert not eng.has_unfinished_requests()
     eng.generate([list(range(1, 13))], SamplingParams(max_tokens=4), use_tqdm=False)  # 16 tokens: 4 blocks, fits
+    (out,) = eng.generate([list(range(100, 132)) + list(range(1, 12))], SamplingParams(max_tokens=4),
+                          use_tqdm=False)  # 47 tokens, 12 blocks: the 8 pinned ones are its own  # fmt: skip
+    assert out.num_cached_tokens == 32 and out.outputs[0].finish_reason == "length"
     eng.unpin(pin)
     assert eng.block_manager.num_pinned_blocks == 0
     eng.add_request("long", list(range(1, 15)), SamplingParams(max_tokens=4))

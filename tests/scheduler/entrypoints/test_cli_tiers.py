@@ -122,7 +122,7 @@ def test_the_pinned_system_prompt_is_what_a_chat_request_starts_with_and_stays_c
     assert other[: len(prefix)] == prefix and other[len(prefix)] != chat[len(prefix)]  # the user's words start there
     (held,) = llm.engine.pins.held.values()
     assert held == len(prefix) // 4 * 4
-    assert app.state.frontend.max_model_len == (64 - held // 4) * 4  # the pinned blocks are never free
+    assert app.state.frontend.max_model_len == 64 * 4  # a request sharing the pinned blocks may use them all
     with serve_in_thread(app) as url:
         for i in range(4):  # prompts that need every block the pin leaves
             body = {"prompt": list(range(10 + i, 110 + i)), "max_tokens": 2}
@@ -130,5 +130,11 @@ def test_the_pinned_system_prompt_is_what_a_chat_request_starts_with_and_stays_c
         body = {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hello there"}],
                 "max_tokens": 2}  # fmt: skip
         usage = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()["usage"]
+        body["messages"][1]["content"] = "hello there, " * 12  # with the system prompt: past what the pin leaves
+        long_chat = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()["usage"]
+        apart = httpx.post(f"{url}/v1/completions", json={"prompt": list(range(50, 210)), "max_tokens": 2}, timeout=60)
     assert usage["prompt_tokens_details"]["cached_tokens"] == held
+    assert long_chat["prompt_tokens"] + 2 > (64 - held // 4) * 4  # fits: the pinned blocks are its own
+    assert long_chat["prompt_tokens_details"]["cached_tokens"] >= held
+    assert apart.status_code == 400 and apart.json()["error"]["param"] == "max_tokens"  # 160 tokens beside the pin: no
     llm.engine.shutdown()
