@@ -141,7 +141,6 @@ class LLM:
         return [done[i] for i in ids]
 
 
-
 def _priorities(priority: int | Sequence[int], n: int) -> list[int]:
     """Each of ``n`` prompts' priority: one int for all, or ``n`` of them (each any int64, as vLLM's)."""
     if not isinstance(priority, Sequence) or isinstance(priority, (str, bytes)):
