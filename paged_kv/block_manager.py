@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from paged_kv.block_hash import BlockHash, BlockHashes, salt_root
 from paged_kv.block_pool import BlockId, BlockPool, CacheRecord, CopyOp, InvariantError, SeqId
 from paged_kv.cache_tiers import CacheEvent, CacheTiers
-from paged_kv.config import BlockManagerConfig
+from paged_kv.config import PRIORITY_MAX, PRIORITY_MIN, BlockManagerConfig
 from paged_kv.errors import (
     DuplicateSequenceError,
     InvalidArgumentError,
@@ -239,7 +239,7 @@ class BlockManager(PositionalEdits, CacheTiers):
         ids = as_token_array("token_ids", token_ids)
         n = _count(ids, token_ids)
         queried = n if num_queried is None else check_int("num_queried", num_queried, low=n, high=1 << 40)
-        check_int("priority", priority, low=-(1 << 62), high=1 << 62)
+        check_int("priority", priority, low=PRIORITY_MIN, high=PRIORITY_MAX)
         h, gpu = self._stream(ids, cache_salt, hashes), self.gpu
         hits = self._hits_of(h, n)
         loads = self._host_hits(h, len(hits), n)  # in new device blocks, loaded before the step reads them

@@ -183,6 +183,15 @@ class BlockPool:
             parent = h
         return hits
 
+    def chain_ending_at(self, h: BlockHash) -> list[BlockId]:
+        """The cached blocks of the hash chain ending at ``h``, last first, back to the first block not cached."""
+        cached, parents, blocks = self._cached, self._parent, []
+        block = cached.get(h)
+        while block is not None:
+            blocks.append(block)
+            block = cached.get(parents[block])
+        return blocks
+
     def register_chain(
         self, blocks: Iterable[BlockId], hashes: Iterable[BlockHash], parent: BlockHash, tokens: Iterable[TokenKey]
     ) -> None:

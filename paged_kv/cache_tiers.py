@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
-from paged_kv.block_hash import BlockHash, BlockHashes
+from paged_kv.block_hash import BlockHash, BlockHashes, salt_root
 from paged_kv.block_pool import BlockId, BlockPool, CacheRecord
 from paged_kv.errors import DuplicateSequenceError, InvalidArgumentError, UnknownSequenceError, check_type, describe
 from paged_kv.host_tier import BlockRecord, TierOps
@@ -94,6 +94,23 @@ class CacheTiers:
     def pinned(self) -> dict[Hashable, int]:
         """Tokens held by each pinned prefix."""
         return {k: len(v) * self.block_size for k, v in self._pins.items()}
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        """Device blocks held by pinned prefixes (each once: pins may share blocks)."""
+        return len({b for blocks in self._pins.values() for b in blocks})
+
+    def num_pinned_blocks_apart(self, token_ids: Tokens, *, cache_salt: str | None = None) -> int:
+        """Device blocks held by pinned prefixes that a new allocation of ``token_ids`` would not share (hit)."""
+        ids = as_token_array("token_ids", token_ids)
+        salt_root(cache_salt)
+        if not self._pins:
+            return 0
+        pinned = {b for blocks in self._pins.values() for b in blocks}
+        if ids is None:  # anonymous tokens share nothing
+            return len(pinned)
+        head = ids[: max(map(len, self._pins.values())) * self.block_size + 1]  # a pin is shared within its length
+        return len(pinned.difference(self._hits_of(self._stream(head, cache_salt, None), len(head))))
 
     def chain_past_cache(
         self, token_ids: Tokens, *, cache_salt: str | None = None, hashes: BlockHashes | None = None

@@ -9,6 +9,7 @@ from paged_kv.errors import InvalidArgumentError, check_bool, check_int, check_r
 MAX_BLOCKS = 1 << 26  # 64M blocks: any larger count is a unit mistake, not a real pool
 MAX_BLOCK_SIZE = 1 << 12
 HOST_STORE_POLICIES = ("evict", "write")
+PRIORITY_MIN, PRIORITY_MAX = -(1 << 63), (1 << 63) - 1  # vLLM's request priority: any int64
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -88,7 +88,15 @@ class HostTier:
         self.num_hit_blocks += len(host_blocks) - lower
 
     def fill(self, records: list[BlockRecord], payload: object) -> int:
-        """Take host blocks for a lower tier's leading ``records`` and owe their fill; how many fit."""
+        """Take host blocks for a lower tier's leading ``records`` and owe their fill; how many fit.
+
+        The host blocks of the chain the records continue are pinned for the step first: taking
+        room must not evict the prefix the fill extends (the host hits the request will load).
+        """
+        if records:
+            prefix = self.pool.chain_ending_at(records[0].parent)
+            self.pool.touch_all(prefix)
+            self._pinned += prefix
         room = min(len(records), self.pool.num_free)
         if room == 0:
             return 0

@@ -19,12 +19,12 @@ from typing import NamedTuple
 
 import torch
 
-from paged_kv.tensor_checks import INDEX_DTYPES, check_device, check_dtype, check_range, check_shape, check_tensor
 from kernels.block_copy import copy_blocks, swap_blocks
-from kernels.quant import is_quantized
 from kernels.cache_write import check_slots, write_kv
+from kernels.quant import is_quantized
 from paged_kv.config import MAX_BLOCK_SIZE, MAX_BLOCKS
 from paged_kv.errors import InvalidArgumentError, check_bool, check_int, check_type, describe
+from paged_kv.tensor_checks import INDEX_DTYPES, check_device, check_dtype, check_range, check_shape, check_tensor
 from paged_kv.tokens import as_id_list
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)

@@ -18,9 +18,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from paged_kv.tensor_checks import check_device, check_shape
 from paged_kv.compat.pool import KVPool, PagedSeq
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError, PagedKVError, check_int, describe
+from paged_kv.tensor_checks import check_device, check_shape
 
 ErrorType = type[PagedKVError]
 Shape = Sequence[int | None]  # None matches any size (tensor_checks.check_shape)

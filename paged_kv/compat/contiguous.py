@@ -26,7 +26,12 @@ import safetensors.numpy
 import torch
 
 from paged_kv.compat._common import (
-    as_vector, check_index, extend_zeroed, make_pool, readonly, to_numpy,
+    as_vector,
+    check_index,
+    extend_zeroed,
+    make_pool,
+    readonly,
+    to_numpy,
 )
 from paged_kv.compat.pool import KVPool, PagedSeq
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError, check_int, describe

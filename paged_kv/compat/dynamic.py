@@ -22,12 +22,12 @@ from collections.abc import Sequence
 
 import torch
 
-from paged_kv.tensor_checks import check_device, check_shape
 from paged_kv.compat._common import make_pool
 from paged_kv.compat.pool import KVPool, PagedSeq
 from paged_kv.config import MAX_BLOCK_SIZE
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError, SequenceStateError, check_int, describe
 from paged_kv.kv_cache import KERNEL_DTYPES, RAW_DTYPES
+from paged_kv.tensor_checks import check_device, check_shape
 
 __all__ = ["KVCache", "KVCacheEntry"]
 

@@ -18,9 +18,9 @@ import torch
 
 from paged_kv.block_manager import BlockManager
 from paged_kv.config import BlockManagerConfig
-from paged_kv.tensor_checks import check_tensor
 from paged_kv.errors import InvalidArgumentError, OutOfBlocksError, check_int, check_type, describe
 from paged_kv.kv_cache import KVCacheSpec, PagedKVCache
+from paged_kv.tensor_checks import check_tensor
 
 _INITIAL_BLOCKS = 4
 

@@ -23,7 +23,13 @@ import numpy as np
 import torch
 
 from paged_kv.compat._common import (
-    as_vector, check_finite, check_index, extend_zeroed, make_pool, readonly, to_numpy,
+    as_vector,
+    check_finite,
+    check_index,
+    extend_zeroed,
+    make_pool,
+    readonly,
+    to_numpy,
 )
 from paged_kv.compat.pool import KVPool
 from paged_kv.errors import InvalidArgumentError, check_int, describe

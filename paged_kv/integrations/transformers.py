@@ -17,10 +17,10 @@ from collections.abc import Sequence
 
 import torch
 
-from paged_kv.tensor_checks import check_tensor
 from paged_kv.compat.dynamic import KVCache
 from paged_kv.compat.pool import KVPool
 from paged_kv.errors import InvalidArgumentError, PagedKVError, check_int, check_type, describe
+from paged_kv.tensor_checks import check_tensor
 
 __all__ = ["PagedCache", "PagedLayer", "TransformersUnavailableError"]
 

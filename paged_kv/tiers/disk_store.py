@@ -22,7 +22,14 @@ import torch
 
 from paged_kv.tiers.disk_files import delete_quietly, remove_if_stale, write_atomically
 from paged_kv.tiers.disk_format import (
-    TMP_PREFIX, DiskBlock, RejectedFile, decode, encode, file_name, name_tag, read_header,
+    TMP_PREFIX,
+    DiskBlock,
+    RejectedFile,
+    decode,
+    encode,
+    file_name,
+    name_tag,
+    read_header,
 )  # fmt: skip
 from paged_kv.tiers.disk_index import DiskIndex, FileEntry
 from paged_kv.tiers.fingerprint import ModelFingerprint

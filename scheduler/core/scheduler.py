@@ -38,12 +38,12 @@ from collections.abc import Callable, Iterable
 
 from paged_kv.block_hash import BlockHashes
 from paged_kv.block_manager import BlockManager, CopyOp
+from paged_kv.config import PRIORITY_MAX, PRIORITY_MIN
 from paged_kv.errors import DuplicateSequenceError, OutOfBlocksError, UnknownSequenceError, check_int, describe
 from scheduler.core.config import SchedulerConfig
 from scheduler.core.params import SamplingParams
 from scheduler.core.scheduler_output import SampledToken, ScheduledSeq, SchedulerOutput
 from scheduler.core.sequence import Sequence, SequenceGroup, SequenceStatus
-
 
 Prefetch = Callable[[list[int], "BlockHashes | None", "str | None"], None]  # (prompt ids, its hashes, cache salt)
 
@@ -80,7 +80,7 @@ class Scheduler:
         samples; without, the caller forks its own sequences (a beam search of width ``n``).
         ``priority`` (vLLM's: lower is more important) orders the eviction of its cached blocks.
         """
-        check_int("priority", priority, low=-(1 << 62), high=1 << 62)
+        check_int("priority", priority, low=PRIORITY_MIN, high=PRIORITY_MAX)
         if request_id in self.requests:
             raise DuplicateSequenceError(describe("request_id", request_id, "an id not already in use"))
         seq = Sequence(next(self._ids), 0, prompt, self._new_hashes(params.cache_salt))

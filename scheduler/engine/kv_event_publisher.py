@@ -28,8 +28,8 @@ import msgspec
 import zmq
 
 from paged_kv.errors import InvalidArgumentError, PublisherClosedError, check_int, check_real, check_type, describe
-from scheduler.engine.kv_events import KVEventBatch, encode_batch
 from scheduler.core.kv_events_config import KVEventsConfig
+from scheduler.engine.kv_events import KVEventBatch, encode_batch
 
 logger = logging.getLogger(__name__)
 

@@ -56,11 +56,11 @@ from scheduler.core.scheduler_output import SampledToken, SchedulerOutput
 from scheduler.core.sequence import Sequence, SequenceGroup
 from scheduler.core.structured_params import StructuredOutputsParams
 from scheduler.distributed.parallel_state import TPShard
+from scheduler.engine.cache_events import CacheEvents
 from scheduler.engine.faults import Failure, isolate, restoring
 from scheduler.engine.metrics import EngineMetrics, MetricsSummary
-from scheduler.engine.request_checks import check_prompt, check_request_fits, check_sampling_ids
-from scheduler.engine.cache_events import CacheEvents
 from scheduler.engine.pinned_prefixes import PinnedPrefixes
+from scheduler.engine.request_checks import check_prompt, check_request_fits, check_sampling_ids
 from scheduler.engine.tiered_cache import TieredCache, model_identity
 from scheduler.model.llama import LlamaModel
 from scheduler.runner.cascade_plan import min_saved_tokens
@@ -238,7 +238,10 @@ class LLMEngine:
             raise InvalidArgumentError(describe("sampling_params", type(params).__name__, "a SamplingParams"))
         prompt = check_prompt(prompt_token_ids, self.model.config.vocab_size)
         check_sampling_ids(params, self.model.config.vocab_size)
-        check_request_fits(len(prompt), params, self.model.config, self.config.scheduler, self.block_manager.config)
+        bm = self.block_manager
+        pinned = bm.num_pinned_blocks_apart(prompt, cache_salt=params.cache_salt) if bm.pinned else 0
+        check_request_fits(len(prompt), params, self.model.config, self.config.scheduler, bm.config,
+                           pinned_blocks=pinned)  # fmt: skip
         if params.structured_outputs is not None:
             self.check_structured_outputs(params.structured_outputs)
         return prompt, params

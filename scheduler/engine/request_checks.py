@@ -25,13 +25,15 @@ def check_prompt(prompt_token_ids: Sequence[int], vocab_size: int) -> list[int]:
 
 
 def check_request_fits(
-    prompt_len: int, params: SamplingParams, model: ModelConfig, sched: SchedulerConfig, pool: BlockManagerConfig
+    prompt_len: int, params: SamplingParams, model: ModelConfig, sched: SchedulerConfig, pool: BlockManagerConfig,
+    *, pinned_blocks: int = 0,
 ) -> None:
     """Reject a request that could never finish: too long for the model, the step budget or the pool.
 
     The pool check is the worst case: every one of the ``n`` samples at full
-    length, alone in the pool, sharing nothing (so a request that passes can
-    always run once the others are done or preempted).
+    length, alone in the pool beside the ``pinned_blocks`` pinned prefixes hold
+    that it does not share (never freed), sharing nothing else (so a request
+    that passes can always run once the others are done or preempted).
     """
     total = prompt_len + params.max_tokens
     if total > model.max_position_embeddings:
@@ -45,12 +47,13 @@ def check_request_fits(
         ))  # fmt: skip
     if params.n > sched.max_num_seqs:
         raise InvalidArgumentError(describe("n", params.n, f"at most max_num_seqs={sched.max_num_seqs}"))
-    usable = pool.num_blocks - pool.watermark_blocks
+    usable = pool.num_blocks - pool.watermark_blocks - pinned_blocks
     need = params.n * -(-total // pool.block_size)
     if need > usable:
+        pins = f" ({pinned_blocks} held by pinned prefixes)" if pinned_blocks else ""
         raise InvalidArgumentError(describe(
             "len(prompt_token_ids) + max_tokens", total,
-            f"a request whose {params.n} sample(s) fit in the pool: needs {need} blocks, {usable} usable",
+            f"a request whose {params.n} sample(s) fit in the pool: needs {need} blocks, {usable} usable{pins}",
         ))  # fmt: skip
 
 

@@ -20,6 +20,7 @@ from paged_kv.block_hash import BlockHashes
 from paged_kv.block_manager import BlockManager
 from paged_kv.host_tier import BlockRecord
 from paged_kv.kv_cache import KVCacheSpec, PagedKVCache
+from paged_kv.stats import BlockManagerStats
 from paged_kv.tiers.disk_tier import DiskBlock, DiskTier, ModelFingerprint
 from scheduler.core.config import CacheConfig
 from scheduler.runner.tier_transfers import TierTransfers
@@ -116,9 +117,9 @@ class TieredCache:
             self.disk.close()
             self._disk_closed = True
 
-    def stats(self) -> TierStats:
-        """A snapshot of the tiers' figures."""
-        s, t = self.bm.stats(), self.transfers
+    def stats(self, block_stats: BlockManagerStats | None = None) -> TierStats:
+        """A snapshot of the tiers' figures (``block_stats``: the block manager's, if the caller has them now)."""
+        s, t = self.bm.stats() if block_stats is None else block_stats, self.transfers
         d = self.disk.stats if self.disk is not None else None
         return TierStats(
             host_blocks=s.num_host_blocks, host_cached_blocks=s.num_host_cached, host_hit_tokens=s.num_host_hit_tokens,

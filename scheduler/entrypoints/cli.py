@@ -6,7 +6,9 @@ import argparse
 import logging
 import sys
 
-from scheduler.entrypoints.main_job import add_engine_options, engine_config
+from paged_kv.errors import PagedKVError
+from scheduler.entrypoints.main_job import add_engine_options, checked_engine_config, engine_config
+from scheduler.entrypoints.pinned_prompt import pin_system_prompt, read_prompt
 from scheduler.entrypoints.server.config import DEFAULT_MAX_REQUEST_BYTES, ServerConfig
 
 
@@ -29,8 +31,39 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--disable-log-requests", action="store_true", help="do not log each request")
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help=f"largest request body; larger ones get 413 unread (default {DEFAULT_MAX_REQUEST_BYTES})")
+    p.add_argument("--pin-prompt", default=None, metavar="FILE",
+                   help="a system prompt (UTF-8 text file) kept on the device from start-up to shutdown: the "
+                        "prefix every chat request with that system message starts with is never evicted")
     add_engine_options(p)
     return p
+
+
+def serve_args(argv: list[str]) -> argparse.Namespace:
+    """The options of ``paged-kv serve``, checked before the model loads (a bad one exits with a usage error);
+    ``pin_prompt_text`` holds the --pin-prompt file's system prompt (or None)."""
+    parser = serve_parser()
+    args = parser.parse_args(argv)
+    checked_engine_config(parser, args)
+    try:
+        args.pin_prompt_text = read_prompt(args.pin_prompt) if args.pin_prompt is not None else None
+    except PagedKVError as e:
+        parser.error(str(e))
+    return args
+
+
+def build_server(args: argparse.Namespace):
+    """The loaded model (its system prompt pinned if asked) and the app serving it: ``(llm, app)``."""
+    from scheduler.entrypoints.llm import LLM
+    from scheduler.entrypoints.server.app import build_app
+
+    llm = LLM(args.model, engine_config=engine_config(args))
+    try:
+        if args.pin_prompt_text is not None:
+            pin_system_prompt(llm, args.pin_prompt_text)  # held until shutdown
+        return llm, build_app(llm, server_config(args))
+    except BaseException:
+        llm.engine.shutdown()
+        raise
 
 
 def serve(argv: list[str]) -> None:
@@ -38,24 +71,24 @@ def serve(argv: list[str]) -> None:
     import torch
     import uvicorn
 
-    from scheduler.entrypoints.llm import LLM
-    from scheduler.entrypoints.server.app import build_app
     from scheduler.model.loader import load_model
     from scheduler.runner.tp_worker import is_torchrun_worker, serve_rank
 
-    args = serve_parser().parse_args(argv)
+    args = serve_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
     if is_torchrun_worker():  # torchrun rank > 0: no server, run this rank's shard for rank 0's engine
         serve_rank(load_model(args.model).hf_model, engine_config(args))
         return
-    llm = LLM(args.model, engine_config=engine_config(args))
-    app = build_app(llm, server_config(args))
+    try:
+        llm, app = build_server(args)
+    except PagedKVError as e:  # a model path, or a system prompt shorter than a block
+        serve_parser().error(str(e))
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     finally:
-        llm.engine.shutdown()  # stops tensor-parallel workers (a no-op on one rank)
+        llm.engine.shutdown()  # spills cached blocks to the disk tier, stops tensor-parallel workers
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:

@@ -14,7 +14,8 @@ from collections.abc import Mapping, Sequence
 
 from tqdm.auto import tqdm
 
-from paged_kv.errors import InvalidArgumentError, check_bool, check_type, describe
+from paged_kv.config import PRIORITY_MAX, PRIORITY_MIN
+from paged_kv.errors import InvalidArgumentError, check_bool, check_int, check_type, describe
 from paged_kv.tokens import as_id_list
 from scheduler.core.config import EngineConfig
 from scheduler.core.params import SamplingParams, per_prompt
@@ -68,21 +69,26 @@ class LLM:
         return list(ids["input_ids"] if isinstance(ids, Mapping) or hasattr(ids, "keys") else ids)
 
     def generate(
-        self, prompts: Prompt | Sequence[Prompt], sampling_params: Params = None, *, use_tqdm: bool = False
+        self, prompts: Prompt | Sequence[Prompt], sampling_params: Params = None, *, use_tqdm: bool = False,
+        priority: int | Sequence[int] = 0,
     ) -> list[TextRequestOutput]:  # fmt: skip
         """Complete every prompt (strings or token id lists); outputs in prompt order, with ``.text``.
 
-        A request that fails on its own (its sampling or detokenization raised) comes back with
-        ``.error`` set and finish reason "error" on its unfinished samples; the others are not
-        affected. A failure of the model step itself raises (every request was aborted).
+        ``priority`` (vLLM's, one for all prompts or one per prompt: lower is more important)
+        orders the eviction of each request's cached blocks. A request that fails on its own
+        (its sampling or detokenization raised) comes back with ``.error`` set and finish reason
+        "error" on its unfinished samples; the others are not affected. A failure of the model
+        step itself raises (every request was aborted).
         """
         check_bool("use_tqdm", use_tqdm)
         if isinstance(prompts, bytes) or not isinstance(prompts, (str, Sequence)) or not prompts:
             raise InvalidArgumentError(describe("prompts", type(prompts).__name__, "a prompt or a non-empty list"))
         if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        priorities = _priorities(priority, len(prompts))
         encoded = [self.encode(p) for p in prompts]
-        return self._run([ids for ids, _ in encoded], [text for _, text in encoded], sampling_params, use_tqdm)
+        ids, texts = [ids for ids, _ in encoded], [text for _, text in encoded]
+        return self._run(ids, texts, sampling_params, use_tqdm, priorities)
 
     def chat(
         self, messages: Messages | Sequence[Messages], sampling_params: Params = None, *, use_tqdm: bool = False
@@ -95,14 +101,36 @@ class LLM:
         prompts = [self.chat_prompt(c) for c in convs]
         return self._run(prompts, [None] * len(prompts), sampling_params, use_tqdm)
 
-    def _run(self, prompts: list[list[int]], texts: list[str | None], sampling_params, use_tqdm: bool):
+    def pin_prefix(self, prompt: Prompt, *, cache_salt: str | None = None) -> str:
+        """Keep a prompt's full blocks (a system prompt; a str is tokenized) on the device, never evicted, until
+        :meth:`unpin`; returns the pin's id.
+
+        A prefix not cached yet is computed first; when no request is running that is done here,
+        so the pin is held on return (else it takes hold in the step that computes it).
+        """
+        ids, _ = self.encode(prompt)
+        idle = not self.engine.has_unfinished_requests()
+        pin_id = self.engine.pin_prefix(ids, cache_salt=cache_salt)
+        while idle and self.engine.pins.is_waiting(pin_id) and self.engine.has_unfinished_requests():
+            self.engine.step()  # only the warm-up runs; its output is not returned
+        if idle and pin_id not in self.engine.pins.held:
+            raise RuntimeError(f"pin_prefix: the request computing the prefix failed; {pin_id} is not pinned")
+        return pin_id
+
+    def unpin(self, pin_id: str) -> None:
+        """Release a pinned prefix: its blocks are cached and evictable again."""
+        self.engine.unpin(pin_id)
+
+    def _run(self, prompts: list[list[int]], texts: list[str | None], sampling_params, use_tqdm: bool,
+             priorities: list[int] | None = None):  # fmt: skip
         params = per_prompt(sampling_params, len(prompts), SamplingParams, "sampling_params")
         params = [with_bad_word_ids(p, self.tokenizer) for p in params]
+        priorities = priorities or [0] * len(prompts)
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
         for rid, prompt, p in zip(ids, prompts, params):
             self.engine.check_request(rid, prompt, p)  # all or none
-        for rid, prompt, p, text in zip(ids, prompts, params, texts):
-            self.processor.add(rid, prompt, p, text)
+        for rid, prompt, p, text, priority in zip(ids, prompts, params, texts, priorities):
+            self.processor.add(rid, prompt, p, text, priority=priority)
         done: dict[str, TextRequestOutput] = {}
         with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
             while len(done) < len(ids):
@@ -112,3 +140,11 @@ class LLM:
                         bar.update(1)
         return [done[i] for i in ids]
 
+
+def _priorities(priority: int | Sequence[int], n: int) -> list[int]:
+    """Each of ``n`` prompts' priority: one int for all, or ``n`` of them (each any int64, as vLLM's)."""
+    if not isinstance(priority, Sequence) or isinstance(priority, (str, bytes)):
+        return [check_int("priority", priority, low=PRIORITY_MIN, high=PRIORITY_MAX)] * n
+    if len(priority) != n:
+        raise InvalidArgumentError(describe("priority", priority, f"an int or {n} of them (one per prompt)"))
+    return [check_int(f"priority[{i}]", p, low=PRIORITY_MIN, high=PRIORITY_MAX) for i, p in enumerate(priority)]

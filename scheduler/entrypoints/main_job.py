@@ -14,9 +14,11 @@ import time
 import torch
 from tqdm.auto import tqdm
 
+from paged_kv.errors import PagedKVError
 from scheduler.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from scheduler.core.outputs import RequestOutput
 from scheduler.engine.llm_engine import LLMEngine
+from scheduler.entrypoints.tier_options import add_tier_options, kv_events, tier_fields, tier_summary
 from scheduler.entrypoints.workload import ChatRequest, chat_workload
 from scheduler.model.loader import load_smollm2
 from scheduler.runner.tp_worker import is_torchrun_worker, serve_rank
@@ -37,11 +39,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--beam-width", type=int, default=4, help="beam width of the beam-search example (0: skip it)")
     add_engine_options(p)
     p.add_argument("--seed", type=int, default=0, help="workload seed")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    checked_engine_config(p, args)
+    return args
 
 
 def add_engine_options(p: argparse.ArgumentParser) -> None:
-    """The engine's options (KV pool, budgets, preemption, device, threads), shared with ``paged-kv serve``."""
+    """The engine's options (KV pool and its tiers, budgets, preemption, device, threads, KV events), shared with
+    ``paged-kv serve``."""
     p.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
     p.add_argument("--kv-blocks", type=int, default=128, help="GPU KV pool size in blocks (the KV budget)")
     p.add_argument("--cpu-blocks", type=int, default=None,
@@ -61,6 +66,7 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1: small decode matmuls gain little from more, "
                         "and lose badly when the cores are shared; 0: torch's default)")  # fmt: skip
+    add_tier_options(p)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -71,7 +77,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     cache = CacheConfig(
         block_size=args.block_size, num_gpu_blocks=args.kv_blocks, num_cpu_blocks=cpu_blocks,
         enable_prefix_caching=not args.no_prefix_caching, gpu_memory_utilization=args.gpu_memory_utilization,
-        dtype=KV_CACHE_DTYPES[args.kv_cache_dtype],
+        dtype=KV_CACHE_DTYPES[args.kv_cache_dtype], **tier_fields(args),
     )  # fmt: skip
     sched = SchedulerConfig(
         max_num_batched_tokens=args.max_batched_tokens, max_num_seqs=args.max_num_seqs,
@@ -79,8 +85,16 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     )  # fmt: skip
     return EngineConfig(
         cache=cache, scheduler=sched, device=args.device, enforce_eager=args.enforce_eager,
-        tensor_parallel_size=args.tensor_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size, kv_events=kv_events(args),
     )  # fmt: skip
+
+
+def checked_engine_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> EngineConfig:
+    """:func:`engine_config`, or the parser's usage error (exit status 2) with the typed error's message."""
+    try:
+        return engine_config(args)
+    except PagedKVError as e:
+        parser.error(str(e))
 
 
 def build_engine(hf_model, args: argparse.Namespace) -> LLMEngine:
@@ -154,6 +168,9 @@ def main(argv: list[str] | None = None) -> None:
     done = serve(engine, requests, args.arrivals_per_step)
     print_answers(tokenizer, requests, done, args.show)
     print("\n" + engine.metrics_summary().format())
+    tiers = tier_summary(engine)
+    if tiers is not None:
+        print(tiers)
     if args.beam_width:
         beam_example(engine, tokenizer, args.beam_width, max_tokens=24)
     engine.shutdown()

@@ -211,10 +211,10 @@ class OutputProcessor:
         self.requests: dict[str, TextRequest] = {}
 
     def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-            prompt: str | None = None) -> TextRequest:  # fmt: skip
+            prompt: str | None = None, *, priority: int = 0) -> TextRequest:  # fmt: skip
         """Queue a request in the engine (raises, nothing queued, on a bad one) and track its text."""
         params = with_bad_word_ids(params, self.tokenizer)
-        self.engine.add_request(request_id, prompt_token_ids, params)
+        self.engine.add_request(request_id, prompt_token_ids, params, priority=priority)
         eos = self.engine.scheduler.eos_token_ids
         req = self.requests[request_id] = TextRequest(request_id, list(prompt_token_ids), params, self.tokenizer,
                                                       prompt, eos)  # fmt: skip

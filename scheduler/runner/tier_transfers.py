@@ -40,7 +40,9 @@ class TierTransfers:
         if ops.stores:
             self._store(ops.stores)
         for fill in ops.fills:
-            self.host_cache.write_blocks(fill.host_blocks, *fill.payload)
+            kv, scales = fill.payload  # one row per record read; the host tier may have taken fewer (its room)
+            n = len(fill.host_blocks)
+            self.host_cache.write_blocks(fill.host_blocks, kv[:n], None if scales is None else scales[:n])
         if ops.loads:
             self._load(ops.loads)
 

@@ -108,6 +108,8 @@ def entries() -> list[Entry]:
             "token_ids": Arg("ids", [0, 1, 2, 3, 4], bad={WRONG_TYPE: ["ab", {1: 2}, None, 3]}),
             "cache_salt": Arg("opt_str", None)}, pinned),
         Entry("paged_kv.BlockManager.unpin", "unpin", {"pin_id": Arg("seq_id", "q")}, pinned),
+        Entry("paged_kv.BlockManager.num_pinned_blocks_apart", "num_pinned_blocks_apart", {
+            "token_ids": Arg("ids", [0, 1, 2, 3, 9]), "cache_salt": Arg("opt_str", None)}, pinned),
         Entry("paged_kv.BlockManager.chain_past_cache", "chain_past_cache", {
             "token_ids": Arg("ids", [0, 1, 2, 3, 4, 5, 6, 7, 8]), "cache_salt": Arg("opt_str", None),
             "hashes": Arg("obj", lambda: stream(9), bad=OTHER_STREAMS)}, tiered),
@@ -120,7 +122,7 @@ def entries() -> list[Entry]:
             "cache_salt": Arg("opt_str", None), "hashes": Arg("obj", lambda: stream(2), bad=OTHER_STREAMS),
             "num_lookahead_slots": Arg("int", 0),
             "num_queried": Arg("opt_int", 5, bad={OUT_OF_RANGE: [2, -1, 1 << 62]}),  # at least the 3 tokens
-            "priority": Arg("int", -3, bad={OUT_OF_RANGE: [1 << 63, -(1 << 63)]})}, m),  # any int64 (vLLM's)
+            "priority": Arg("int", -3, bad={OUT_OF_RANGE: [1 << 63, -(1 << 63) - 1]})}, m),  # any int64 (vLLM's)
         Entry("paged_kv.BlockManager.append", "append", {
             "seq_id": Arg("seq_id", "a", bad={BAD_ID: [["l"], "zz", "s"]}), "token_ids": Arg("ids", [7]),
             "num_lookahead_slots": Arg("int", 0)}, m),

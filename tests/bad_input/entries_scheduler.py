@@ -87,6 +87,13 @@ def tiny_llm() -> scheduler.LLM:
     return scheduler.LLM(loaded_tiny(), engine_config=engine_config())
 
 
+def pinned_llm() -> scheduler.LLM:
+    """``tiny_llm()`` with one prefix pinned (id "paged-kv-pin-0")."""
+    llm = tiny_llm()
+    llm.pin_prefix("hello world, hello there")
+    return llm
+
+
 BAD_ROPE = [
     scheduler.ModelConfig(**TINY, num_layers=1, num_heads=2, num_kv_heads=1, rope_scaling=scaling)
     for scaling in (
@@ -225,7 +232,7 @@ def _rows() -> list[Entry]:
             "prompt_token_ids": Arg("ids", [1, 2], bad={**TOKENS, WRONG_TYPE: ["ab", 5, None, []]}),
             "sampling_params": Arg("obj", None, bad={WRONG_TYPE: [{"max_tokens": 3}, "x"]}),
             "fork_samples": Arg("bool", True),
-            "priority": Arg("int", 0, bad={OUT_OF_RANGE: [1 << 63, -(1 << 63)]})}, engine),
+            "priority": Arg("int", 0, bad={OUT_OF_RANGE: [1 << 63, -(1 << 63) - 1]})}, engine),
         Entry("scheduler.LLMEngine.pin_prefix", "pin_prefix", {
             "token_ids": Arg("ids", [1, 2, 3, 4, 5], bad={**TOKENS, WRONG_TYPE: ["ab", 5, None, []]}),
             "cache_salt": Arg("opt_str", None)}, engine),
@@ -265,7 +272,18 @@ def _rows() -> list[Entry]:
             "prompts": Arg("obj", lambda: ["hello"], bad={WRONG_TYPE: [None, 3, [3.5], [None]],
                 BOOL_FOR_INT: [[[True]]], NONINTEGRAL: [[[1.5]]], OUT_OF_RANGE: [[[-1]], [[10**6]]]}),
             "sampling_params": Arg("obj", None, bad={WRONG_TYPE: ["x", {"max_tokens": 2}]}),
-            "use_tqdm": Arg("bool", False)}, tiny_llm, named={"prompts": ("prompt", "prompts")}),
+            "use_tqdm": Arg("bool", False),
+            "priority": Arg("int", 0, bad={WRONG_TYPE: ["3", None, [1, 2]],  # one int, or one per prompt
+                                           OUT_OF_RANGE: [1 << 63, -(1 << 63) - 1, [1 << 63]]})},  # any int64
+              tiny_llm, named={"prompts": ("prompt", "prompts")}),
+        Entry("scheduler.LLM.pin_prefix", "pin_prefix", {
+            "prompt": Arg("obj", "hello world, hello there", bad={WRONG_TYPE: [None, 3, b"hi", [1]],
+                BOOL_FOR_INT: [[True] * 4], NONINTEGRAL: [[1.5] * 4], OUT_OF_RANGE: [[-1] * 4, [10**6] * 4]}),
+            "cache_salt": Arg("opt_str", None)}, tiny_llm,
+              named={"prompt": ("prompt", "token_ids")}),  # a token list shorter than a block is the engine's
+        Entry("scheduler.LLM.unpin", "unpin", {
+            "pin_id": Arg("obj", "paged-kv-pin-0", bad={WRONG_TYPE: [None, 3, ["x"]], BAD_ID: ["paged-kv-pin-9"]})},
+              pinned_llm),
         Entry("scheduler.LLM.chat", "chat", {
             "messages": Arg("obj", lambda: [{"role": "user", "content": "hi"}],
                 bad={WRONG_TYPE: [None, "hi", [], [{"role": "user"}]]}),

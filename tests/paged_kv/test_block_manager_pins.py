@@ -77,3 +77,30 @@ def test_a_fork_inherits_its_parents_priority():
     assert cached_after(bm, list(range(30, 34))) == 4
     assert cached_after(bm, list(range(4))) == 0
     bm.check()
+
+
+def test_every_int64_priority_is_accepted_and_orders_eviction():
+    bm = manager(num_blocks=3)
+    lowest, highest = -(1 << 63), (1 << 63) - 1  # vLLM's priority is any int64
+    bm.allocate("keep", list(range(4)) + [9], priority=lowest)
+    bm.free("keep")
+    bm.allocate("drop", list(range(10, 14)) + [9], priority=highest)
+    bm.free("drop")
+    bm.allocate("x", list(range(20, 28)))  # 2 blocks: the free one, then the least important (highest value)
+    assert [cached_after(bm, list(range(4))), cached_after(bm, list(range(10, 14)))] == [4, 0]
+    bm.check()
+
+
+def test_pinned_blocks_apart_from_a_prompt_are_those_it_would_not_hit():
+    bm = manager(num_blocks=8)
+    assert bm.num_pinned_blocks_apart(list(range(12))) == 0  # no pin
+    bm.allocate("s", list(range(8)) + [1])
+    bm.free("s")
+    bm.pin("sys", list(range(8)))  # 2 blocks
+    assert bm.num_pinned_blocks == 2
+    assert bm.num_pinned_blocks_apart(list(range(8)) + list(range(50, 70))) == 0  # extends the pin: shares both
+    assert bm.num_pinned_blocks_apart(list(range(6))) == 1  # shares the first block only
+    assert bm.num_pinned_blocks_apart(list(range(8))) == 1  # a hit never covers the last token
+    assert bm.num_pinned_blocks_apart([9] + list(range(8))) == 2
+    assert bm.num_pinned_blocks_apart(list(range(9)), cache_salt="tenant") == 2  # another tenant shares nothing
+    assert bm.num_pinned_blocks_apart(9) == 2  # anonymous tokens share nothing

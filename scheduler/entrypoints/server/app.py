@@ -93,7 +93,7 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
 
 async def _respond(request: Request, engine: AsyncEngine, body: SamplingFields, ctx: ResponseContext,
                    prompts: list[tuple[list[int], str | None]], params: list[SamplingParams]):  # fmt: skip
-    events = engine.generate(prompts, params)
+    events = engine.generate(prompts, params, priority=body.priority)
     first = await _next(events)  # admission errors (400, 503) surface here, before any byte is sent
     if body.stream:  # starlette cancels the stream when the client goes away
         return StreamingResponse(_stream(ctx, body, first, events, len(prompts)), media_type="text/event-stream")

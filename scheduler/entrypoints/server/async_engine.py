@@ -84,6 +84,7 @@ class AsyncEngine:
         self.metrics = metrics or ServerMetrics(model_name, engine.model.config.max_position_embeddings)
         self.num_in_flight = 0  # requests admitted and not yet done; event-loop thread only
         self.num_aborted = 0  # requests aborted by their client; worker thread only
+        self.pinned = bool(engine.block_manager.pinned)  # prefixes pinned at start-up, held unchanged until shutdown
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}  # worker thread only
         self._ids = itertools.count()
@@ -104,22 +105,34 @@ class AsyncEngine:
             self._thread = None
 
     # -- admission (event-loop thread) -------------------------------------
-    def max_new_tokens(self, prompt_len: int, n: int) -> int:
-        """The most tokens each of ``n`` samples of a prompt can generate: model context and KV pool."""
+    def max_new_tokens(self, prompt_len: int, n: int, pinned: int = 0) -> int:
+        """The most tokens each of ``n`` samples of a prompt can generate: model context and KV pool (beside the
+        ``pinned`` blocks pinned prefixes hold that it does not share)."""
         pool = self.engine.block_manager.config
-        usable = pool.num_blocks - pool.watermark_blocks
+        usable = pool.num_blocks - pool.watermark_blocks - pinned
         fits = (usable // n) * pool.block_size
         return min(self.engine.model.config.max_position_embeddings, fits) - prompt_len
 
+    def pinned_apart(self, prompt_token_ids: list[int], cache_salt: str | None) -> int:
+        """Blocks the start-up pins hold that a prompt would not share (their blocks and index never change while
+        the server runs, so this reads them off the engine thread); 0 without pins."""
+        if not self.pinned:
+            return 0
+        return self.engine.block_manager.num_pinned_blocks_apart(prompt_token_ids, cache_salt=cache_salt)
+
     def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise (a PagedKVError) if the engine could never serve the request; reads only immutable config."""
+        """Raise (a PagedKVError) if the engine could never serve the request; reads only what never changes
+        while serving (the config, the start-up pins)."""
         prompt = check_prompt(prompt_token_ids, self.engine.model.config.vocab_size)
         e = self.engine
-        check_request_fits(len(prompt), params, e.model.config, e.config.scheduler, e.block_manager.config)
+        check_request_fits(len(prompt), params, e.model.config, e.config.scheduler, e.block_manager.config,
+                           pinned_blocks=self.pinned_apart(prompt, params.cache_salt))  # fmt: skip
 
-    async def generate(self, prompts: list[tuple[list[int], str | None]], params: list[SamplingParams]
-                       ) -> AsyncIterator[Event]:  # fmt: skip
+    async def generate(self, prompts: list[tuple[list[int], str | None]], params: list[SamplingParams], *,
+                       priority: int = 0) -> AsyncIterator[Event]:  # fmt: skip
         """Run every prompt; yield events until each is done. Closing the iterator early aborts what is left.
+
+        ``priority`` (vLLM's: lower is more important) orders the eviction of the requests' cached blocks.
 
         Raises Overloaded when the server is full and a PagedKVError on a request it can never serve,
         both before anything is queued.
@@ -135,7 +148,7 @@ class AsyncEngine:
         self.num_in_flight += len(prompts)
         try:
             for key, (rid, (ids, text), p) in enumerate(zip(rids, prompts, params)):
-                self._commands.put(("add", rid, ids, text, p, _Live(sink, key, now)))
+                self._commands.put(("add", rid, ids, text, p, priority, _Live(sink, key, now)))
             while left:
                 ev = await events.get()
                 if ev.result is not None or ev.error is not None:
@@ -175,9 +188,9 @@ class AsyncEngine:
 
     def _apply(self, command: tuple) -> None:
         if command[0] == "add":
-            _, rid, ids, text, params, live = command
+            _, rid, ids, text, params, priority, live = command
             try:
-                self.processor.add(rid, ids, params, text)
+                self.processor.add(rid, ids, params, text, priority=priority)
             except Exception as e:  # PagedKVError: a bad request (400); anything else: a bug, still answered
                 _send(live, Event(live.key, [], error=e))
                 return

@@ -117,8 +117,8 @@ class Frontend:
         if top >= vocab:
             raise FieldError("prompt", describe("prompt", f"token id {top}", f"token ids in [0, {vocab})"))
         params = [
-            sampling_params(body, max_tokens=self._max_tokens(kind, len(ids), limit, body.num_samples),
-                            logprobs=logprobs or 0, vocab_size=vocab, constraints=constraints)
+            sampling_params(body, max_tokens=self._max_tokens(kind, ids, limit, body), logprobs=logprobs or 0,
+                            vocab_size=vocab, constraints=constraints)
             for ids, _ in prompts
         ]  # fmt: skip
         ctx = ResponseContext(kind, model, body.n, self.llm.tokenizer, logprobs, request_id=body.request_id,
@@ -138,11 +138,13 @@ class Frontend:
             return ids, text
         return (ids[-keep:] if body.truncation_side == "left" else ids[:keep]), None
 
-    def _max_tokens(self, kind: str, prompt_len: int, limit: tuple[str, int | None], n: int) -> int:
-        """The request's output limit within max_model_len and the KV pool for ``n`` samples; unset: all that fits."""
+    def _max_tokens(self, kind: str, ids: list[int], limit: tuple[str, int | None], body: SamplingFields) -> int:
+        """The request's output limit within max_model_len and the KV pool for its samples; unset: all that fits."""
         name, requested = limit
+        prompt_len, n = len(ids), body.num_samples
         prompt_field, longest = ("prompt" if kind == "completion" else "messages"), self.max_model_len
-        room, pooled = longest - prompt_len, self.engine.max_new_tokens(prompt_len, n)
+        pinned = self.engine.pinned_apart(ids, body.cache_salt)
+        room, pooled = longest - prompt_len, self.engine.max_new_tokens(prompt_len, n, pinned)
         if room < 1 or (requested is None and pooled < 1):
             expected = f"a prompt that leaves room to answer within max_model_len={longest} and the KV pool"
             raise FieldError(prompt_field, describe(prompt_field, f"{prompt_len} tokens", expected))

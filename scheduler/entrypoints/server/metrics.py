@@ -16,8 +16,11 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from scheduler.engine.kv_events import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORAGE
 from scheduler.engine.llm_engine import LLMEngine
 from scheduler.engine.metrics import RequestTimes
+from scheduler.engine.tiered_cache import TierStats
+from scheduler.entrypoints.server.tier_metrics import tier_families
 
 LABELS = ("model_name", "engine")
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -56,6 +59,7 @@ class EngineSnapshot:
     prefix_hits: int = 0
     preemptions: int = 0
     cow_copies: int = 0
+    tiers: TierStats | None = None  # the lower tiers' figures (None: no host tier)
 
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineSnapshot:
@@ -66,8 +70,15 @@ class EngineSnapshot:
             running=len(s.running), waiting=len(s.waiting), swapped=len(s.swapped), kv_usage=stats.usage,
             cpu_usage=stats.num_cpu_used / cpu_blocks if cpu_blocks else 0.0, prefix_queries=stats.num_queried_tokens,
             prefix_hits=stats.num_hit_tokens, preemptions=sum(s.num_preemptions.values()),
-            cow_copies=stats.num_cow_copies,
+            cow_copies=stats.num_cow_copies, tiers=engine.tiers.stats(stats) if engine.tiers is not None else None,
         )  # fmt: skip
+
+    @property
+    def hits_by_medium(self) -> dict[str, int]:
+        """Prefix-cache hit tokens by the tier that held them: GPU (the device pool), CPU (host), STORAGE (disk)."""
+        t = self.tiers
+        lower = (t.host_hit_tokens, t.disk_hit_tokens) if t is not None else (0, 0)
+        return {MEDIUM_GPU: self.prefix_hits - sum(lower), MEDIUM_CPU: lower[0], MEDIUM_STORAGE: lower[1]}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -178,14 +189,17 @@ class ServerMetrics:
             yield self._family(GaugeMetricFamily, name, doc, value)
         for name, doc, value in (
             ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_queries),
-            ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_hits),
+            ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache (the device's).",
+             s.hits_by_medium[MEDIUM_GPU]),
             ("vllm:num_preemptions", "Preemptions (recompute and swap).", s.preemptions),
         ):
             yield self._family(CounterMetricFamily, name, doc, value)
         yield CounterMetricFamily("paged_kv:cow_copies", "Copy-on-write block copies.", value=s.cow_copies)
         rate = s.prefix_hits / s.prefix_queries if s.prefix_queries else 0.0
-        yield GaugeMetricFamily("paged_kv:prefix_cache_hit_rate", "prefix_cache_hits / prefix_cache_queries.",
-                                value=rate)  # fmt: skip
+        yield GaugeMetricFamily("paged_kv:prefix_cache_hit_rate", "Prompt tokens found cached in any tier / "
+                                "prefix_cache_queries.", value=rate)  # fmt: skip
+        if s.tiers is not None:
+            yield from tier_families(s.tiers, s.hits_by_medium, s.prefix_queries, self.labels)
 
     def _family(self, kind: type, name: str, doc: str, value: float) -> Metric:
         family = kind(name, doc, labels=LABELS)

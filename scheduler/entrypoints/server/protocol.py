@@ -92,6 +92,7 @@ class SamplingFields(OpenAIModel):
     truncation_side: Literal["left", "right"] = "left"  # which end truncation cuts
     request_id: str | None = Field(None, min_length=1, max_length=256)  # the response id's suffix
     return_tokens_as_token_ids: bool = False  # logprobs tokens as "token_id:<id>"
+    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)  # lower is more important: its cached blocks evicted last
     # structured outputs: sampling.structured_outputs decides
     response_format: Json = None
     structured_outputs: Json = None
@@ -110,7 +111,6 @@ class SamplingFields(OpenAIModel):
     spaces_between_special_tokens: Neutral(True) = None
     logprob_token_ids: Neutral() = None
     prompt_logprobs: int | None = Field(None, ge=0)  # vLLM: log-probabilities of the prompt tokens (not streamed)
-    priority: Neutral(0) = None
     logits_processors: Neutral([]) = None
     return_token_ids: Neutral(False) = None
     return_token_offsets: Neutral(False) = None

@@ -106,6 +106,25 @@ def test_a_pinned_system_prompt_is_never_evicted(hf_model):
     eng.block_manager.check()
 
 
+def test_a_request_too_long_for_the_blocks_pins_leave_is_refused_not_stalled(hf_model):
+    eng = engine(hf_model, blocks=12)
+    pin = eng.pin_prefix(list(range(100, 132)))  # 8 full blocks held: 4 left
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert eng.block_manager.num_pinned_blocks == 8
+    with pytest.raises(InvalidArgumentError, match=r"max_tokens.*8 held by pinned prefixes"):
+        eng.add_request("long", list(range(1, 15)), SamplingParams(max_tokens=4))  # 18 tokens: 5 blocks
+    assert not eng.has_unfinished_requests()
+    eng.generate([list(range(1, 13))], SamplingParams(max_tokens=4), use_tqdm=False)  # 16 tokens: 4 blocks, fits
+    (out,) = eng.generate([list(range(100, 132)) + list(range(1, 12))], SamplingParams(max_tokens=4),
+                          use_tqdm=False)  # 47 tokens, 12 blocks: the 8 pinned ones are its own  # fmt: skip
+    assert out.num_cached_tokens == 32 and out.outputs[0].finish_reason == "length"
+    eng.unpin(pin)
+    assert eng.block_manager.num_pinned_blocks == 0
+    eng.add_request("long", list(range(1, 15)), SamplingParams(max_tokens=4))
+    assert len(eng.generate([[1, 2, 3]], SamplingParams(max_tokens=1), use_tqdm=False)) == 1
+
+
 def test_kv_events_rebuild_each_tiers_cached_blocks_exactly(hf_model):
     config = KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:*", event_encoding="map")
     eng = engine(hf_model, offload=1 << 20, store="write", kv_events=config)
@@ -174,6 +193,27 @@ def test_a_small_host_tier_spills_to_disk_and_reads_it_back_with_the_same_output
     assert [t for t, _ in tiered] == [t for t, _ in base]
     stats = eng.block_manager.stats()
     assert stats.num_lower_hit_tokens > 0  # blocks that left the 3-block host tier came back from disk
+    eng.shutdown()
+
+
+@pytest.mark.parametrize("host_blocks", [8, 4])
+def test_a_disk_read_extends_the_host_hits_it_continues_as_far_as_the_host_tier_has_room(hf_model, tmp_path,
+                                                                                         host_blocks):
+    """A returning prompt whose leading blocks are on the host and the rest only on disk: the fill from disk
+    must not evict those host blocks to make room (it did: nothing was hit), and a read longer than the
+    host tier's room fills what fits (it wrote the whole read into fewer blocks: the step failed)."""
+    eng, greedy = disk_engine(hf_model, tmp_path, host_blocks=host_blocks, blocks=24), SamplingParams(max_tokens=2)
+    prompt = lambda first: [first] + list(range(3, 42))  # noqa: E731 (40 tokens: 9 blocks a hit may cover)
+    for first in (220, 221, 222, 223):  # each evicts the one before it from the 24-block device pool
+        eng.generate([prompt(first)], greedy, use_tqdm=False)
+    eng.tiers.disk.flush()
+    (out,) = eng.generate([prompt(220)], greedy, use_tqdm=False)
+    tiers = eng.tiers.stats()
+    assert tiers.host_hit_tokens > 0 and tiers.disk_hit_tokens > 0
+    assert out.num_cached_tokens == tiers.host_hit_tokens + tiers.disk_hit_tokens == host_blocks * BS  # all it holds
+    assert out.outputs[0].token_ids == engine(hf_model).generate([prompt(220)], greedy, use_tqdm=False)[0].outputs[
+        0].token_ids  # fmt: skip
+    eng.block_manager.check()
     eng.shutdown()
 
 

@@ -46,9 +46,9 @@ def captured(served, monkeypatch) -> list:
     """Every (prompts, params) the app hands to the engine thread while the test runs."""
     calls, generate = [], served.engine.generate
 
-    def spy(prompts, params):
+    def spy(prompts, params, **kw):
         calls.append((prompts, params))
-        return generate(prompts, params)
+        return generate(prompts, params, **kw)
 
     monkeypatch.setattr(served.engine, "generate", spy)
     return calls

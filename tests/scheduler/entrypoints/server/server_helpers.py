@@ -66,6 +66,15 @@ def wait_idle(served: Served, timeout: float = 20.0) -> None:
         time.sleep(0.01)
 
 
+def scrape(served: Served) -> dict[tuple[str, tuple], float]:
+    """Every sample of /metrics: (name, its labels sorted) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(served.url + "/metrics").text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}  # fmt: skip
+
+
 def refused(r: httpx.Response, param: str | None, status: int = 400) -> dict:
     """Assert an OpenAI error body with this status naming ``param``; return the error."""
     assert r.status_code == status, r.text

@@ -154,7 +154,7 @@ SHARED: dict[str, tuple[object, Check, dict]] = {
     "include_stop_str_in_output": (True, REFUSED, {}),
     "skip_special_tokens": (False, REFUSED, {}),
     "spaces_between_special_tokens": (False, REFUSED, {}),
-    "priority": (1, REFUSED, {}),
+    "priority": (3, _ok(lambda s: s.params), {}),  # reaches add_request: test_server_tiers
     "logits_processors": (["my.Processor"], REFUSED, {}),
     "return_token_ids": (True, REFUSED, {}),
     "kv_transfer_params": ({"a": 1}, REFUSED, {}),

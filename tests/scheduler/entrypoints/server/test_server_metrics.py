@@ -8,9 +8,8 @@ from __future__ import annotations
 import time
 import uuid
 
-import httpx
 import openai
-from prometheus_client.parser import text_string_to_metric_families
+from server_helpers import scrape
 
 from scheduler.core.params import SamplingParams
 
@@ -36,13 +35,6 @@ MORE = [
 ]  # fmt: skip
 
 
-def _scrape(served) -> dict[tuple[str, tuple], float]:
-    """Every sample of /metrics: (name, its labels sorted) -> value."""
-    text = httpx.get(served.url + "/metrics").text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for f in text_string_to_metric_families(text) for s in f.samples}  # fmt: skip
-
-
 def _value(samples: dict, served, name: str, **labels) -> float:
     """One series of the served model (vLLM's labels model_name and engine="0")."""
     labels |= {"model_name": served.llm.model_name, "engine": "0"}
@@ -50,7 +42,7 @@ def _value(samples: dict, served, name: str, **labels) -> float:
 
 
 def test_every_series_the_dashboard_reads_is_there_with_its_labels(served_chunked):
-    samples = _scrape(served_chunked)
+    samples = scrape(served_chunked)
     model = served_chunked.llm.model_name
     for name in DASHBOARD + MORE:
         found = [dict(labels) for n, labels in samples if n == name]
@@ -67,7 +59,7 @@ def test_a_known_workload_gives_exact_counts(served_chunked, offline):
     text = full.outputs[0].text
     k = next(i for i in range(3, len(text) - 2) if text.find(text[i : i + 2]) == i and text[i : i + 2].strip())
     prompt_len = {p: len(offline.encode(p)[0]) for p in (LONG, "hello there", "hello world")}
-    before = _scrape(served)
+    before = scrape(served)
     with openai.OpenAI(base_url=served.url + "/v1", api_key="-", max_retries=0) as client:
         kw = dict(model=served.llm.model_name, temperature=0, extra_body={"ignore_eos": True, "cache_salt": salt})
         chunks = list(client.completions.create(prompt=LONG, max_tokens=6, stream=True, **kw))
@@ -77,7 +69,7 @@ def test_a_known_workload_gives_exact_counts(served_chunked, offline):
         assert [c.finish_reason for c in three.choices] == ["length"] * 3
         stopped = client.completions.create(prompt="hello world", max_tokens=24, stop=[text[k : k + 2]], **kw)
         assert stopped.choices[0].finish_reason == "stop"
-    after = _scrape(served)
+    after = scrape(served)
 
     def delta(name: str, **labels) -> float:
         return _value(after, served, name, **labels) - _value(before, served, name, **labels)
@@ -114,7 +106,7 @@ def test_a_known_workload_gives_exact_counts(served_chunked, offline):
 
 def test_a_client_that_leaves_counts_its_samples_as_aborted(served_chunked):
     served = served_chunked
-    before = _scrape(served)
+    before = scrape(served)
     with openai.OpenAI(base_url=served.url + "/v1", api_key="-", max_retries=0) as client:
         stream = client.completions.create(model=served.llm.model_name, prompt="hello", max_tokens=400, n=2,
                                            stream=True, extra_body={"ignore_eos": True})  # fmt: skip
@@ -125,7 +117,7 @@ def test_a_client_that_leaves_counts_its_samples_as_aborted(served_chunked):
         return _value(samples, served, "vllm:request_success_total", finished_reason="abort")
 
     deadline = time.monotonic() + 20
-    while aborted(after := _scrape(served)) < aborted(before) + 2:  # the engine thread counts it after the abort
+    while aborted(after := scrape(served)) < aborted(before) + 2:  # the engine thread counts it after the abort
         assert time.monotonic() < deadline, "the abort was not counted"
         time.sleep(0.02)
     assert aborted(after) == aborted(before) + 2 and not served.llm.engine.has_unfinished_requests()
