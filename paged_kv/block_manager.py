@@ -239,10 +239,12 @@ class BlockManager(PositionalEdits, CacheTiers):
         ids = as_token_array("token_ids", token_ids)
         n = _count(ids, token_ids)
         queried = n if num_queried is None else check_int("num_queried", num_queried, low=n, high=1 << 40)
-        check_int("priority", priority, low=PRIORITY_MIN, high=PRIORITY_MAX)
+        if type(priority) is not int or not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+            check_int("priority", priority, low=PRIORITY_MIN, high=PRIORITY_MAX)
         h, gpu = self._stream(ids, cache_salt, hashes), self.gpu
         hits = self._hits_of(h, n)
-        loads = self._host_hits(h, len(hits), n)  # in new device blocks, loaded before the step reads them
+        # host hits go in new device blocks, loaded before the step reads them
+        loads = self._host_hits(h, len(hits), n) if self.host is not None else ()
         num_new = self._blocks_for(n + num_lookahead_slots) - len(hits)
         num_revived = gpu.count_evictable(hits)
         if num_new + num_revived > gpu.num_free:
@@ -252,7 +254,9 @@ class BlockManager(PositionalEdits, CacheTiers):
         self._version += 1
         gpu.touch_all(hits)
         new = gpu.take(num_new)
-        seq = self._seqs[seq_id] = _Seq(hits + new, n, h, priority=priority)
+        seq = self._seqs[seq_id] = _Seq(hits + new, n, h)
+        if priority:
+            seq.priority = priority
         self._log(seq_id, seq.blocks)
         if loads:
             self.host.load(loads, new[: len(loads)])

@@ -124,6 +124,8 @@ class BlockPool:
     def _least_important(self) -> OrderedDict[BlockId, None]:
         """The non-empty level of evictable blocks evicted first (the highest priority value); empty ones dropped."""
         evictable = self._evictable
+        if len(evictable) == 1:  # one priority in use: the common case
+            return next(iter(evictable.values()))
         for p in [p for p, level in evictable.items() if not level]:
             del evictable[p]
         return evictable[max(evictable)]
@@ -144,7 +146,7 @@ class BlockPool:
     def count_evictable(self, blocks: Iterable[BlockId]) -> int:
         """How many of ``blocks`` are free but still hold cached content."""
         refs, hashes = self.ref_counts, self.hash_of
-        return sum(refs[b] == 0 and hashes[b] is not None for b in blocks)
+        return sum(1 for b in blocks if not refs[b] and hashes[b] is not None)
 
     def release(self, blocks: Iterable[BlockId], priority: int = 0) -> None:
         """Drop one reference each; at zero a cached block becomes evictable at ``priority`` (most recent last)."""

@@ -144,8 +144,10 @@ class CacheTiers:
 
     def _host_hits(self, hashes: BlockHashes | None, num_hits: int, num_tokens: int) -> list[BlockId]:
         """Host-tier blocks continuing a stream's ``num_hits`` device hits (never covering its last token)."""
+        if self.host is None or hashes is None:
+            return []
         limit = self._max_hit_blocks(num_tokens) - num_hits
-        if self.host is None or hashes is None or limit <= 0 or len(hashes.hashes) <= num_hits:
+        if limit <= 0 or len(hashes.hashes) <= num_hits:
             return []
         parent = hashes.hashes[num_hits - 1] if num_hits else hashes.root
         end = num_hits + limit
