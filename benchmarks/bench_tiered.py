@@ -107,8 +107,8 @@ def main() -> None:
     device_blocks = max(working_set // 4, -(-(final + args.answer) // BLOCK) * 2)
     print(f"machine: {platform.machine()} {platform.processor()}, torch {torch.__version__}, {args.threads} thread(s)")
     print(f"workload: SmolLM2-135M float32, {args.users} users x {args.rounds} rounds, system prompt {SYSTEM}, "
-          f"document {DOCUMENT}, question {QUESTION}, answer {args.answer} tokens; final working set {working_set} blocks of {BLOCK}, "
-          f"device pool {device_blocks} blocks")  # fmt: skip
+          f"document {DOCUMENT}, question {QUESTION}, answer {args.answer} tokens; final working set {working_set} "
+          f"blocks of {BLOCK}, device pool {device_blocks} blocks")  # fmt: skip
     host_bytes = 1 << 30
     runs, disk_dir = {}, tempfile.mkdtemp(prefix="paged-kv-bench-tiered-")
     for mode, host, disk in (("no tier", 0, None), ("host", host_bytes, None), ("host + disk", host_bytes, disk_dir)):
@@ -116,8 +116,8 @@ def main() -> None:
         runs[mode] = chat(llm, system, questions, args.answer, args.rounds)
         llm.engine.shutdown()
     report(runs)
-    restart(loaded, device_blocks, host_bytes, disk_dir, runs["host + disk"]["histories"], questions[args.rounds],
-            args.answer)  # fmt: skip
+    histories = runs["host + disk"]["histories"]
+    restart(loaded, device_blocks, host_bytes, disk_dir, histories, questions[args.rounds], args.answer)
     if torch.cuda.is_available():
         load_bandwidth()
     else:

@@ -22,7 +22,7 @@ class BlockManagerConfig:
     watermark: float = 0.01
     enable_prefix_caching: bool = True
     num_host_blocks: int = 0  # the host tier of the prefix cache (0: none); see paged_kv.host_tier
-    host_store: str = "evict"  # what the host tier receives: "evict" (blocks leaving the pool) or "write" (every full block)
+    host_store: str = "evict"  # the host tier receives: "evict" (blocks leaving the pool), "write" (every full block)
     track_cache_events: bool = False  # journal every change of the cache indexes (KV events)
 
     def __post_init__(self) -> None:

@@ -197,7 +197,8 @@ class PagedKVCache:
         for i, layer in enumerate(self.layers):
             layer.k[ids], layer.v[ids] = kv[:, 0, i].to(self.device), kv[:, 1, i].to(self.device)
             if scales is not None:
-                layer.k_scale[ids], layer.v_scale[ids] = scales[:, 0, i].to(self.device), scales[:, 1, i].to(self.device)
+                layer.k_scale[ids] = scales[:, 0, i].to(self.device)
+                layer.v_scale[ids] = scales[:, 1, i].to(self.device)
 
     def _block_ids(self, name: str, blocks: Sequence[int]) -> torch.Tensor:
         """Distinct block ids, checked in range, as an int64 tensor on the cache's device."""

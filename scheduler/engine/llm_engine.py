@@ -124,7 +124,8 @@ class LLMEngine:
         if self.block_manager.host is None:
             return None
         cc = self.config.cache
-        tiers = TieredCache(spec, cc, self.block_manager, self.runner.gpu_cache, model_identity(self.model, self.model.config))
+        identity = model_identity(self.model, self.model.config)
+        tiers = TieredCache(spec, cc, self.block_manager, self.runner.gpu_cache, identity)
         self.runner.tiers = tiers.transfers
         logger.info("host tier %d blocks (%.3f GiB, store on %s)%s", tiers.host_cache.num_blocks,
                     tiers.host_cache.nbytes / 2**30, cc.host_store,

@@ -25,7 +25,9 @@ Store = tuple[int, int, BlockRecord]  # (device block, host block, its identity)
 class TierTransfers:
     """The copies between a device pool and its host tier, with an optional write-through to a lower tier."""
 
-    def __init__(self, device_cache: PagedKVCache, host_cache: PagedKVCache, write_through: WriteThrough | None) -> None:
+    def __init__(
+        self, device_cache: PagedKVCache, host_cache: PagedKVCache, write_through: WriteThrough | None
+    ) -> None:
         self.device_cache = device_cache
         self.host_cache = host_cache
         self.write_through = write_through
