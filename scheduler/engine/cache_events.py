@@ -61,6 +61,6 @@ class CacheEvents:
         self.publisher.shutdown()
 
 
-def _ids(tokens: bytes | tuple[int, ...]) -> list[int]:
-    """A block's token ids from the allocator's int64 bytes."""
-    return list(tokens) if isinstance(tokens, tuple) else array("q", tokens).tolist()
+def _ids(tokens: bytes) -> list[int]:
+    """A block's token ids from their int64 bytes (the block manager's and the disk tier's records)."""
+    return array("q", tokens).tolist()

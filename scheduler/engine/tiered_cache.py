@@ -87,7 +87,7 @@ class TieredCache:
         if self.disk is None:
             return
         parent, chain, contents = self.bm.chain_past_cache(token_ids, cache_salt=cache_salt, hashes=hashes)
-        if not chain or not self.disk.find(parent, chain, contents, len(chain)):
+        if not chain:
             return
         blocks, kv, scales = self.disk.read(parent, chain, contents, len(chain))
         if blocks:

@@ -3,9 +3,10 @@
 On CPU every copy runs synchronously, in the order the ops require: stores, fills, loads
 before the forward; post-stores after it. On CUDA the copies run on a side stream: the
 compute stream waits for them on the device before the forward (its writes may reuse a
-stored block, its reads need the loaded ones), and the host never waits for a store: a
-store's rows land in a pinned staging buffer, and are scattered into the host pool (and
-written through to disk) at the start of the next step, once its event has completed.
+stored block, its reads need the loaded ones), and the host waits for a store only when a
+later fill or load touches a host block it has not landed yet: a store's rows land in a
+pinned staging buffer, and are scattered into the host pool (and written through to disk)
+at the start of a later step, once its event has completed, oldest first.
 Nothing here reads a device value on the host.
 """
 
@@ -42,6 +43,7 @@ class TierTransfers:
         if ops.stores:
             self._store(ops.stores)
         for fill in ops.fills:
+            self._land_before(fill.host_blocks)  # an older store to a reused host block must not land over it
             kv, scales = fill.payload  # one row per record read; the host tier may have taken fewer (its room)
             n = len(fill.host_blocks)
             self.host_cache.write_blocks(fill.host_blocks, kv[:n], None if scales is None else scales[:n])
@@ -77,6 +79,13 @@ class TierTransfers:
         compute.wait_event(event)  # the step's writes may reuse these blocks
         self._landing.append((event, stores, staged))
 
+    def _land_before(self, host_blocks: list[int]) -> None:
+        """Wait for and land the stores in flight if one of them targets ``host_blocks`` (nothing on CPU)."""
+        if self._landing:
+            touched = set(host_blocks)
+            if any(h in touched for _, stores, _ in self._landing for _, h, _ in stores):
+                self.flush()
+
     def _land(self) -> None:
         """Scatter completed CUDA stores into the host pool, oldest first, and write them through."""
         while self._landing and self._landing[0][0].query():
@@ -91,7 +100,7 @@ class TierTransfers:
         if self.stream is None:
             self.device_cache.swap_from(self.host_cache, loads)
             return
-        self.flush()  # a load may read a block an in-flight store has not landed yet
+        self._land_before([h for h, _ in loads])  # a load may read a block an in-flight store has not landed yet
         compute = torch.cuda.current_stream(self.device_cache.device)
         with torch.cuda.stream(self.stream):
             self.device_cache.swap_from(self.host_cache, loads)  # pinned source: non-blocking on this stream
