@@ -12,6 +12,8 @@ Each step it fills a token budget and a sequence budget in this order:
    nothing was preempted and nothing is swapped out, and only while the block
    manager can allocate above its watermark; prefix-cache hits are skipped (not taken by a
    request that still owes prompt log-probabilities: its prompt positions must run).
+   A group whose cached blocks are still being read from a lower tier (``Prefetcher``)
+   keeps its place and is passed over until the read lands, unless nothing else would run.
 
 Invariant: for every active sequence of a running group the block manager holds exactly
 ``seq.num_computed`` tokens. Scheduling ``(start, n)`` records ``n`` more tokens and
@@ -34,7 +36,8 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
+from typing import Protocol
 
 from paged_kv.block_hash import BlockHashes
 from paged_kv.block_manager import BlockManager, CopyOp
@@ -45,7 +48,19 @@ from scheduler.core.params import SamplingParams
 from scheduler.core.scheduler_output import SampledToken, ScheduledSeq, SchedulerOutput
 from scheduler.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
-Prefetch = Callable[[list[int], "BlockHashes | None", "str | None"], None]  # (prompt ids, its hashes, cache salt)
+
+class Prefetcher(Protocol):
+    """Brings waiting prompts' blocks from a lower tier into the host tier, in the background."""
+
+    def prefetch(
+        self, key: int, token_ids: list[int], hashes: BlockHashes | None, cache_salt: str | None, *, wait: bool = False
+    ) -> bool:
+        """Whether sequence ``key``'s blocks of the lower tier are in the host tier; ``wait``: block until they are."""
+        ...
+
+    def forget(self, key: int) -> None:
+        """Drop sequence ``key``'s read, if any: it left the queue."""
+        ...
 
 
 class Scheduler:
@@ -56,7 +71,7 @@ class Scheduler:
 
     def __init__(
         self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: Iterable[int] = (), *,
-        prefetch: Prefetch | None = None,
+        prefetch: Prefetcher | None = None,
     ) -> None:  # fmt: skip
         self.config = config
         self.bm = block_manager
@@ -134,6 +149,8 @@ class Scheduler:
         """Release a sequence's blocks, if it holds any."""
         if seq.seq_id in self.bm:
             self.bm.free(seq.seq_id)
+        elif self.prefetch is not None:  # it may be waiting for a read
+            self.prefetch.forget(seq.seq_id)
 
     # -- after a step -----------------------------------------------------
     def update_from_output(
@@ -336,11 +353,29 @@ class Scheduler:
                 self._commit(group, plan, step)
 
     def _schedule_waiting(self, step: SchedulerOutput) -> None:
+        """Admit waiting groups in order; one whose blocks are still being read keeps its place and is passed.
+
+        When nothing else would run this step, the first such group's read is waited for.
+        """
+        reading = self._admit_waiting(step, wait=False)
+        if reading and not (step.scheduled or self.running):
+            self._admit_waiting(step, wait=True)
+
+    def _admit_waiting(self, step: SchedulerOutput, *, wait: bool) -> bool:
+        """Admit waiting groups until one does not fit (``wait``: the first group's reads are waited for).
+
+        Returns whether a group was passed because its read has not landed.
+        """
+        reading: list[SequenceGroup] = []
         while self.waiting and self._fits_seqs(self.waiting[0]):
             group = self.waiting[0]
+            if not self._blocks_read(group, wait=wait):
+                reading.append(self.waiting.popleft())
+                continue
+            wait = False
             plan = self._plan_prefill(group, step)
             if plan is None:
-                return
+                break
             self.waiting.popleft()
             salt = group.params.cache_salt
             for seq, cached, n in plan:
@@ -356,6 +391,18 @@ class Scheduler:
                 self._scheduled(step, group, seq, start, cached + n - start)
             group.set_status(SequenceStatus.RUNNING)
             self.running.append(group)
+        self.waiting.extendleft(reversed(reading))
+        return bool(reading)
+
+    def _blocks_read(self, group: SequenceGroup, *, wait: bool) -> bool:
+        """Whether a waiting group's blocks of a lower tier are in the host tier (reads of the others started)."""
+        if self.prefetch is None or not group.reads_prefix_cache:
+            return True
+        ready, salt = True, group.params.cache_salt
+        for seq in group.active():
+            ids = seq.token_ids[: seq.num_computed + _num_to_compute(group, seq)]
+            ready &= self.prefetch.prefetch(seq.seq_id, ids, seq.block_hashes, salt, wait=wait)
+        return ready
 
     def _plan_prefill(self, group: SequenceGroup, step: SchedulerOutput) -> list[tuple[Sequence, int, int]] | None:
         """(seq, cached tokens, new tokens) for every active sequence of a waiting group, or None if it cannot start.
@@ -367,9 +414,6 @@ class Scheduler:
         seqs = group.active()
         tokens = [s.token_ids[: s.num_computed + _num_to_compute(group, s)] for s in seqs]  # to fork_at if parked
         requests = zip(tokens, (s.block_hashes for s in seqs))
-        if self.prefetch is not None and group.reads_prefix_cache:
-            for seq, ids in zip(seqs, tokens):
-                self.prefetch(ids, seq.block_hashes, group.params.cache_salt)
         if not group.reads_prefix_cache:
             requests = [(len(t), None) for t in tokens]  # counts of anonymous tokens: nothing cached
         admission = self.bm.admission(requests, cache_salt=group.params.cache_salt)

@@ -108,7 +108,7 @@ class LLMEngine:
         ), track_changes=True)  # fmt: skip
         self.runner = self._make_runner(spec, num_blocks, graphs)
         self.tiers = self._make_tiers(spec)
-        prefetch = self.tiers.prefetch if self.tiers is not None and self.tiers.disk is not None else None
+        prefetch = self.tiers.prefetch if self.tiers is not None else None
         self.scheduler = Scheduler(config.scheduler, self.block_manager, eos_ids, prefetch=prefetch)
         self.pins = PinnedPrefixes(self.block_manager)
         disk = self.tiers.disk if self.tiers is not None else None

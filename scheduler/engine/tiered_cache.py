@@ -3,8 +3,8 @@
 The block manager indexes the host tier (``paged_kv.host_tier``) and owes, each step, the
 copies the runner makes (``scheduler.runner.tier_transfers``). This module owns the rest:
 the host pool's storage, the disk tier (``paged_kv.tiers.disk_tier``), the write-through of
-every block stored on the host to disk, the read of a waiting prompt's blocks from disk into
-the host tier before its admission (:meth:`TieredCache.prefetch`), and, at shutdown, the
+every block stored on the host to disk, the background read of a waiting prompt's blocks from
+disk into the host tier before its admission (``scheduler.engine.disk_prefetch``), and, at shutdown, the
 spill of the device's cached blocks to disk so a restarted engine finds them.
 """
 
@@ -16,13 +16,13 @@ from dataclasses import astuple, dataclass
 
 import torch
 
-from paged_kv.block_hash import BlockHashes
 from paged_kv.block_manager import BlockManager
 from paged_kv.host_tier import BlockRecord
 from paged_kv.kv_cache import KVCacheSpec, PagedKVCache
 from paged_kv.stats import BlockManagerStats
 from paged_kv.tiers.disk_tier import DiskBlock, DiskTier, ModelFingerprint
 from scheduler.core.config import CacheConfig
+from scheduler.engine.disk_prefetch import DiskPrefetch
 from scheduler.runner.tier_transfers import TierTransfers
 
 logger = logging.getLogger(__name__)
@@ -75,24 +75,13 @@ class TieredCache:
             fingerprint = ModelFingerprint.from_spec(spec, architecture)
             self.disk = DiskTier(config.kv_disk_dir, capacity_bytes=config.kv_disk_bytes, fingerprint=fingerprint,
                                  blocks_per_file=config.kv_disk_blocks_per_file)  # fmt: skip
+        self.prefetch = DiskPrefetch(bm, self.disk) if self.disk is not None else None  # reads for waiting prompts
         self.transfers = TierTransfers(device_cache, self.host_cache, self._write_through if self.disk else None)
 
     @staticmethod
     def num_host_blocks(spec: KVCacheSpec, config: CacheConfig) -> int:
         """Host blocks in the configured offloading budget (0: no host tier)."""
         return config.kv_offloading_bytes // spec.bytes_per_block
-
-    def prefetch(self, token_ids: list[int], hashes: BlockHashes | None, cache_salt: str | None) -> None:
-        """Read the blocks of a waiting prompt the disk holds past its device and host hits into the host tier."""
-        if self.disk is None:
-            return
-        parent, chain, contents = self.bm.chain_past_cache(token_ids, cache_salt=cache_salt, hashes=hashes)
-        if not chain:
-            return
-        blocks, kv, scales = self.disk.read(parent, chain, contents, len(chain))
-        if blocks:
-            records = [BlockRecord(b.hash, b.parent, b.tokens) for b in blocks]
-            self.bm.fill_host(records, (kv, scales))
 
     def _write_through(self, records: list[BlockRecord], kv: torch.Tensor, scales: torch.Tensor | None) -> None:
         """Blocks the host tier just received go to disk too (the disk tier writes them in the background)."""
@@ -110,9 +99,10 @@ class TieredCache:
         return len(cached)
 
     def close(self) -> None:
-        """Land the stores in flight, spill the device's cached blocks and finish the disk writes; idempotent."""
+        """Drop reads, land stores in flight, spill the device's cached blocks, finish disk writes; idempotent."""
         self.transfers.flush()
         if self.disk is not None and not self._disk_closed:
+            self.prefetch.close()
             self.spill()
             self.disk.close()
             self._disk_closed = True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 import time
 
 import msgspec
@@ -11,8 +12,8 @@ import zmq
 from sched_helpers import tiny_llama
 from vllm_kv_consumer import KVEventBatch, subscribe
 
-from scheduler import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from paged_kv.errors import InvalidArgumentError
+from scheduler import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from scheduler.core.kv_events_config import KVEventsConfig
 
 BS = 4
@@ -130,50 +131,64 @@ def test_kv_events_rebuild_each_tiers_cached_blocks_exactly(hf_model):
     eng = engine(hf_model, offload=1 << 20, store="write", kv_events=config)
     ctx = zmq.Context()
     try:
-        sub = subscribe(ctx, eng.cache_events.publisher.endpoint)
-        deadline = time.monotonic() + 10
-        while not sub.poll(50):  # the slow joiner: probe until the subscription lands
-            assert time.monotonic() < deadline, "the subscription never landed"
-            eng.cache_events.publisher.publish(msgspec.structs.replace(_probe()))
+        sub = subscribed(ctx, eng)
         multi_round_chat(eng)
         eng.block_manager.reset_prefix_cache()
         multi_round_chat(eng, rounds=1)
         expected = {"GPU": {h for _, h, _, _ in eng.block_manager.gpu.cached_blocks()},
                     "CPU": {h for _, h, _, _ in eng.block_manager.host.pool.cached_blocks()}}  # fmt: skip
         eng.shutdown()  # publishes the last batch, then closes
-        cached, seqs, decoder = {"GPU": set(), "CPU": set()}, [], msgspec.msgpack.Decoder(KVEventBatch)
-        while sub.poll(1000):
-            _, seq, payload = sub.recv_multipart()
-            seqs.append(int.from_bytes(seq, "big"))
-            for event in decoder.decode(payload).events:
-                kind = type(event).__name__
-                if kind == "BlockStored":
-                    cached[event.medium] |= set(event.block_hashes)
-                elif kind == "BlockRemoved":
-                    cached[event.medium] -= set(event.block_hashes)
-                else:
-                    cached = {m: set() for m in cached}
-        assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # no batch lost
-        assert cached == expected and expected["GPU"] and expected["CPU"]
+        assert rebuilt(sub) == expected and expected["GPU"] and expected["CPU"]
     finally:
         ctx.destroy(linger=0)
 
 
+def subscribed(ctx: zmq.Context, eng: LLMEngine) -> zmq.Socket:
+    """A subscriber to the engine's KV events, its subscription landed."""
+    sub = subscribe(ctx, eng.cache_events.publisher.endpoint)
+    deadline = time.monotonic() + 10
+    while not sub.poll(50):  # the slow joiner: probe until the subscription lands
+        assert time.monotonic() < deadline, "the subscription never landed"
+        eng.cache_events.publisher.publish(msgspec.structs.replace(_probe()))
+    return sub
+
+
+def rebuilt(sub: zmq.Socket) -> dict[str, set[bytes]]:
+    """Each medium's cached block hashes as a router rebuilds them from every batch (checks none was lost)."""
+    cached, seqs, decoder = {"GPU": set(), "CPU": set()}, [], msgspec.msgpack.Decoder(KVEventBatch)
+    while sub.poll(1000):
+        _, seq, payload = sub.recv_multipart()
+        seqs.append(int.from_bytes(seq, "big"))
+        for event in decoder.decode(payload).events:
+            kind = type(event).__name__
+            if kind == "BlockStored":
+                cached.setdefault(event.medium, set()).update(event.block_hashes)
+            elif kind == "BlockRemoved":
+                cached[event.medium] -= set(event.block_hashes)
+            else:
+                cached = {m: set() for m in cached}
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # no batch lost
+    return cached
+
+
 def _probe():
-    from scheduler.engine.kv_events import AllBlocksCleared, KVEventBatch as OurBatch
+    from scheduler.engine.kv_events import AllBlocksCleared
+    from scheduler.engine.kv_events import KVEventBatch as OurBatch
 
     return OurBatch(ts=time.time(), events=[AllBlocksCleared()])
 
 
 # -- the disk tier ---------------------------------------------------------------------------------
-def disk_engine(hf_model, directory, *, host_blocks: int = 1024, blocks: int = 20) -> LLMEngine:
+def disk_engine(hf_model, directory, *, host_blocks: int = 1024, blocks: int = 20,
+                kv_events: KVEventsConfig | None = None) -> LLMEngine:  # fmt: skip
     """An engine with a host tier of ``host_blocks`` and a disk tier in ``directory``."""
     probe = engine(hf_model, blocks=blocks)
     per_block = probe.runner.gpu_cache.spec.bytes_per_block
-    cache = CacheConfig(block_size=BS, num_gpu_blocks=blocks, watermark=0.0, kv_offloading_bytes=host_blocks * per_block,
-                        kv_disk_dir=str(directory), kv_disk_bytes=1 << 30, kv_disk_blocks_per_file=4)  # fmt: skip
+    cache = CacheConfig(block_size=BS, num_gpu_blocks=blocks, watermark=0.0,
+                        kv_offloading_bytes=host_blocks * per_block, kv_disk_dir=str(directory), kv_disk_bytes=1 << 30,
+                        kv_disk_blocks_per_file=4)  # fmt: skip
     sched = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4)
-    return LLMEngine.from_hf(hf_model, EngineConfig(cache=cache, scheduler=sched, device="cpu"))
+    return LLMEngine.from_hf(hf_model, EngineConfig(cache=cache, scheduler=sched, device="cpu", kv_events=kv_events))
 
 
 def returning_users(eng: LLMEngine, histories: list[list[int]], salt: str | None = None) -> list[tuple]:
@@ -268,3 +283,29 @@ def test_a_bad_disk_directory_is_refused_at_construction(hf_model, tmp_path):
     a_file.write_text("x")
     with pytest.raises(InvalidArgumentError, match="directory"):
         disk_engine(hf_model, a_file)
+
+
+def test_running_requests_keep_decoding_while_a_waiting_prompt_is_read_from_disk(hf_model, tmp_path):
+    history, greedy = HISTORIES[0], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    cold = engine(hf_model).generate([history], greedy, use_tqdm=False)[0]
+    first = disk_engine(hf_model, tmp_path)
+    first.generate([history], greedy, use_tqdm=False)
+    first.shutdown()
+    eng, gate = disk_engine(hf_model, tmp_path), threading.Event()
+    read = eng.tiers.disk.read
+    eng.tiers.disk.read = lambda *args: gate.wait(10) and read(*args)
+    eng.add_request("busy", [200, 201, 202], greedy)
+    eng.step()
+    eng.add_request("back", history, greedy)
+    for _ in range(3):  # the read is held: "busy" decodes on, "back" waits in its place
+        eng.step()
+        assert [g.request_id for g in eng.scheduler.running] == ["busy"]
+        assert [g.request_id for g in eng.scheduler.waiting] == ["back"]
+    assert eng.scheduler.running[0].seqs[0].num_outputs == 4 and eng.tiers.prefetch.num_reading == 1
+    gate.set()
+    outs = {}
+    while eng.has_unfinished_requests():
+        outs |= {o.request_id: o for o in eng.step() if o.finished}
+    assert outs["back"].outputs[0].token_ids == cold.outputs[0].token_ids
+    assert outs["back"].num_cached_tokens == 36 == eng.block_manager.stats().num_lower_hit_tokens  # all from disk
+    eng.shutdown()
