@@ -14,6 +14,8 @@ Each step it fills a token budget and a sequence budget in this order:
    request that still owes prompt log-probabilities: its prompt positions must run).
    A group whose cached blocks are still being read from a lower tier (``Prefetcher``)
    keeps its place and is passed over until the read lands, unless nothing else would run.
+   A first waiting group that cannot start while nothing runs never will (prefixes pinned
+   after it was queued hold its room): it is aborted alone, its reason in ``refused``.
 
 Invariant: for every active sequence of a running group the block manager holds exactly
 ``seq.num_computed`` tokens. Scheduling ``(start, n)`` records ``n`` more tokens and
@@ -207,12 +209,28 @@ class Scheduler:
             self._schedule_swapped(step)
             if not self.swapped:
                 self._schedule_waiting(step)
-        if not (step.scheduled or step.preempted or self.running) and self.has_unfinished():
-            queued = f"{len(self.waiting)} waiting, {len(self.swapped)} swapped"
-            raise RuntimeError(f"scheduler stalled: {queued}, none runnable")
+        while not (step.scheduled or step.preempted or self.running) and self.has_unfinished():
+            self._refuse_head(step)
+            self._schedule_waiting(step)
         step.table_changes = self.bm.take_table_changes()
         step.tier_ops = self.bm.take_tier_ops()
         return step
+
+    def _refuse_head(self, step: SchedulerOutput) -> None:
+        """Abort the first waiting group when nothing runs and it cannot start: it never will.
+
+        The pool is as free as it gets (only cached and pinned blocks left), so the group was
+        admitted against room that prefixes pinned since then hold. Any other stall is a bug.
+        """
+        if self.swapped or not self.waiting:
+            queued = f"{len(self.waiting)} waiting, {len(self.swapped)} swapped"
+            raise RuntimeError(f"scheduler stalled: {queued}, none runnable")
+        group = self.waiting[0]
+        seq = group.seqs[0]
+        why = (f"request {group.request_id!r} can never be scheduled: its {seq.num_tokens} tokens do not fit in the "
+               f"{self.bm.config.num_blocks} KV blocks less the {self.bm.num_pinned_blocks} held by pinned prefixes")
+        self.abort(group.request_id, reason="error")
+        step.refused.append((group, why))
 
     def _tokens_left(self, step: SchedulerOutput) -> int:
         """The step's token budget not yet used."""

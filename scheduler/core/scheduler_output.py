@@ -57,6 +57,7 @@ class SchedulerOutput:
     table_changes: list[TableEntry] = field(default_factory=list)
     num_batched_tokens: int = 0  # new tokens the step runs through the model
     tier_ops: TierOps = field(default_factory=TierOps)  # host-tier stores, fills and loads (paged_kv.host_tier)
+    refused: list[tuple[SequenceGroup, str]] = field(default_factory=list)  # aborted: can never fit (and why)
 
     def add(self, item: ScheduledSeq) -> None:
         """Schedule ``item`` (counted against the step's token budget)."""

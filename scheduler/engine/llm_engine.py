@@ -321,6 +321,7 @@ class LLMEngine:
         if self.cache_events is not None:
             self.cache_events.after_step()
         failed = [self._failed(g, f.describe()) for g, f in failures.items()]
+        failed += [self._failed(g, why) for g, why in out.refused]
         return self.pins.settle([self._retire(group) for group in finished if group not in failures] + failed)
 
     def _sample_each(self, out: SchedulerOutput, logits: torch.Tensor,

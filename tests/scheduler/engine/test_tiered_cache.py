@@ -126,6 +126,27 @@ def test_a_request_too_long_for_the_blocks_pins_leave_is_refused_not_stalled(hf_
     assert len(eng.generate([[1, 2, 3]], SamplingParams(max_tokens=1), use_tqdm=False)) == 1
 
 
+def test_a_queued_request_a_later_pin_leaves_no_room_for_fails_alone(hf_model):
+    """Admitted against the whole pool, then a pin took 5 of its 12 blocks: it can never start. It fails alone
+    with the reason (the step raised "scheduler stalled" and aborted every request)."""
+    eng = engine(hf_model, blocks=12)
+    system = list(range(10, 30))  # 5 full blocks
+    eng.generate([system], SamplingParams(max_tokens=1), use_tqdm=False)  # cached: the pin holds at once
+    greedy = SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.0)
+    eng.add_request("big", list(range(100, 130)), greedy)  # 40 tokens by its end: 10 blocks
+    eng.add_request("small", [1, 2, 3], greedy)
+    eng.pin_prefix(system)
+    outs = {}
+    while eng.has_unfinished_requests():
+        outs |= {o.request_id: o for o in eng.step()}
+    big, small = outs["big"], outs["small"]
+    assert big.outputs[0].finish_reason == "error" and "'big' can never be scheduled" in big.error
+    assert "less the 5 held by pinned prefixes" in big.error
+    assert small.error is None and len(small.outputs[0].token_ids) == 10
+    assert eng.block_manager.num_pinned_blocks == 5
+    eng.block_manager.check()
+
+
 def test_kv_events_rebuild_each_tiers_cached_blocks_exactly(hf_model):
     config = KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:*", event_encoding="map")
     eng = engine(hf_model, offload=1 << 20, store="write", kv_events=config)
