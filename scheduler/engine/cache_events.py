@@ -11,7 +11,7 @@ it as vLLM's ``None``).
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable
+from typing import Protocol
 
 from paged_kv.block_manager import BlockManager
 from paged_kv.block_pool import CLEARED, DROPPED, EVICTED, STORED
@@ -19,15 +19,25 @@ from scheduler.core.kv_events_config import KVEventsConfig
 from scheduler.engine.kv_event_publisher import EventPublisher, make_publisher
 from scheduler.engine.kv_events import MEDIUM_STORAGE, KVEventRecorder
 
-DiskChanges = Callable[[], list[tuple[str, list]]]  # the disk tier's take_changes
+
+class DiskJournal(Protocol):
+    """What the events need of the disk tier (``paged_kv.tiers.DiskTier`` has it)."""
+
+    def take_changes(self) -> list[tuple[str, list]]:
+        """("stored" | "removed", blocks) since the last call, in order."""
+        ...
+
+    def indexed_blocks(self) -> list:
+        """Every block indexed now."""
+        ...
 
 
 class CacheEvents:
     """Turns the tiers' journals into one batch of vLLM KV events per step and publishes it."""
 
-    def __init__(self, config: KVEventsConfig, bm: BlockManager, disk_changes: DiskChanges | None = None) -> None:
+    def __init__(self, config: KVEventsConfig, bm: BlockManager, disk: DiskJournal | None = None) -> None:
         self.bm = bm
-        self.disk_changes = disk_changes
+        self.disk = disk
         self.recorder = KVEventRecorder()
         self.publisher: EventPublisher = make_publisher(config)
 
@@ -40,7 +50,7 @@ class CacheEvents:
 
     def record(self) -> None:
         """Record the tiers' changes since the last call, in the order each tier made them."""
-        bs, recorder = self.bm.block_size, self.recorder
+        bs, recorder, cleared = self.bm.block_size, self.recorder, False
         for medium, (kind, _, h, parent, tokens) in self.bm.take_cache_events():
             if kind == STORED:
                 recorder.stored([h], parent, _ids(tokens), bs, medium)
@@ -48,12 +58,22 @@ class CacheEvents:
                 recorder.removed([h], medium)
             elif kind == CLEARED:
                 recorder.cleared()
-        for kind, blocks in self.disk_changes() if self.disk_changes is not None else ():
+                cleared = True
+        if self.disk is not None:
+            self._record_disk(cleared)
+
+    def _record_disk(self, cleared: bool) -> None:
+        """The disk tier's changes; after an ``AllBlocksCleared`` (which empties every tier for a router, but
+        the disk's files outlive a reset) every block it holds, announced again."""
+        changes = self.disk.take_changes()
+        if cleared:
+            changes = [("stored", self.disk.indexed_blocks())]  # the index now: every change folded in
+        for kind, blocks in changes:
             for b in blocks:
                 if kind == "stored":
-                    recorder.stored([b.hash], b.parent, _ids(b.tokens), bs, MEDIUM_STORAGE)
+                    self.recorder.stored([b.hash], b.parent, _ids(b.tokens), self.bm.block_size, MEDIUM_STORAGE)
                 else:
-                    recorder.removed([b.hash], MEDIUM_STORAGE)
+                    self.recorder.removed([b.hash], MEDIUM_STORAGE)
 
     def shutdown(self) -> None:
         """Publish what is left, then close the publisher."""

@@ -112,8 +112,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager, eos_ids, prefetch=prefetch)
         self.pins = PinnedPrefixes(self.block_manager)
         disk = self.tiers.disk if self.tiers is not None else None
-        self.cache_events = None if events is None else CacheEvents(events, self.block_manager,
-                                                                    disk.take_changes if disk else None)  # fmt: skip
+        self.cache_events = None if events is None else CacheEvents(events, self.block_manager, disk)
         self.sampler = Sampler(model.config.vocab_size, self.device, eos_ids)  # keeps penalty counts per sequence
         self.metrics = EngineMetrics()
         self.structured: StructuredOutputs | None = None  # set by enable_structured_outputs

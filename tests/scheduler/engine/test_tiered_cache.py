@@ -330,3 +330,23 @@ def test_running_requests_keep_decoding_while_a_waiting_prompt_is_read_from_disk
     assert outs["back"].outputs[0].token_ids == cold.outputs[0].token_ids
     assert outs["back"].num_cached_tokens == 36 == eng.block_manager.stats().num_lower_hit_tokens  # all from disk
     eng.shutdown()
+
+
+def test_after_a_reset_kv_events_announce_the_disks_blocks_again(hf_model, tmp_path):
+    """A reset's AllBlocksCleared empties every tier for a router; the disk's files outlive it, so their blocks are
+    stored again in the same batch (a router kept forgetting them until written anew)."""
+    config = KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:*", event_encoding="map")
+    eng = disk_engine(hf_model, tmp_path, host_blocks=3, kv_events=config)
+    ctx = zmq.Context()
+    try:
+        sub = subscribed(ctx, eng)
+        multi_round_chat(eng, rounds=2)
+        eng.tiers.disk.flush()
+        eng.block_manager.reset_prefix_cache()
+        eng.step()  # nothing to run: publishes the reset's batch
+        on_disk = {b.hash for b in eng.tiers.disk.indexed_blocks()}
+        eng.cache_events.shutdown()
+        assert on_disk and rebuilt(sub)["STORAGE"] == on_disk
+    finally:
+        ctx.destroy(linger=0)
+        eng.shutdown()
