@@ -96,7 +96,7 @@ async def _respond(request: Request, engine: AsyncEngine, body: SamplingFields, 
     events = engine.generate(prompts, params, priority=body.priority)
     first = await _next(events)  # admission errors (400, 503) surface here, before any byte is sent
     if body.stream:  # starlette cancels the stream when the client goes away
-        return StreamingResponse(_stream(ctx, body, first, events, len(prompts)), media_type="text/event-stream")
+        return StreamingResponse(_stream(ctx, body, first, events, prompts), media_type="text/event-stream")
     results = await _unless_disconnected(request, _results(first, events, len(prompts)))
     return ctx.response(results) if results is not None else Response(status_code=499)
 
@@ -149,13 +149,14 @@ def _collect(ev: Event, results: list[TextRequestOutput | None]) -> None:
 
 
 async def _stream(ctx: ResponseContext, body: SamplingFields, first: Event, events: AsyncIterator[Event],
-                  num_prompts: int) -> AsyncIterator[str]:  # fmt: skip
+                  prompts: list[tuple[list[int], str | None]]) -> AsyncIterator[str]:  # fmt: skip
     """Server-sent events of a streamed response; closing it (client gone) aborts the requests left."""
     usage = body.include_usage
-    results: list[TextRequestOutput | None] = [None] * num_prompts
+    results: list[TextRequestOutput | None] = [None] * len(prompts)
+    echoed: set[tuple[int, int]] = set()  # (prompt, sample) whose echo chunk went out
     async with contextlib.aclosing(events):
         if ctx.kind == "chat":
-            for i in range(num_prompts * ctx.n):
+            for i in range(len(prompts) * ctx.n):
                 yield sse(ctx.role_chunk(i, usage))
         ev = first
         while ev is not None:
@@ -164,6 +165,10 @@ async def _stream(ctx: ResponseContext, body: SamplingFields, first: Event, even
                 break
             results[ev.key] = ev.result or results[ev.key]
             for d in ev.deltas:
+                if ctx.echo and (ev.key, d.index) not in echoed:  # a choice's first chunk: the prompt
+                    echoed.add((ev.key, d.index))
+                    scored = ev.prompt_logprobs if ev.result is None else ev.result.prompt_logprobs
+                    yield sse(ctx.echo_chunk(ev.key, d.index, prompts[ev.key], scored, usage))
                 if wants_chunk(d, ctx.logprobs is not None):
                     yield sse(ctx.chunk(ev.key, d, usage))
             ev = await anext(events, None)

@@ -58,6 +58,7 @@ class Event:
     deltas: list[SampleDelta]
     result: TextRequestOutput | None = None
     error: Exception | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # when asked for, once the prompt is computed
 
 
 @dataclass
@@ -226,7 +227,7 @@ class AsyncEngine:
         live = self._live[req.request_id]
         self._count_tokens(req, live, deltas, now)
         if not done:
-            return live, Event(live.key, deltas)
+            return live, Event(live.key, deltas, prompt_logprobs=req.last.prompt_logprobs if req.last else None)
         del self._live[req.request_id]
         result = req.result()
         self._record(live, result.outputs, now, "abort" if result.error is None else "error")

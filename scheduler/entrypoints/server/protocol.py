@@ -146,7 +146,7 @@ class CompletionRequest(SamplingFields):
     max_tokens: int = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0)
     add_special_tokens: bool = True  # vLLM: the tokenizer's special tokens (BOS) around a text prompt
-    echo: bool = False  # the prompt before each choice's text (and its tokens' logprobs first); not streamed
+    echo: bool = False  # the prompt before each choice's text (and its tokens' logprobs first)
     suffix: Neutral("") = None
     prompt_embeds: Neutral() = None
 

@@ -99,9 +99,8 @@ def check_request(body: SamplingFields, max_logprobs: int) -> None:
         raise FieldError("best_of", describe("best_of", body.best_of, f"n={body.n} when streaming"))
     if isinstance(body, ChatCompletionRequest) and body.top_logprobs and not body.logprobs:
         raise FieldError("top_logprobs", describe("top_logprobs", body.top_logprobs, "0 unless logprobs=true"))
-    for field_name in ("echo", "prompt_logprobs"):  # the prompt's part of a response is sent whole
-        if getattr(body, field_name, None) and body.stream:
-            raise FieldError(field_name, describe(field_name, getattr(body, field_name), "unset with stream=true"))
+    if body.prompt_logprobs and body.stream:  # as vLLM (0 accepted): a field of the whole response
+        raise FieldError("prompt_logprobs", describe("prompt_logprobs", body.prompt_logprobs, "unset with stream=true"))
     if body.prompt_logprobs is not None and body.prompt_logprobs > max_logprobs:
         expected = f"at most --max-logprobs={max_logprobs}"
         raise FieldError("prompt_logprobs", describe("prompt_logprobs", body.prompt_logprobs, expected))

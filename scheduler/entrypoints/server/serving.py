@@ -4,7 +4,8 @@ A request with ``P`` prompts and ``n`` samples each has ``P * n`` choices;
 choice ``key * n + index`` is sample ``index`` of prompt ``key``. With ``best_of > n`` each
 prompt's ``best_of`` samples are ranked by cumulative log-probability and the ``n`` best kept.
 A completion's ``echo`` puts the prompt before each choice's text (and, with ``logprobs``, its
-tokens before the choice's, the first with no log-probability); ``prompt_logprobs`` (vLLM) adds
+tokens before the choice's, the first with no log-probability); streamed, in a first chunk of
+each choice of its own. ``prompt_logprobs`` (vLLM; not streamed) adds
 each prompt token's log-probabilities to a completion's choices, or to a chat response, as vLLM
 lays them out: ``None`` for the first token, then ``{token id: {logprob, rank, decoded_token}}``.
 """
@@ -31,7 +32,7 @@ class ResponseContext:
     logprobs: int | None  # top log-probabilities per token; None: no logprobs block
     request_id: str | None = None  # the client's (vLLM's request_id), else a random one
     tokens_as_ids: bool = False  # logprobs name tokens "token_id:<id>" (vLLM's return_tokens_as_token_ids)
-    echo: bool = False  # a completion's choices start with the prompt (non-streamed responses)
+    echo: bool = False  # a completion's choices start with the prompt (streamed: a chunk of its own first)
     prompt_logprobs: int | None = None  # the prompt's top log-probabilities to show (vLLM; non-streamed)
     id: str = field(init=False)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -91,10 +92,8 @@ class ResponseContext:
     def _choice(self, index: int, c: TextCompletion, r: TextRequestOutput) -> dict:
         ids, lps, tops, text = c.token_ids, c.logprobs, c.top_logprobs, c.text
         if self.echo:  # the prompt's tokens first: the first has no log-probability
-            prompt = r.prompt_logprobs or [None] * len(r.prompt_token_ids)
-            ids, text = r.prompt_token_ids + ids, (r.prompt or self.tokenizer.decode(r.prompt_token_ids)) + text
-            lps = [None if d is None else d[t] for d, t in zip(prompt, r.prompt_token_ids)] + lps
-            tops = [d or {} for d in prompt] + tops
+            p_text, p_lps, p_tops = self._echoed(r.prompt_token_ids, r.prompt, r.prompt_logprobs)
+            ids, text, lps, tops = r.prompt_token_ids + ids, p_text + text, p_lps + lps, p_tops + tops
         body = {"index": index, "logprobs": self.logprobs_block(index, ids, lps, tops),
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}  # fmt: skip
         if self.kind == "chat":
@@ -104,6 +103,13 @@ class ResponseContext:
             if self.prompt_logprobs is not None:
                 body["prompt_logprobs"] = self._prompt_logprobs(r)
         return body
+
+    def _echoed(self, ids: list[int], text: str | None, scored: list[dict[int, float] | None] | None
+                ) -> tuple[str, list[float | None], list[dict[int, float]]]:  # fmt: skip
+        """An echoed prompt's text, its tokens' log-probabilities (the first: None) and their top ones."""
+        scored = scored or [None] * len(ids)
+        lps = [None if d is None else d[t] for d, t in zip(scored, ids)]
+        return (text if text is not None else self.tokenizer.decode(ids)), lps, [d or {} for d in scored]
 
     def _prompt_logprobs(self, r: TextRequestOutput) -> list[dict | None]:
         """vLLM's prompt_logprobs: per prompt token, None for the first, else its and the top ones' entries."""
@@ -131,6 +137,15 @@ class ResponseContext:
         else:
             choice["text"] = d.text
         return self._with_usage({**self.head(chunk=True), "choices": [choice]}, include_usage)
+
+    def echo_chunk(self, key: int, index: int, prompt: tuple[list[int], str | None],
+                   scored: list[dict[int, float] | None] | None, include_usage: bool) -> dict:  # fmt: skip
+        """A streamed completion choice's first chunk with ``echo``: the prompt (and its tokens' log-probabilities)."""
+        choice, ids = key * self.n + index, prompt[0]
+        text, lps, tops = self._echoed(ids, prompt[1], scored)
+        body = {"index": choice, "text": text, "logprobs": self.logprobs_block(choice, ids, lps, tops),
+                "finish_reason": None, "stop_reason": None}  # fmt: skip
+        return self._with_usage({**self.head(chunk=True), "choices": [body]}, include_usage)
 
     def role_chunk(self, index: int, include_usage: bool) -> dict:
         """The first chunk of a streamed chat choice: the assistant role."""

@@ -185,7 +185,7 @@ BAD_BODIES = {  # case -> (body, status, the field the error names)
     "empty stop": ({"stop": [""], **GOOD}, 400, "stop"),
     "penalty past 2": ({"presence_penalty": 2.5, **GOOD}, 400, "presence_penalty"),
     "logprobs 100": ({"logprobs": 100, **GOOD}, 400, "logprobs"),
-    "echo streamed": ({"echo": True, "stream": True, **GOOD}, 400, "echo"),
+    "prompt_logprobs streamed": ({"prompt_logprobs": 1, "stream": True, **GOOD}, 400, "prompt_logprobs"),
     "empty prompt list": ({"prompt": [], "max_tokens": 3}, 400, "prompt"),
     "token past vocab": ({"prompt": [1, 99999], "max_tokens": 3}, 400, "prompt"),
     "negative token": ({"prompt": [1, -1], "max_tokens": 3}, 400, "prompt"),

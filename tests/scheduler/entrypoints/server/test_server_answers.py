@@ -162,6 +162,29 @@ def test_health_answers_promptly_while_a_huge_prompt_is_tokenized(served):
     refused(done["response"], "prompt")  # far past max_model_len
 
 
+@pytest.mark.parametrize("prompt", ["the quick brown fox", [5, 6, 7, 8]])
+def test_a_streamed_echo_sends_each_choice_what_the_whole_response_holds(served, prompt):
+    """Streamed, echo is each choice's first chunk: the prompt and its tokens' logprobs; the chunks of a choice
+    add up to the non-streamed choice (text, tokens, logprobs, text offsets)."""
+    body = {"model": served.model, "prompt": prompt, "max_tokens": 4, "temperature": 0, "echo": True, "logprobs": 1,
+            "n": 2, "seed": 3}  # fmt: skip
+    whole = served.post("completions", body)
+    assert whole.status_code == 200, whole.text
+    streamed = served.post("completions", {**body, "stream": True})
+    assert streamed.status_code == 200, streamed.text
+    chunks = [c["choices"][0] for c in sse_events(streamed.text)]
+    for choice in whole.json()["choices"]:
+        mine = [c for c in chunks if c["index"] == choice["index"]]
+        echo = mine[0]
+        assert echo["text"] == prompt if isinstance(prompt, str) else len(echo["logprobs"]["tokens"]) == len(prompt)
+        assert echo["logprobs"]["token_logprobs"][0] is None and echo["finish_reason"] is None
+        assert "".join(c["text"] for c in mine) == choice["text"]
+        for key in ("tokens", "text_offset"):
+            assert [v for c in mine for v in c["logprobs"][key]] == choice["logprobs"][key]
+        lps = [v for c in mine for v in c["logprobs"]["token_logprobs"]]
+        assert lps[1:] == pytest.approx(choice["logprobs"]["token_logprobs"][1:], abs=1e-5)
+
+
 def test_echo_and_prompt_logprobs_show_the_prompt_as_the_offline_engine_scores_it(served, offline):
     """echo puts the prompt before the text and its tokens (first: no logprob) before the output's;
     prompt_logprobs (vLLM) gives each prompt token's log-probability, equal to the offline engine's."""
