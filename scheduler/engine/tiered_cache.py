@@ -42,6 +42,7 @@ class TierStats:
     bytes_loaded: int  # host -> device
     disk_bytes_written: int
     disk_bytes_read: int
+    disk_reads_in_flight: int  # waiting sequences whose blocks are being read from disk
 
 
 def model_identity(model: torch.nn.Module, config: object) -> str:
@@ -116,4 +117,5 @@ class TieredCache:
             disk_hit_tokens=s.num_lower_hit_tokens, disk_bytes_used=d.bytes_used if d else 0,
             disk_capacity_bytes=d.capacity_bytes if d else 0, bytes_stored=t.bytes_stored, bytes_loaded=t.bytes_loaded,
             disk_bytes_written=d.bytes_written if d else 0, disk_bytes_read=d.bytes_read if d else 0,
+            disk_reads_in_flight=self.prefetch.num_reading if self.prefetch else 0,
         )  # fmt: skip

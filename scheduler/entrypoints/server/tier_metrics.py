@@ -59,5 +59,7 @@ def _disk_families(t: TierStats) -> Iterator[Metric]:
         (CounterMetricFamily, "paged_kv:kv_disk_read_bytes", "Bytes read from the disk tier.", t.disk_bytes_read),
         (GaugeMetricFamily, "paged_kv:kv_disk_used_bytes", "Bytes of block files on the disk tier.", t.disk_bytes_used),
         (GaugeMetricFamily, "paged_kv:kv_disk_capacity_bytes", "The disk tier's byte budget.", t.disk_capacity_bytes),
+        (GaugeMetricFamily, "paged_kv:kv_disk_reads_in_flight", "Waiting sequences whose cached blocks are being "
+         "read from the disk tier.", t.disk_reads_in_flight),
     ):  # fmt: skip
         yield kind(name, doc, value=value)

@@ -322,7 +322,7 @@ def test_running_requests_keep_decoding_while_a_waiting_prompt_is_read_from_disk
         eng.step()
         assert [g.request_id for g in eng.scheduler.running] == ["busy"]
         assert [g.request_id for g in eng.scheduler.waiting] == ["back"]
-    assert eng.scheduler.running[0].seqs[0].num_outputs == 4 and eng.tiers.prefetch.num_reading == 1
+    assert eng.scheduler.running[0].seqs[0].num_outputs == 4 and eng.tiers.stats().disk_reads_in_flight == 1
     gate.set()
     outs = {}
     while eng.has_unfinished_requests():

@@ -114,3 +114,4 @@ def test_metrics_of_the_disk_tier(tiny_model_dir, tmp_path):
                            ("paged_kv:kv_disk_used_bytes", tiers.disk_bytes_used),
                            ("paged_kv:kv_disk_capacity_bytes", 1 << 20)):  # fmt: skip
         assert samples[(name, ())] == expected > 0, name
+    assert samples[("paged_kv:kv_disk_reads_in_flight", ())] == tiers.disk_reads_in_flight == 0  # all landed
