@@ -131,13 +131,16 @@ def test_a_top_k_the_sampler_cannot_hold_never_fails_another_request(served, ref
 
 
 def test_a_model_step_failure_fails_every_request_in_flight_and_the_server_serves_on(served, reference, caplog):
-    runner, calls = served.llm.engine.runner, []
+    runner, fired, live = served.llm.engine.runner, [], served.llm.engine.scheduler.requests
     run = runner.run
 
     def failing(out):
-        calls.append(1)
-        if len(calls) == 4:
+        # once every request is in and has its first token out (its stream has begun): not at a fixed step, as
+        # they arrive over HTTP and on a loaded machine the last came after the fault, or the first had ended
+        if len(live) == len(GOOD) and all(g.seqs[0].num_outputs for g in live.values()) and not fired:
+            fired.append(1)
             raise RuntimeError("planted forward fault")
+        time.sleep(0.02)  # a slow model: the first request is still running when the last arrives
         return run(out)
 
     runner.run = failing
@@ -146,6 +149,7 @@ def test_a_model_step_failure_fails_every_request_in_flight_and_the_server_serve
             answers = _run(served, [_body(served, p, f) for p, f in GOOD])
     finally:
         runner.run = run
+    assert fired
     for status, body in answers:
         message = body["error"]["message"] if isinstance(body, dict) else body[-2]["error"]["message"]
         assert "engine step failed, every request aborted: RuntimeError: planted forward fault" in message
