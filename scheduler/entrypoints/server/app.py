@@ -167,8 +167,7 @@ async def _stream(ctx: ResponseContext, body: SamplingFields, first: Event, even
             for d in ev.deltas:
                 if ctx.echo and (ev.key, d.index) not in echoed:  # a choice's first chunk: the prompt
                     echoed.add((ev.key, d.index))
-                    scored = ev.prompt_logprobs if ev.result is None else ev.result.prompt_logprobs
-                    yield sse(ctx.echo_chunk(ev.key, d.index, prompts[ev.key], scored, usage))
+                    yield sse(ctx.echo_chunk(ev.key, d.index, prompts[ev.key], ev.prompt_logprobs, usage))
                 if wants_chunk(d, ctx.logprobs is not None):
                     yield sse(ctx.chunk(ev.key, d, usage))
             ev = await anext(events, None)

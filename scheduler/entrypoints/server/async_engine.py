@@ -226,14 +226,15 @@ class AsyncEngine:
         """Count a request's new tokens (and its end); the event for its handler."""
         live = self._live[req.request_id]
         self._count_tokens(req, live, deltas, now)
+        scored = req.last.prompt_logprobs if req.last else None
         if not done:
-            return live, Event(live.key, deltas, prompt_logprobs=req.last.prompt_logprobs if req.last else None)
+            return live, Event(live.key, deltas, prompt_logprobs=scored)
         del self._live[req.request_id]
         result = req.result()
         self._record(live, result.outputs, now, "abort" if result.error is None else "error")
         if result.error is not None:  # this request alone failed
             return live, Event(live.key, [], error=RequestFailed(f"request failed: {result.error}"))
-        return live, Event(live.key, deltas, result)
+        return live, Event(live.key, deltas, result, prompt_logprobs=scored)
 
     def _count_tokens(self, req: TextRequest, live: _Live, deltas: list[SampleDelta], now: float) -> None:
         """Token counters: the request's first token (prefill done), each sample's new tokens and their interval."""

@@ -109,7 +109,7 @@ class ResponseContext:
         """An echoed prompt's text, its tokens' log-probabilities (the first: None) and their top ones."""
         scored = scored or [None] * len(ids)
         lps = [None if d is None else d[t] for d, t in zip(scored, ids)]
-        return (text if text is not None else self.tokenizer.decode(ids)), lps, [d or {} for d in scored]
+        return (text or self.tokenizer.decode(ids)), lps, [d or {} for d in scored]
 
     def _prompt_logprobs(self, r: TextRequestOutput) -> list[dict | None]:
         """vLLM's prompt_logprobs: per prompt token, None for the first, else its and the top ones' entries."""
