@@ -56,6 +56,11 @@ SHAPES = {
         num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE,
         max_position_embeddings=131072, tie_word_embeddings=True,
     ),
+    "smollm2-135m": dict(  # the main job's model (SmolLM2-135M-Instruct's shape), without its package
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=8192,
+        tie_word_embeddings=True,
+    ),
     "tiny": dict(  # for checking this script on a CPU in seconds
         vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, tie_word_embeddings=True,
@@ -92,6 +97,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--probe-context", type=int, default=512, help="decode probe: prompt tokens of each sequence")
     g.add_argument("--probe-steps", type=int, default=16, help="decode probe: steps timed, then as many profiled")
     g.add_argument("--copy-gib", type=float, default=1.0, help="size of the copy that measures bandwidth")
+    g.add_argument("--host-profile-top", type=int, default=25,
+                   help="decode probe: host functions listed from a cProfile of as many more steps (0: none)")
 
 
 # ---------------------------------------------------------------- workload and model
@@ -226,8 +233,8 @@ def kv_pool_bytes(args: argparse.Namespace, work: Workload, per_token: int) -> i
 
 
 def probe_tokens(args: argparse.Namespace) -> int:
-    """Output tokens each probe sequence may take: prefill's step, up to 64 waiting steps, then timed + profiled."""
-    return 2 * args.probe_steps + 128
+    """Output tokens each probe sequence may take: prefill's step, up to 64 waiting steps, then timed + profiled x 2."""
+    return 3 * args.probe_steps + 128
 
 
 @dataclass
@@ -323,7 +330,8 @@ def decode_probe(engine: LLMEngine, timer: StepTimer, args: argparse.Namespace, 
         engine.step()
     wall = (time.perf_counter() - start) / steps  # timed here: the timer may not see the engine's steps
     timed = timer.decode_steps() or [DecodeStep(wall, 0.0, 0, 0)]
-    busy = profiled_busy_seconds(engine, steps) if engine.device.type == "cuda" else None
+    busy, launches = profiled_busy_seconds(engine, steps) if engine.device.type == "cuda" else (None, None)
+    host = host_profile(engine, steps, args.host_profile_top)
     for request_id in ids:
         try:
             engine.abort(request_id)
@@ -333,12 +341,13 @@ def decode_probe(engine: LLMEngine, timer: StepTimer, args: argparse.Namespace, 
     return {
         "batch": sum(s.batch for s in timed) / n, "steps": steps, "wall_s": wall,
         "gpu_s": sum(s.gpu_s for s in timed) / n, "context": sum(s.context_tokens for s in timed) / n,
-        "busy_s": busy, "busy_fraction": None if busy is None else busy / wall,
+        "busy_s": busy, "busy_fraction": None if busy is None else busy / wall, "launches": launches, "host": host,
     }  # fmt: skip
 
 
-def profiled_busy_seconds(engine: LLMEngine, steps: int) -> float | None:
-    """Mean GPU-busy seconds per step over ``steps`` profiled steps: the union of kernel and copy intervals."""
+def profiled_busy_seconds(engine: LLMEngine, steps: int) -> tuple[float | None, float | None]:
+    """Mean GPU-busy seconds per step over ``steps`` profiled steps (the union of kernel and copy intervals), and
+    GPU operations (kernels, copies, memsets) per step."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -351,13 +360,32 @@ def profiled_busy_seconds(engine: LLMEngine, steps: int) -> float | None:
         spans = sorted((e.time_range.start, e.time_range.end) for e in gpu_events)
     except Exception as e:  # a profiler without CUPTI: report the rest
         print(f"(profiler failed: {e!r}; GPU-busy fraction not measured)")
-        return None
+        return None, None
     busy_us, end = 0.0, -math.inf
     for lo, hi in spans:  # union of intervals (streams may overlap)
         if hi > end:
             busy_us += hi - max(lo, end)
             end = hi
-    return busy_us / 1e6 / steps
+    return busy_us / 1e6 / steps, len(spans) / steps
+
+
+def host_profile(engine: LLMEngine, steps: int, top: int) -> str:
+    """cProfile of ``steps`` more engine steps: the ``top`` functions by own time, as printed lines."""
+    import cProfile
+    import io
+    import pstats
+
+    if top <= 0:
+        return ""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        engine.step()
+    synchronize(engine.device)
+    profiler.disable()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
 
 
 # ---------------------------------------------------------------- transformers
@@ -458,6 +486,7 @@ def compare(args: argparse.Namespace) -> dict:
     f["engine"] = timed("paged-kv engine", partial(run_engine, engine, work, args.temperature))
     f["decode"] = timer.decode_steps()
     f["probe"] = decode_probe(engine, timer, args, vocab) if args.probe_batch else None
+    print("\n".join(decode_lines(f)), flush=True)  # before the baselines, which may run out of time
     timer.remove()
     del engine, timer
     free_memory(device)
@@ -535,11 +564,14 @@ def decode_lines(f: dict) -> list[str]:
     if p and p["steps"]:
         span = f"GPU span {p['gpu_s'] * 1e3:.2f} ms, " if p["gpu_s"] else ""
         busy = "" if p["busy_s"] is None else f"GPU busy {p['busy_s'] * 1e3:.2f} ms = {p['busy_fraction']:.0%}, "
+        launches = "" if p.get("launches") is None else f"{p['launches']:.0f} GPU operations per step, "
         lines.append(
             f"decode probe: batch {p['batch']:.0f}, context ~{p['context'] / max(p['batch'], 1):.0f} tokens, "
-            f"{p['steps']} steps: wall {p['wall_s'] * 1e3:.2f} ms, {span}{busy}"
+            f"{p['steps']} steps: wall {p['wall_s'] * 1e3:.2f} ms, {span}{busy}{launches}"
             f"floor {floor_s(f, p['context']) * 1e3:.2f} ms"
         )
+        if p.get("host"):
+            lines.append(f"host profile of {p['steps']} more probe steps (cProfile, by own time):\n{p['host']}")
     return lines
 
 

@@ -6,7 +6,8 @@ Two side-by-side measurements, each printed with its ratio:
    vs prepared (host-validated :class:`~kernels.AttentionMetadata`), and the engine's per-layer call:
    the prepared call bound once per step (``bind_decode_attention``), then run on each layer. On
    CUDA the kernels run and the host time per call is measured over a queue of calls; on the CPU the
-   launches are stubbed, so the figure is the wrappers' own Python work.
+   launches are stubbed, so the figure is the wrappers' own Python work. Either way the clock times
+   the host's work up to the last call's return, not the kernels.
 2. Building a decode step's device inputs at batch 64 and 256 (~1k tokens each): the engine's
    :class:`~scheduler.runner.step_input.StepInputBuilder` (persistent tables, numpy, one upload) vs
    rebuilding every table from lists per step (the engine's previous ``pack_step``).
@@ -23,6 +24,8 @@ from dataclasses import replace
 from unittest import mock
 
 import torch
+import triton
+import triton.language as tl
 
 import kernels.decode_attention as dec
 from kernels import paged_decode_attention, paged_decode_attention_prepared, prepare_attention_metadata
@@ -34,15 +37,20 @@ from scheduler.runner.step_input import StepInputBuilder
 
 
 def _best_us(fn, repeat: int, rounds: int = 5, sync=lambda: None) -> float:
-    """Best mean microseconds per call of ``fn`` over ``rounds`` rounds of ``repeat`` calls."""
+    """Best mean host microseconds per call of ``fn`` over ``rounds`` rounds of ``repeat`` calls.
+
+    The clock stops when the last call returns, before ``sync``: on CUDA it times the host's
+    enqueueing, not the kernels (``repeat`` calls stay well inside the launch queue's depth).
+    """
     best = float("inf")
     for _ in range(rounds):
         sync()
         start = time.perf_counter()
         for _ in range(repeat):
             fn()
+        elapsed = time.perf_counter() - start
         sync()
-        best = min(best, (time.perf_counter() - start) / repeat * 1e6)
+        best = min(best, elapsed / repeat * 1e6)
     return best
 
 
@@ -66,6 +74,45 @@ def bench_decode_call(device: torch.device, batch: int = 1, context: int = 1024)
         bound = dec.bind_decode_attention(q, k, v, meta, backend=backend)  # once per step
         per_layer = _best_us(lambda: bound(q, k, v, None, None), 200, sync=sync)
     return checked, prepared, per_layer
+
+
+@triton.jit
+def _touch_kernel(x_ptr, n, K0: tl.constexpr, K1: tl.constexpr):
+    """Adds 1 to x[0]: the least work a launch can do (its host cost is Triton's launch path alone)."""
+    tl.store(x_ptr, tl.load(x_ptr) + n * 0 + K0 - K1 + 1)
+
+
+def bench_launch_floor(device: torch.device) -> float:
+    """Host microseconds of one launch of a trivial Triton kernel with 2 arguments and 2 constexprs (CUDA only)."""
+    x = torch.zeros(1, device=device)
+    sync = torch.cuda.synchronize
+    return _best_us(lambda: _touch_kernel[(1,)](x, 7, K0=2, K1=2), 200, sync=sync)
+
+
+def profile_bound(device: torch.device, batch: int = 1, context: int = 1024, top: int = 12) -> str:
+    """cProfile of 200 calls of the bound per-layer decode (CUDA): the host functions by own time."""
+    import cProfile
+    import io
+    import pstats
+
+    bs, per_seq = 16, context // 16
+    k = torch.randn(batch * per_seq + 1, bs, 8, 128, dtype=torch.bfloat16, device=device)
+    q = torch.randn(batch, 32, 128, dtype=torch.bfloat16, device=device)
+    tables = [list(range(1 + s * per_seq, 1 + (s + 1) * per_seq)) for s in range(batch)]
+    meta = prepare_attention_metadata(tables, [context - 1] * batch, [1] * batch, block_size=bs,
+                                      num_blocks=k.shape[0], device=device)  # fmt: skip
+    bound = dec.bind_decode_attention(q, k, k, meta, backend="triton")
+    bound(q, k, k, None, None)
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(200):
+        bound(q, k, k, None, None)
+    profiler.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
 
 
 def _decode_step(batch: int, context: int, bs: int = 16) -> tuple[BlockManager, SchedulerOutput]:
@@ -130,6 +177,10 @@ def main() -> None:
         checked, prepared, bound = bench_decode_call(device, batch, context)
         ratios = f"{checked / prepared:.2f}x | {prepared / bound:.2f}x"
         print(f"| batch {batch} x {context} | {checked:.1f} | {prepared:.1f} | {bound:.1f} | {ratios} |")
+    if device.type == "cuda":
+        floor = bench_launch_floor(device)
+        print(f"\none launch of a trivial Triton kernel (triton {triton.__version__}): {floor:.1f} us")
+        print(f"\nhost profile of the bound decode call, batch 1 x 1024, 200 calls:\n{profile_bound(device)}")
     print("\n| decode step inputs, host us | rebuild from lists | StepInputBuilder | ratio |\n|---|---:|---:|---:|")
     for batch in (64, 256):
         rebuild, built = bench_build(device, batch)

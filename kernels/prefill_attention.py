@@ -142,9 +142,9 @@ def prefill_tile(
     if dtype != tl.float32:
         block_m, block_n, num_warps, num_stages = (128, 64, 8, 3) if d_pad <= 128 else (64, 32, 8, 2)
     elif precision == "ieee":  # float32 operands: a pipelined stage of code tiles would spill
-        block_m, block_n, num_warps, num_stages = (16, 32, 8, 1) if d_pad <= 128 else (16, 16, 4, 1)
-    else:
-        block_m, block_n, num_warps, num_stages = (64, 64, 8, 1) if d_pad <= 128 else (32, 32, 8, 1)
+        block_m, block_n, num_warps, num_stages = (16, 16, 8, 1) if d_pad <= 128 else (16, 16, 4, 1)
+    else:  # tf32 (d 128): 64 x 64 and 64 x 32 over 8 warps, 32 x 64 over 4 or 8 spill with some Triton in 3.6-3.9
+        block_m, block_n, num_warps, num_stages = (32, 32, 4, 1) if d_pad <= 128 else (32, 32, 8, 1)
     defaults = {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": num_warps, "num_stages": num_stages}
     t = tuned_values(prefill_tile_key(d_pad, group, dtype), device, defaults)
     return max(t["BLOCK_M"], triton.next_power_of_2(group)), t["BLOCK_N"], t["num_warps"], t["num_stages"]

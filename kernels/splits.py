@@ -81,7 +81,9 @@ def split_tile(d_pad: int, cache_bytes: int, dtype: tl.dtype) -> tuple[int, int,
         return 2 * block_n, 8, 3 if d_pad <= 128 else 2  # head 256: a third 128 x 256 stage would spill
     if dtype != tl.float32:
         return block_n, 8, 3
-    return block_n, 8, 1 if cache_bytes == 1 else 3  # float32 operands: pipelined code tiles would spill
+    if cache_bytes == 1:  # float32 operands over 1-byte codes: 64 tokens spill on sm80/sm90 with Triton 3.6-3.7
+        return block_n // 2, 8, 1
+    return block_n, 8, 3  # float32 operands
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_len: int, device: torch.device) -> int:

@@ -1,10 +1,13 @@
 """Sizing the GPU KV pool from a share of the device's memory (vLLM's ``gpu_memory_utilization``).
 
-The engine may use ``utilization x total`` bytes of the device. What is already taken when
-the engine starts (the weights, the CUDA context, other processes) counts against it, and
-so do the activations: a profiling forward at the step's largest token budget measures
-their peak, and one at the largest decode batch estimates the CUDA graphs' private pool.
-The KV pool gets the rest.
+The share is a per-engine limit, as in vLLM: the engine may hold ``utilization x total`` bytes
+of the device, and only its own memory counts against it. That is what its torch allocator
+holds when it starts (the weights), the activations (a profiling forward at the step's largest
+token budget measures their peak) and the CUDA graphs' private pool (one at the largest decode
+batch estimates it). The KV pool gets the rest. Two engines at 0.45 each share one GPU. Memory
+that other processes hold does not shrink the pool, but the pool must fit in the memory free
+now; where it does not, sizing fails with a typed error rather than running out mid-serve. The
+CUDA context and library workspaces are outside the share, as in vLLM.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ class MemoryPlan:
     """Where a device's memory budget goes, in bytes, and the KV blocks that fit."""
 
     budget: int  # utilization x total
-    in_use: int  # taken before the engine profiled (weights, context, other processes)
+    in_use: int  # this process's torch memory before profiling (the weights)
     activations: int  # peak of the profiling forward
     graphs: int  # estimated CUDA-graph pool (0 when eager)
     num_blocks: int
@@ -47,19 +50,42 @@ def plan_kv_memory(
     device = model.embed.weight.device
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info(device)
     activations = _peak_forward_bytes(model, spec, max_tokens, min(max_seqs, max_tokens))
     graph_bytes = _peak_forward_bytes(model, spec, max_seqs, max_seqs) if graphs else 0
+    free, total = torch.cuda.mem_get_info(device)
+    own = torch.cuda.memory_reserved(device)
+    return size_pool(
+        utilization=utilization, total=total, free=free, in_use=own, activations=activations, graphs=graph_bytes,
+        bytes_per_block=spec.bytes_per_block,
+    )  # fmt: skip
+
+
+def size_pool(
+    *, utilization: float, total: int, free: int, in_use: int, activations: int, graphs: int, bytes_per_block: int
+) -> MemoryPlan:
+    """The KV blocks that fit in ``utilization x total`` less this engine's own use, and in the ``free`` bytes.
+
+    ``in_use`` is this engine's memory already taken (it is not in ``free``); the activations and the
+    graph pool are yet to be taken from ``free``. Raises :class:`OutOfBlocksError` when not one
+    block fits in the share, or when the share's pool does not fit in the free memory.
+    """
     budget = int(utilization * total)
-    in_use = total - free
-    num_blocks = (budget - in_use - activations - graph_bytes) // spec.bytes_per_block
+    transient = activations + graphs
+    num_blocks = (budget - in_use - transient) // bytes_per_block
     if num_blocks < 1:
         raise OutOfBlocksError(describe(
             "gpu_memory_utilization", utilization,
-            f"a share leaving room for KV blocks: {in_use / GIB:.2f} GiB in use and {activations / GIB:.2f} GiB of "
-            f"activations of {budget / GIB:.2f} GiB",
+            f"a share leaving room for KV blocks: this engine holds {in_use / GIB:.2f} GiB and needs "
+            f"{transient / GIB:.2f} GiB of activations and graphs of its {budget / GIB:.2f} GiB",
         ))  # fmt: skip
-    return MemoryPlan(budget=budget, in_use=in_use, activations=activations, graphs=graph_bytes, num_blocks=num_blocks)
+    if num_blocks * bytes_per_block + transient > free:
+        raise OutOfBlocksError(describe(
+            "gpu_memory_utilization", utilization,
+            f"a share whose KV pool fits in the free memory: {num_blocks * bytes_per_block / GIB:.2f} GiB of KV "
+            f"blocks and {transient / GIB:.2f} GiB of activations and graphs, {free / GIB:.2f} GiB free of "
+            f"{total / GIB:.2f} GiB (other processes hold the rest); lower it",
+        ))  # fmt: skip
+    return MemoryPlan(budget=budget, in_use=in_use, activations=activations, graphs=graphs, num_blocks=num_blocks)
 
 
 def _peak_forward_bytes(model: LlamaModel, spec: KVCacheSpec, num_tokens: int, num_seqs: int) -> int:

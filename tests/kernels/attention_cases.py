@@ -207,7 +207,8 @@ class Build:
                 if not spills:
                     sys.exit(f"no ptxas report for {self.fn.__name__}: {log.getvalue()[-500:]}")
                 if max(spills) > 0:
-                    sys.exit(f"{self.fn.__name__} spills {max(spills)} bytes on sm{arch}: {constexprs} {options}")
+                    sys.exit(f"{self.fn.__name__} spills {max(spills)} bytes on sm{arch} with Triton "
+                             f"{triton.__version__}: {constexprs} {options}")
             built.append(self.fn.__name__)
         return launch
 
@@ -222,7 +223,11 @@ print(" ".join(built))
 
 
 def build_for_gpu(calls: str, archs: str = "80,90") -> list[str]:
-    """Compile, for CUDA sm80 and sm90 and without a GPU, the kernels that ``calls`` launch; return their names."""
+    """Compile, for CUDA sm80 and sm90 and without a GPU, the kernels that ``calls`` launch; return their names.
+
+    The check is that of the installed Triton (its ptxas and code generator): a failure names the
+    version. Every Triton the project supports (3.6-3.9) built the default tiles without spills.
+    """
     if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
         pytest.skip("this triton build ships no ptxas")
     root = str(Path(__file__).resolve().parents[2])
@@ -232,7 +237,7 @@ def build_for_gpu(calls: str, archs: str = "80,90") -> list[str]:
     env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
     args = [sys.executable, "-c", GPU_BUILD_SCRIPT, archs, calls]
     done = subprocess.run(args, env=env, cwd=root, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.returncode == 0, f"Triton {triton.__version__}: {done.stderr[-4000:]}"
     return done.stdout.split()
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from sched_helpers import NUM_NEW
@@ -67,7 +70,7 @@ def test_graph_replay_equals_eager_forward(tiny_hf, prompts):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("sched", [{}, {"max_num_batched_tokens": 16}, {"num_cpu_blocks": 64}],
+@pytest.mark.parametrize("sched", [{}, {"max_num_batched_tokens": 16, "max_num_seqs": 8}, {"num_cpu_blocks": 64}],
                          ids=["plain", "chunked-prefill", "swap-space"])  # fmt: skip
 def test_engine_with_graphs_equals_eager_and_transformers(tiny_hf, prompts, hf_greedy, sched):
     with_graphs = _greedy(_cuda_engine(tiny_hf, eager=False, **dict(sched)), prompts)
@@ -110,3 +113,21 @@ def test_gpu_memory_utilization_sizes_the_pool_within_budget(tiny_hf):
     pool = engine.runner.gpu_cache
     assert pool.num_blocks > 0 and pool.nbytes <= 0.05 * total
     assert _greedy(engine, [[1, 2, 3]])[0]
+
+
+@pytest.mark.gpu
+@cuda
+def test_memory_another_process_holds_does_not_shrink_the_pool(tiny_hf):
+    """The share is per engine (vLLM's meaning): 4 GiB held by another process leave the pool as it was."""
+    cache = CacheConfig(block_size=16, gpu_memory_utilization=0.03)
+    config = EngineConfig(cache=cache, device="cuda", enforce_eager=True)
+    alone = LLMEngine.from_hf(tiny_hf, config).runner.gpu_cache.num_blocks
+    hold = "import sys, torch; x = torch.empty(4 << 30, dtype=torch.uint8, device='cuda'); print('held', flush=True); "
+    holder = subprocess.Popen([sys.executable, "-c", hold + "sys.stdin.read()"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        beside = LLMEngine.from_hf(tiny_hf, config).runner.gpu_cache.num_blocks
+    finally:
+        holder.communicate("")
+    assert abs(beside - alone) <= alone // 100  # the same pool, give or take the allocator's rounding
