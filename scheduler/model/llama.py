@@ -29,7 +29,9 @@ from scheduler.model.parallel_layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from scheduler.model.rope import RotaryEmbedding
+from scheduler.model.rope import RotaryEmbedding, rotate
+
+Rotary = tuple[torch.Tensor, torch.Tensor]  # the step's (cos, sin) [T, 1, D], from RotaryEmbedding.cos_sin
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,17 +102,16 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] -> [T, H] in x's dtype."""
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)  # transformers' x * rsqrt(mean(x^2) + eps), fused
         return self.weight * h.to(x.dtype)
 
 
 class Attention(nn.Module):
     """GQA self-attention reading and writing the paged KV cache of its layer (this rank's heads)."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding, shard: TPShard) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, shard: TPShard) -> None:
         super().__init__()
-        self.layer, self.rope = layer, rope
+        self.layer = layer
         self.num_heads = cfg.num_heads // shard.size
         self.num_kv_heads, self.head_dim = local_kv_heads(cfg, shard), cfg.head_dim
         q_size, kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
@@ -119,15 +120,14 @@ class Attention(nn.Module):
         self.o = RowParallelLinear(q_size, cfg.hidden_size, shard=shard)
         self.scale = cfg.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache, plan: AttentionPlan):
-        """x: [T, hidden] -> [T, hidden]."""
-        q, k, v = self.qkv(x).split(self.split, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rope(positions, q, k)
+    def forward(self, x: torch.Tensor, rotary: Rotary, cache: PagedKVCache, plan: AttentionPlan):
+        """x: [T, hidden] -> [T, hidden]; rotary: the step's (cos, sin) [T, 1, D]."""
+        qk_size = self.split[0] + self.split[1]
+        qkv = self.qkv(x)  # [T, (Hq + 2 Hkv) D]
+        qk = rotate(qkv[:, :qk_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim), *rotary)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, Hq, D], [T, Hkv, D] (strided)
+        v = qkv[:, qk_size:].view(-1, self.num_kv_heads, self.head_dim).contiguous()  # [T, Hkv, D]
         kv = cache.layers[self.layer]
-        v = v.contiguous()
         plan.write(kv, k, v)
         out = plan.attend(q.contiguous(), k, v, kv, self.scale)  # [T, Hq, D]
         return self.o(out.reshape(out.shape[0], -1))
@@ -151,16 +151,16 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks with residuals."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding, shard: TPShard) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, shard: TPShard) -> None:
         super().__init__()
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = Attention(cfg, layer, rope, shard)
+        self.attn = Attention(cfg, layer, shard)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, shard)
 
-    def forward(self, x, positions, cache, plan) -> torch.Tensor:
+    def forward(self, x, rotary, cache, plan) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
-        x = x + self.attn(self.input_norm(x), positions, cache, plan)
+        x = x + self.attn(self.input_norm(x), rotary, cache, plan)
         return x + self.mlp(self.post_attn_norm(x))
 
 
@@ -180,9 +180,9 @@ class LlamaModel(nn.Module):
         self.config, self.shard = cfg, shard
         shard.split(cfg.intermediate_size, "intermediate_size")
         shard.kv_heads(cfg.num_kv_heads, cfg.num_heads)  # checks the heads split evenly
-        rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, shard=shard)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope, shard) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, shard) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, shard=shard)
         if cfg.tie_word_embeddings:
@@ -221,8 +221,9 @@ class LlamaModel(nn.Module):
         """
         x = self.embed(input_ids)  # [T, hidden]
         plan = AttentionPlan(meta, self.chunk_backend)
+        rotary = self.rope.cos_sin(positions, x.dtype)  # once per step, not per layer
         for layer in self.layers:
-            x = layer(x, positions, cache, plan)
+            x = layer(x, rotary, cache, plan)
         return x
 
     @torch.inference_mode()

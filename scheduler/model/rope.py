@@ -60,14 +60,22 @@ class RotaryEmbedding(torch.nn.Module):
             raise InvalidArgumentError(describe("head_dim", head_dim, "an even number"))
         self.register_buffer("inv_freq", inverse_frequencies(head_dim, theta, scaling), persistent=False)
 
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[T, 1, D]`` in ``dtype`` of positions ``[T]``: computed once per forward, shared by the layers."""
+        angles = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        angles = torch.cat([angles, angles], dim=-1)[:, None, :]  # [T, 1, D]: pair (i, i + D/2) shares an angle
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Apply the rotation: positions ``[T]``, q ``[T, Hq, D]``, k ``[T, Hkv, D]``."""
-        angles = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
-        cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]  # [T, 1, D/2]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        cos, sin = self.cos_sin(positions, q.dtype)
+        return rotate(q, cos, sin), rotate(k, cos, sin)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x ``[T, H, D]`` rotated by cos, sin ``[T, 1, D]``: ``x * cos + rotate_half(x) * sin``, as transformers does.
+
+    One pass serves q and k together when they are one tensor (their heads side by side).
+    """
     x1, x2 = x.chunk(2, dim=-1)  # [T, H, D/2] each
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
