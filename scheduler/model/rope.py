@@ -61,7 +61,7 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("inv_freq", inverse_frequencies(head_dim, theta, scaling), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin ``[T, 1, D]`` in ``dtype`` of positions ``[T]``: computed once per forward, shared by the layers."""
+        """cos and sin ``[T, 1, D]`` in ``dtype`` of positions ``[T]`` (once per forward; the layers share them)."""
         angles = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
         angles = torch.cat([angles, angles], dim=-1)[:, None, :]  # [T, 1, D]: pair (i, i + D/2) shares an angle
         return angles.cos().to(dtype), angles.sin().to(dtype)
