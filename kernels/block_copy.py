@@ -23,7 +23,6 @@ import triton
 import triton.language as tl
 
 from kernels.checks import Backend, check_triton_device, use_triton
-from kernels.launch import launch
 from kernels.quant import as_storage
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError, describe
 from paged_kv.tensor_checks import check_contiguous, check_range, check_same_device, check_tensor
@@ -195,7 +194,7 @@ def _copy_triton(caches: list[torch.Tensor], pairs: torch.Tensor) -> None:
     mapping = pairs.to(device)  # [P, 2]
     max_words = max(_block_bytes(t) for t in caches) // word
     grid = (pairs.shape[0], len(caches), max(1, triton.cdiv(max_words, _COPY_BLOCK)))
-    launch(_copy_blocks_kernel, grid, addresses, words, mapping, WORD=_WORD_DTYPES[word], BLOCK=_COPY_BLOCK)
+    _copy_blocks_kernel[grid](addresses, words, mapping, WORD=_WORD_DTYPES[word], BLOCK=_COPY_BLOCK)
 
 
 def _word_bytes(caches: list[torch.Tensor]) -> int:

@@ -27,7 +27,6 @@ from kernels.checks import (
     check_triton_device,
     use_triton,
 )
-from kernels.launch import launch
 from kernels.metadata import AttentionMetadata, check_metadata
 from kernels.quant import as_storage, is_quantized, quant_max, quantize_per_token_head
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError, describe
@@ -202,7 +201,7 @@ def _write_triton(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale) 
     k_scale = k_out if k_scale is None else k_scale  # unused placeholder in float mode
     v_scale = v_out if v_scale is None else v_scale
     grid = (num_tokens, triton.cdiv(num_heads, block_h))
-    launch(_write_kv_kernel, grid,
+    _write_kv_kernel[grid](
         key, value, k_out, v_out, k_scale, v_scale, slot_mapping,
         *key.stride(), *value.stride(),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d,

@@ -39,7 +39,6 @@ from kernels.checks import (
     launches_triton,
     window_start,
 )
-from kernels.launch import launch
 from kernels.metadata import AttentionMetadata, check_metadata
 from kernels.splits import MAX_SPLITS, WAVES, choose_split_tokens, merge_splits, split_outputs, split_tile
 from kernels.tile_configs import tile_key, tuned_values
@@ -158,7 +157,7 @@ def _decode_triton(q, k_cache, v_cache, block_tables, seq_lens, geo, opts, k_sca
     out, lse, part, part_lse = split_outputs(q, num_splits)
     qk_a, qk_b = logit_coefficients(scale, soft_cap)
     cache_pointers, cache_strides = cache_arguments(k_cache, v_cache, k_scale, v_scale)
-    launch(_decode_split_kernel, (num_seqs, geo.num_kv_heads, num_splits),
+    _decode_split_kernel[(num_seqs, geo.num_kv_heads, num_splits)](
         q, *cache_pointers, block_tables, seq_lens, part, part_lse,
         *q.stride(), *cache_strides, *block_tables.stride(), *part.stride(), *part_lse.stride(),
         qk_a, qk_b, window or 0, split_tokens, num_splits,

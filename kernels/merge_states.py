@@ -15,7 +15,6 @@ import triton
 import triton.language as tl
 
 from kernels.checks import Backend, check_triton_device, use_triton
-from kernels.launch import launch
 from paged_kv.tensor_checks import FLOAT_DTYPES, check_shape, check_tensor
 
 ROWS_PER_PROGRAM = 16
@@ -85,7 +84,7 @@ def _merge_triton(out_a, lse_a, out_b, lse_b) -> tuple[torch.Tensor, torch.Tenso
     out = torch.empty_like(out_a, memory_format=torch.contiguous_format)
     lse = torch.empty(num_tokens, num_heads, device=out_a.device, dtype=torch.float32)
     num_rows = num_tokens * num_heads
-    launch(_merge_kernel, (triton.cdiv(num_rows, ROWS_PER_PROGRAM),),
+    _merge_kernel[(triton.cdiv(num_rows, ROWS_PER_PROGRAM),)](
         out_a, lse_a, out_b, lse_b, out, lse, num_rows, num_heads,
         *out_a.stride(), *lse_a.stride(), *out_b.stride(), *lse_b.stride(), *out.stride(), *lse.stride(),
         HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim), ROWS=ROWS_PER_PROGRAM,

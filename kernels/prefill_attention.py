@@ -43,7 +43,6 @@ from kernels.checks import (
     launches_triton,
     window_start,
 )
-from kernels.launch import launch
 from kernels.metadata import AttentionMetadata, check_metadata
 from kernels.tile_configs import tile_key, tuned_values
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError, check_bool, describe
@@ -170,7 +169,7 @@ def _prefill_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens, geo
     qk_a, qk_b = logit_coefficients(scale, soft_cap)
     grid = (triton.cdiv(max_q, tokens), geo.num_kv_heads, seq_lens.shape[0])
     cache_pointers, cache_strides = cache_arguments(k_cache, v_cache, k_scale, v_scale)
-    launch(_prefill_kernel, grid,
+    _prefill_kernel[grid](
         q, *cache_pointers, block_tables, seq_lens, cu_seqlens, out, lse,
         *q.stride(), *cache_strides, *block_tables.stride(), *out.stride(), *lse.stride(),
         qk_a, qk_b, window or 0,

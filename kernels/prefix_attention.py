@@ -31,7 +31,6 @@ from kernels.checks import (
     check_options,
     launches_triton,
 )
-from kernels.launch import launch
 from kernels.metadata import PrefixMetadata, check_metadata, offsets
 from kernels.splits import MAX_SPLITS, choose_num_splits, merge_splits, split_outputs, split_tile
 from kernels.tile_configs import tile_key, tuned_values
@@ -126,7 +125,7 @@ def _prefix_triton(q, k_cache, v_cache, meta: PrefixMetadata, geo: CacheGeometry
     block_n, num_warps, num_stages = prefix_launch(d_pad, k_cache.element_size(), dtype, q.device)
     cache_pointers, cache_strides = cache_arguments(k_cache, v_cache, k_scale, v_scale)
     tables = meta.block_tables
-    launch(_prefix_kernel, (meta.num_groups * num_qtiles, geo.num_kv_heads, splits),
+    _prefix_kernel[(meta.num_groups * num_qtiles, geo.num_kv_heads, splits)](
         q, *cache_pointers, tables, meta.prefix_lens, meta.cu_seqlens_q, part, part_lse,
         *q.stride(), *cache_strides, *tables.stride(), *part.stride(), *part_lse.stride(), qk_a, qk_b,
         GROUP=group, Q_TILE=q_tile, NUM_QTILES=num_qtiles, BLOCK_M=block_m, HEAD_DIM=head_dim, D_PAD=d_pad,

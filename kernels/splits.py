@@ -14,7 +14,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import launch
 MAX_SPLITS = 128
 MIN_TOKENS_PER_SPLIT = 256
 WAVES = 2  # split programs per SM the automatic split size aims for
@@ -64,7 +63,7 @@ def merge_splits(out, lse, part, part_lse, d_pad: int) -> tuple[torch.Tensor, to
     """Merge the splits of :func:`split_outputs` into out and lse (nothing to do for one split); returns both."""
     splits = part.shape[2]
     if splits > 1:
-        launch(_merge_splits_kernel, (out.shape[0], out.shape[1]),
+        _merge_splits_kernel[(out.shape[0], out.shape[1])](
             part, part_lse, out, lse, *part.stride(), *part_lse.stride(), *out.stride(), *lse.stride(), splits,
             S_PAD=triton.next_power_of_2(splits), HEAD_DIM=out.shape[2], D_PAD=d_pad,
         )  # fmt: skip
