@@ -93,6 +93,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--static-batch", type=int, default=64, help="transformers static batching: prompts per batch")
     g.add_argument("--skip-static", action="store_true", help="do not run transformers static batching")
     g.add_argument("--skip-generate-batch", action="store_true", help="do not run transformers continuous batching")
+    g.add_argument("--baseline-timeout", type=float, default=240.0,
+                   help="seconds transformers continuous batching may run before it is stopped and reported as such")
     g.add_argument("--probe-batch", type=int, default=64, help="decode probe: sequences decoding together")
     g.add_argument("--probe-context", type=int, default=512, help="decode probe: prompt tokens of each sequence")
     g.add_argument("--probe-steps", type=int, default=16, help="decode probe: steps timed, then as many profiled")
@@ -417,12 +419,18 @@ def run_static(hf, work: Workload, batch: int, temperature: float) -> tuple[floa
     return time.perf_counter() - start, useful
 
 
-def run_generate_batch(hf, work: Workload, temperature: float) -> tuple[float, int]:
+class BaselineTimeout(RuntimeError):
+    """A baseline stopped at its deadline; the message says how far it got."""
+
+
+def run_generate_batch(hf, work: Workload, temperature: float, timeout: float = math.inf) -> tuple[float, int]:
     """Wall seconds and generated tokens of transformers' continuous batching (generate_batch's manager).
 
     ``generate_batch`` takes one ``max_new_tokens`` for all prompts; its manager takes one per
     request, as the workload needs. The clock runs from the first request to the last result:
-    the manager's set-up and warm-up (graph capture) are left out, as for the engine.
+    the manager's set-up and warm-up (graph capture) are left out, as for the engine. Past
+    ``timeout`` seconds it raises :class:`BaselineTimeout` with the requests and tokens finished
+    by then (none finished suggests a hang rather than a slow run).
     """
     from transformers import GenerationConfig
 
@@ -441,6 +449,12 @@ def run_generate_batch(hf, work: Workload, temperature: float) -> tuple[float, i
         for i, (prompt, limit) in enumerate(zip(work.prompts, work.limits)):
             manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=limit, eos_token_id=-1)  # -1: no EOS
         while len(results) < len(work.prompts):
+            if time.perf_counter() - start > timeout:
+                done = sum(len(r.generated_tokens) for r in results.values())
+                raise BaselineTimeout(
+                    f"transformers continuous batching stopped at its {timeout:g} s deadline: {len(results)} of "
+                    f"{len(work.prompts)} requests finished, {done} of {work.generated} tokens"
+                )
             result = manager.get_result(timeout=1)
             if result is not None and result.is_finished():
                 results[result.request_id] = result
@@ -498,8 +512,12 @@ def compare(args: argparse.Namespace) -> dict:
     if not args.skip_generate_batch and not hasattr(hf, "continuous_batching_context_manager"):
         f["notes"].append("transformers continuous batching skipped: this transformers has no generate_batch manager")
     elif not args.skip_generate_batch:
-        f["generate_batch"] = timed("transformers continuous batching",
-                                    lambda: run_generate_batch(hf, work, args.temperature))  # fmt: skip
+        try:
+            f["generate_batch"] = timed("transformers continuous batching",
+                                        lambda: run_generate_batch(hf, work, args.temperature, args.baseline_timeout))
+        except BaselineTimeout as stopped:
+            f["notes"].append(str(stopped))
+            print(f"  {stopped}", flush=True)
     return f
 
 
