@@ -115,18 +115,17 @@ class Attention(nn.Module):
         self.num_heads = cfg.num_heads // shard.size
         self.num_kv_heads, self.head_dim = local_kv_heads(cfg, shard), cfg.head_dim
         q_size, kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
-        self.split = (q_size, kv_size, kv_size)
+        self.qk_size = q_size + kv_size  # q and k lead the fused projection's columns, v follows
         self.qkv = ColumnParallelLinear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
         self.o = RowParallelLinear(q_size, cfg.hidden_size, shard=shard)
         self.scale = cfg.head_dim**-0.5
 
     def forward(self, x: torch.Tensor, rotary: Rotary, cache: PagedKVCache, plan: AttentionPlan):
         """x: [T, hidden] -> [T, hidden]; rotary: the step's (cos, sin) [T, 1, D]."""
-        qk_size = self.split[0] + self.split[1]
         qkv = self.qkv(x)  # [T, (Hq + 2 Hkv) D]
-        qk = rotate(qkv[:, :qk_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim), *rotary)
+        qk = rotate(qkv[:, : self.qk_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim), *rotary)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, Hq, D], [T, Hkv, D] (strided)
-        v = qkv[:, qk_size:].view(-1, self.num_kv_heads, self.head_dim).contiguous()  # [T, Hkv, D]
+        v = qkv[:, self.qk_size :].view(-1, self.num_kv_heads, self.head_dim).contiguous()  # [T, Hkv, D]
         kv = cache.layers[self.layer]
         plan.write(kv, k, v)
         out = plan.attend(q.contiguous(), k, v, kv, self.scale)  # [T, Hq, D]

@@ -52,7 +52,7 @@ def _llama3_scaled(inv_freq: torch.Tensor, scaling: Mapping[str, object]) -> tor
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Rotates query and key heads by their token positions."""
+    """The model's rotation speeds; a step's cos and sin of its positions, which :func:`rotate` applies to q and k."""
 
     def __init__(self, head_dim: int, theta: float, scaling: Mapping[str, object] | None = None) -> None:
         super().__init__()
@@ -65,11 +65,6 @@ class RotaryEmbedding(torch.nn.Module):
         angles = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
         angles = torch.cat([angles, angles], dim=-1)[:, None, :]  # [T, 1, D]: pair (i, i + D/2) shares an angle
         return angles.cos().to(dtype), angles.sin().to(dtype)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Apply the rotation: positions ``[T]``, q ``[T, Hq, D]``, k ``[T, Hkv, D]``."""
-        cos, sin = self.cos_sin(positions, q.dtype)
-        return rotate(q, cos, sin), rotate(k, cos, sin)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
