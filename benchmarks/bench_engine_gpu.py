@@ -373,18 +373,25 @@ def profiled_busy_seconds(engine: LLMEngine, steps: int) -> tuple[float | None, 
 
 def host_profile(engine: LLMEngine, steps: int, top: int) -> str:
     """cProfile of ``steps`` more engine steps: the ``top`` functions by own time, as printed lines."""
+    if top <= 0:
+        return ""
+
+    def run() -> None:
+        for _ in range(steps):
+            engine.step()
+        synchronize(engine.device)
+
+    return cprofile_top(run, top)
+
+
+def cprofile_top(run: Callable[[], object], top: int) -> str:
+    """cProfile of one ``run()``: the ``top`` functions by own time, as printed lines."""
     import cProfile
     import io
     import pstats
 
-    if top <= 0:
-        return ""
     profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(steps):
-        engine.step()
-    synchronize(engine.device)
-    profiler.disable()
+    profiler.runcall(run)
     out = io.StringIO()
     pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
     return out.getvalue()

@@ -26,6 +26,7 @@ from unittest import mock
 import torch
 import triton
 import triton.language as tl
+from bench_engine_gpu import cprofile_top  # benchmarks/, the script's directory, is on sys.path
 
 import kernels.decode_attention as dec
 from kernels import paged_decode_attention, paged_decode_attention_prepared, prepare_attention_metadata
@@ -54,16 +55,22 @@ def _best_us(fn, repeat: int, rounds: int = 5, sync=lambda: None) -> float:
     return best
 
 
-def bench_decode_call(device: torch.device, batch: int = 1, context: int = 1024) -> tuple[float, float, float]:
-    """(checked, prepared, bound) host microseconds per decode call: Hq 32, Hkv 8, D 128, block 16, bf16."""
+def decode_inputs(device: torch.device, batch: int, context: int):
+    """(q, k_cache, v_cache, metadata) of a decode step: Hq 32, Hkv 8, D 128, block 16; bf16 on CUDA, else float32."""
     bs, hkv, dtype = 16, 8, torch.bfloat16 if device.type == "cuda" else torch.float32
     per_seq = context // bs
-    k = torch.randn(batch * per_seq + 1, bs, hkv, 128, dtype=dtype, device=device)
+    k = torch.randn(batch * per_seq + 1, bs, hkv, 128, dtype=dtype, device=device)  # block 0 unused
     v = torch.randn_like(k)
     q = torch.randn(batch, 32, 128, dtype=dtype, device=device)
     tables = [list(range(1 + s * per_seq, 1 + (s + 1) * per_seq)) for s in range(batch)]
     meta = prepare_attention_metadata(tables, [context - 1] * batch, [1] * batch, block_size=bs,
                                       num_blocks=k.shape[0], device=device)  # fmt: skip
+    return q, k, v, meta
+
+
+def bench_decode_call(device: torch.device, batch: int = 1, context: int = 1024) -> tuple[float, float, float]:
+    """(checked, prepared, bound) host microseconds per decode call on :func:`decode_inputs`."""
+    q, k, v, meta = decode_inputs(device, batch, context)
     args = (q, k, v, meta.block_tables, meta.seq_lens)
     backend = "triton" if device.type == "cuda" else "torch"
     stub = mock.patch.object(dec, "_decode_torch", lambda *a, **kw: (q, None))  # the wrappers' own work only
@@ -91,28 +98,13 @@ def bench_launch_floor(device: torch.device) -> float:
 
 def profile_bound(device: torch.device, batch: int = 1, context: int = 1024, top: int = 12) -> str:
     """cProfile of 200 calls of the bound per-layer decode (CUDA): the host functions by own time."""
-    import cProfile
-    import io
-    import pstats
-
-    bs, per_seq = 16, context // 16
-    k = torch.randn(batch * per_seq + 1, bs, 8, 128, dtype=torch.bfloat16, device=device)
-    q = torch.randn(batch, 32, 128, dtype=torch.bfloat16, device=device)
-    tables = [list(range(1 + s * per_seq, 1 + (s + 1) * per_seq)) for s in range(batch)]
-    meta = prepare_attention_metadata(tables, [context - 1] * batch, [1] * batch, block_size=bs,
-                                      num_blocks=k.shape[0], device=device)  # fmt: skip
-    bound = dec.bind_decode_attention(q, k, k, meta, backend="triton")
-    bound(q, k, k, None, None)
+    q, k, v, meta = decode_inputs(device, batch, context)
+    bound = dec.bind_decode_attention(q, k, v, meta, backend="triton")
+    bound(q, k, v, None, None)
     torch.cuda.synchronize()
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(200):
-        bound(q, k, k, None, None)
-    profiler.disable()
+    report = cprofile_top(lambda: [bound(q, k, v, None, None) for _ in range(200)], top)
     torch.cuda.synchronize()
-    out = io.StringIO()
-    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
-    return out.getvalue()
+    return report
 
 
 def _decode_step(batch: int, context: int, bs: int = 16) -> tuple[BlockManager, SchedulerOutput]:
