@@ -18,32 +18,34 @@ import time
 
 import torch
 
-from scheduler.entrypoints.main_job import build_engine, parse_args
+from scheduler.entrypoints.main_job import build_engine, parse_args, serve
 from scheduler.entrypoints.workload import chat_workload
 from scheduler.model.loader import load_smollm2
 
 
 def serve_timed(engine, requests, arrivals: int) -> dict[str, list[float]]:
-    """Serve ``requests`` as the main job does; wall seconds of every step by kind ('decode' or 'prompt')."""
-    pending, times = list(requests), {"decode": [], "prompt": []}
-    run, kind = engine.runner.run, []
+    """The main job's ``serve``, with the wall seconds of every step by kind ('decode' or 'prompt')."""
+    times, kind = {"decode": [], "prompt": []}, []
+    run, step = engine.runner.run, engine.step
 
     def classify(out):
-        kind.append("decode" if all(s.num_tokens == 1 and s.start >= s.seq.prompt_len for s in out.scheduled)
-                    else "prompt")  # fmt: skip
+        decode = all(s.num_tokens == 1 and s.start >= s.seq.prompt_len for s in out.scheduled)
+        kind.append("decode" if decode else "prompt")
         return run(out)
 
-    engine.runner.run = classify
-    while pending or engine.has_unfinished_requests():
-        for r in pending[:arrivals]:
-            engine.add_request(r.request_id, r.prompt_token_ids, r.params)
-        del pending[:arrivals]
+    def timed_step():
         kind.clear()
         start = time.perf_counter()
-        engine.step()
+        finished = step()
         if kind:
             times[kind[0]].append(time.perf_counter() - start)
-    del engine.runner.run
+        return finished
+
+    engine.runner.run, engine.step = classify, timed_step
+    try:
+        serve(engine, requests, arrivals)
+    finally:
+        del engine.runner.run, engine.step
     return times
 
 
