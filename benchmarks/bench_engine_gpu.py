@@ -508,6 +508,8 @@ def compare(args: argparse.Namespace) -> dict:
     f["decode"] = timer.decode_steps()
     f["probe"] = decode_probe(engine, timer, args, vocab) if args.probe_batch else None
     print("\n".join(decode_lines(f)), flush=True)  # before the baselines, which may run out of time
+    if f["probe"] and f["probe"]["host"]:  # once, here: too long for the final report
+        print(f"host profile of {args.probe_steps} more probe steps (cProfile, by own time):\n{f['probe']['host']}")
     timer.remove()
     del engine, timer
     free_memory(device)
@@ -595,8 +597,6 @@ def decode_lines(f: dict) -> list[str]:
             f"{p['steps']} steps: wall {p['wall_s'] * 1e3:.2f} ms, {span}{busy}{launches}"
             f"floor {floor_s(f, p['context']) * 1e3:.2f} ms"
         )
-        if p.get("host"):
-            lines.append(f"host profile of {p['steps']} more probe steps (cProfile, by own time):\n{p['host']}")
     return lines
 
 
