@@ -44,7 +44,9 @@ class SamplingParams:
     ``logprobs`` asks for that many top log-probabilities per generated token, and
     ``prompt_logprobs`` (None: off) for the log-probability of every prompt token but the
     first with that many top ones (such a request never reads the prefix cache).
-    ``stop`` strings end a sample at their first occurrence in its text; they and
+    ``stop`` strings end a sample at their first occurrence in its text (cut before it, or after it
+    with ``include_stop_str_in_output``, which also keeps a stop token's text); they,
+    ``skip_special_tokens`` (special tokens left out of the text) and
     ``bad_words`` are handled by the text layers that own a tokenizer (``LLM``, the server),
     which turn ``bad_words`` into ``bad_words_token_ids`` (each word with and without a
     leading space). ``cache_salt`` isolates the request's prefix cache: blocks are shared
@@ -75,6 +77,8 @@ class SamplingParams:
     logprobs: int = 0
     prompt_logprobs: int | None = None
     stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     cache_salt: str | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -105,6 +109,8 @@ class SamplingParams:
         check_real("repetition_penalty", self.repetition_penalty, low=FLOAT32_TINY, high=FLOAT32_MAX)
         object.__setattr__(self, "stop_token_ids", _id_tuple("stop_token_ids", self.stop_token_ids))
         object.__setattr__(self, "stop", _str_tuple("stop", self.stop))
+        check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
+        check_bool("skip_special_tokens", self.skip_special_tokens)
         object.__setattr__(self, "bad_words", _str_tuple("bad_words", self.bad_words))
         object.__setattr__(self, "bad_words_token_ids", _word_ids(self.bad_words_token_ids))
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))

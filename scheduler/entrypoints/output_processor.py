@@ -5,8 +5,10 @@ drive the engine through :class:`OutputProcessor`: after every engine step it
 reads each live request's samples, detokenizes the new tokens, ends samples
 at a stop string (aborting the request in the engine once every sample has
 stopped, so its blocks are freed at once) and returns what each stream may
-release. Text that could still turn into a stop string is held back. A stop token (a stop
-token id, or EOS) stays the sample's last token but adds no text, as in vLLM.
+release. Text that could still turn into a stop string is held back, and the text is cut
+before the stop string (after it with ``include_stop_str_in_output``: nothing is held back
+then). A stop token (a stop token id, or EOS) stays the sample's last token but adds no text
+(unless ``include_stop_str_in_output``), as in vLLM.
 
 A request whose own failure the engine reports (``RequestOutput.error``), or whose
 detokenization or stop-string check raises here, ends alone with ``error`` set (blocks freed);
@@ -136,7 +138,8 @@ class TextRequest:
         for o in out.outputs:
             sample = self.samples.get(o.index)
             if sample is None:
-                detok = IncrementalDetokenizer(self.tokenizer, self.prompt_token_ids)
+                skip = self.params.skip_special_tokens
+                detok = IncrementalDetokenizer(self.tokenizer, self.prompt_token_ids, skip_special_tokens=skip)
                 sample = self.samples[o.index] = _Sample(detok)
             if sample.finish_reason is None and (len(o.token_ids) > sample.num_tokens or o.finish_reason):
                 deltas.append(self._advance(o.index, sample, o))
@@ -150,9 +153,11 @@ class TextRequest:
         s.logprobs += lps
         s.top_logprobs += tops
         # the engine says "stop" only for a stop token or EOS, the sample's last token: it adds no text
+        # unless the stop is to be kept in the output
         stop_token = ids[-1] if o.finish_reason == "stop" and ids else None
+        keep_stop = self.params.include_stop_str_in_output
         start = len(s.text)
-        text_ids = ids if stop_token is None else ids[:-1]
+        text_ids = ids if stop_token is None or keep_stop else ids[:-1]
         early = max(0, self.params.min_tokens - (s.num_tokens - len(ids)))  # of the new ids, within min_tokens
         if early:
             s.text += s.detok.add(text_ids[:early])
@@ -161,10 +166,12 @@ class TextRequest:
         stops = self.params.stop
         hit = find_stop(s.text, max(start, s.stop_from), stops) if stops and len(s.text) > s.stop_from else None
         if hit is not None:
-            s.text, s.finish_reason, s.stop_reason = s.text[: hit[0]], "stop", hit[1]
+            end = hit[0] + (len(hit[1]) if keep_stop else 0)
+            s.text, s.finish_reason, s.stop_reason = s.text[:end], "stop", hit[1]
         else:
             s.finish_reason, s.stop_reason = o.finish_reason, self._token_stop_reason(stop_token)
-        release = len(s.text) if s.finish_reason else len(s.text) - holdback(s.text, stops)
+        held = 0 if s.finish_reason or keep_stop else holdback(s.text, stops)  # a kept stop is text either way
+        release = len(s.text) - held
         text, s.sent = s.text[s.sent : release], max(s.sent, release)
         return SampleDelta(
             index=index, text=text, token_ids=ids, logprobs=lps, top_logprobs=tops,

@@ -146,6 +146,7 @@ def _rows() -> list[Entry]:
             "logprobs": Arg("int", 0, bad={OUT_OF_RANGE: [-1, 1000]}),
             "prompt_logprobs": Arg("opt_int", 2, bad={OUT_OF_RANGE: [-1, 1000]}),
             "stop": Arg("obj", ("\n",), bad={WRONG_TYPE: [3, [""], ["a", 3], b"x"]}),
+            "include_stop_str_in_output": Arg("bool", False), "skip_special_tokens": Arg("bool", True),
             "cache_salt": Arg("obj", None, bad={WRONG_TYPE: [3, "", ["x"]]}),
             "presence_penalty": Arg("real", 0.5, bad={OUT_OF_RANGE: [-2.5, 3.0]}),
             "frequency_penalty": Arg("real", -0.5, bad={OUT_OF_RANGE: [-2.5, 3.0]}),

@@ -83,6 +83,8 @@ class SamplingFields(OpenAIModel):
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     allowed_token_ids: list[TokenId] | None = None
     bad_words: list[str] = []
+    include_stop_str_in_output: bool = False  # the stop string (or stop token's text) ends the text
+    skip_special_tokens: bool = True  # special tokens left out of the text
     # vLLM's extensions the server honours
     top_k: int = Field(-1, ge=-1, le=INT64_MAX)  # -1 or 0: no top-k filter
     ignore_eos: bool = False
@@ -106,8 +108,6 @@ class SamplingFields(OpenAIModel):
     # vLLM's features this server lacks
     use_beam_search: Neutral(False) = None
     length_penalty: Neutral(1.0) = None
-    include_stop_str_in_output: Neutral(False) = None
-    skip_special_tokens: Neutral(True) = None
     spaces_between_special_tokens: Neutral(True) = None
     logprob_token_ids: Neutral() = None
     prompt_logprobs: int | None = Field(None, ge=0)  # vLLM: log-probabilities of the prompt tokens (not streamed)
@@ -143,7 +143,7 @@ class CompletionRequest(SamplingFields):
     """``POST /v1/completions``."""
 
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: int = Field(16, ge=0)  # 0 only with echo: the prompt alone, scored (OpenAI's legacy, vLLM)
     logprobs: int | None = Field(None, ge=0)
     add_special_tokens: bool = True  # vLLM: the tokenizer's special tokens (BOS) around a text prompt
     echo: bool = False  # the prompt before each choice's text (and its tokens' logprobs first)

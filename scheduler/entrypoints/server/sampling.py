@@ -19,6 +19,7 @@ from scheduler.entrypoints.structured_request import structured_outputs_from_req
 PASS_THROUGH: dict[str, tuple[object, ...]] = {
     "presence_penalty": (0.0,), "frequency_penalty": (0.0,), "repetition_penalty": (1.0,), "min_p": (0.0,),
     "min_tokens": (0,), "logit_bias": ({},), "allowed_token_ids": (), "bad_words": ([],),
+    "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
 }  # fmt: skip
 STRUCTURED_FIELDS = (
     "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
@@ -91,6 +92,8 @@ def check_request(body: SamplingFields, max_logprobs: int) -> None:
     """The checks that depend on the server's options or on several fields; FieldError naming the field."""
     if body.stream_options is not None and not body.stream:
         raise FieldError("stream_options", describe("stream_options", "set", "only with stream=true"))
+    if isinstance(body, CompletionRequest) and body.max_tokens == 0 and not body.echo:
+        raise FieldError("max_tokens", describe("max_tokens", 0, ">= 1 (0 only with echo=true)"))
     if body.best_of is not None and body.best_of < body.n:
         raise FieldError("best_of", describe("best_of", body.best_of, f">= n={body.n}"))
     if body.truncate_prompt_tokens == 0:

@@ -151,8 +151,8 @@ SHARED: dict[str, tuple[object, Check, dict]] = {
     "guided_choice": (["a", "b"], REFUSED, {}),
     "use_beam_search": (True, REFUSED, {}),
     "length_penalty": (0.5, REFUSED, {}),
-    "include_stop_str_in_output": (True, REFUSED, {}),
-    "skip_special_tokens": (False, REFUSED, {}),
+    "include_stop_str_in_output": (True, _pass_through(True), {}),
+    "skip_special_tokens": (False, _pass_through(False), {}),
     "spaces_between_special_tokens": (False, REFUSED, {}),
     "priority": (3, _ok(lambda s: s.params), {}),  # reaches add_request: test_server_tiers
     "logits_processors": (["my.Processor"], REFUSED, {}),
