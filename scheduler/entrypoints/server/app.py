@@ -74,7 +74,7 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
         """OpenAI completions, whole or streamed."""
         prompts = body.prompts()
         encode = lambda: [llm.encode(p, add_special_tokens=body.add_special_tokens) for p in prompts]  # noqa: E731
-        limit = ("max_tokens", body.max_tokens)
+        limit = ("max_tokens", max(body.max_tokens, 1))  # max_tokens=0 (echo alone): one token, not shown
         prepared = await front.prepare(body, "completion", encode, len(prompts), limit, body.logprobs)
         return await _respond(request, engine, body, *prepared)
 
@@ -161,10 +161,10 @@ async def _stream(ctx: ResponseContext, body: SamplingFields, first: Event, even
         ev = first
         while ev is not None:
             if ev.error is not None:  # the engine failed mid-stream: tell the client, end the stream
-                yield sse(error_body(str(ev.error), "internal_error"))
+                yield sse(error_body(str(ev.error), "internal_error", code=500))  # as the whole response's 500
                 break
             results[ev.key] = ev.result or results[ev.key]
-            for d in ev.deltas:
+            for d in map(ctx.shown, ev.deltas):
                 if ctx.echo and (ev.key, d.index) not in echoed:  # a choice's first chunk: the prompt
                     echoed.add((ev.key, d.index))
                     yield sse(ctx.echo_chunk(ev.key, d.index, prompts[ev.key], ev.prompt_logprobs, usage))

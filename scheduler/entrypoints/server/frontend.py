@@ -123,7 +123,8 @@ class Frontend:
         ]  # fmt: skip
         ctx = ResponseContext(kind, model, body.n, self.llm.tokenizer, logprobs, request_id=body.request_id,
                               tokens_as_ids=body.return_tokens_as_token_ids, echo=getattr(body, "echo", False),
-                              prompt_logprobs=body.prompt_logprobs)  # fmt: skip
+                              prompt_logprobs=body.prompt_logprobs,
+                              echo_only=getattr(body, "echo", False) and body.max_tokens == 0)  # fmt: skip
         if self.config.log_requests:
             user = body.user or getattr(body, "safety_identifier", None)
             log.info("request %s: model %s, user %r, prompt tokens %s, %s", ctx.id, model, user,

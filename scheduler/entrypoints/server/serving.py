@@ -5,20 +5,29 @@ choice ``key * n + index`` is sample ``index`` of prompt ``key``. With ``best_of
 prompt's ``best_of`` samples are ranked by cumulative log-probability and the ``n`` best kept.
 A completion's ``echo`` puts the prompt before each choice's text (and, with ``logprobs``, its
 tokens before the choice's, the first with no log-probability); streamed, in a first chunk of
-each choice of its own. ``prompt_logprobs`` (vLLM; not streamed) adds
-each prompt token's log-probabilities to a completion's choices, or to a chat response, as vLLM
-lays them out: ``None`` for the first token, then ``{token id: {logprob, rank, decoded_token}}``.
+each choice of its own. With ``max_tokens=0`` (``echo_only``) the engine generates one token that
+no body shows: each choice is the prompt alone, finished by "length", with no completion tokens
+(OpenAI's legacy way of scoring a prompt, as vLLM serves it). ``prompt_logprobs`` (vLLM; not
+streamed) adds each prompt token's log-probabilities to a completion's choices, or to a chat
+response, as vLLM lays them out: ``None`` for the first token, then ``{token id: {logprob, rank,
+decoded_token}}``. A log-probability of -inf (a token a grammar rules out) is sent as
+``LOGPROB_FLOOR``, as vLLM sends it: JSON has no infinity.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
+import re
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from scheduler.entrypoints.detokenizer import REPLACEMENT
 from scheduler.entrypoints.output_processor import SampleDelta, TextCompletion, TextRequestOutput
+
+LOGPROB_FLOOR = -9999.0  # what JSON shows of a log-probability of -inf (or NaN), as vLLM's
 
 
 @dataclass
@@ -34,6 +43,7 @@ class ResponseContext:
     tokens_as_ids: bool = False  # logprobs name tokens "token_id:<id>" (vLLM's return_tokens_as_token_ids)
     echo: bool = False  # a completion's choices start with the prompt (streamed: a chunk of its own first)
     prompt_logprobs: int | None = None  # the prompt's top log-probabilities to show (vLLM; non-streamed)
+    echo_only: bool = False  # a completion's max_tokens=0 with echo: the prompt alone, the generated token hidden
     id: str = field(init=False)
     created: int = field(default_factory=lambda: int(time.time()))
     # per choice: characters of the token texts already sent (a streamed text_offset continues from there)
@@ -58,12 +68,13 @@ class ResponseContext:
         if self.logprobs is None:
             return None
         texts = [self.token_text(t) for t in token_ids]
+        logprobs = [None if lp is None else _finite(lp) for lp in logprobs]  # an echo's first: None
         top = [_top(d, self.logprobs) for d in tops] + [[]] * (len(token_ids) - len(tops))
         if self.kind == "chat":
             entries = []
-            for text, lp, tp in zip(texts, logprobs, top):
-                alternatives = [_chat_logprob(self.token_text(t), v) for t, v in tp]
-                entries.append({**_chat_logprob(text, lp), "top_logprobs": alternatives})
+            for token, text, lp, tp in zip(token_ids, texts, logprobs, top):
+                alternatives = [self._chat_logprob(t, self.token_text(t), v) for t, v in tp]
+                entries.append({**self._chat_logprob(token, text, lp), "top_logprobs": alternatives})
             return {"content": entries}
         offsets = list(itertools.accumulate((len(s) for s in texts), initial=self.offsets.get(choice, 0)))
         self.offsets[choice] = offsets.pop()
@@ -73,11 +84,17 @@ class ResponseContext:
                         for tp, s, lp in zip(top, texts, logprobs)]  # fmt: skip
         return {"tokens": texts, "token_logprobs": logprobs, "top_logprobs": tops_by_text, "text_offset": offsets}
 
+    def _chat_logprob(self, token_id: int, text: str, logprob: float) -> dict:
+        """One chat logprobs entry; ``bytes`` are the token's own UTF-8 bytes (part of a character's, for a token
+        that splits one), so a client can join them into the text, as OpenAI's."""
+        raw = list(text.encode()) if self.tokens_as_ids else token_bytes(self.tokenizer, token_id, text)
+        return {"token": text, "logprob": logprob, "bytes": raw}
+
     # -- whole responses ---------------------------------------------------
     def response(self, results: list[TextRequestOutput]) -> dict:
         """The non-streamed body of a finished request."""
         choices = [self._choice(key * self.n + i, c, r) for key, r in enumerate(results) for i, c in self._best(r)]
-        body = {**self.head(chunk=False), "choices": choices, "usage": usage(results)}
+        body = {**self.head(chunk=False), "choices": choices, "usage": usage(results, generated=not self.echo_only)}
         if self.kind == "chat" and self.prompt_logprobs is not None:  # vLLM: one prompt, on the response
             body["prompt_logprobs"] = self._prompt_logprobs(results[0])
         return body
@@ -90,6 +107,9 @@ class ResponseContext:
         return enumerate(outputs)
 
     def _choice(self, index: int, c: TextCompletion, r: TextRequestOutput) -> dict:
+        if self.echo_only:  # the prompt alone: its generated token is not shown
+            c = replace(c, text="", token_ids=[], logprobs=[], top_logprobs=[], finish_reason="length",
+                        stop_reason=None)  # fmt: skip
         ids, lps, tops, text = c.token_ids, c.logprobs, c.top_logprobs, c.text
         if self.echo:  # the prompt's tokens first: the first has no log-probability
             p_text, p_lps, p_tops = self._echoed(r.prompt_token_ids, r.prompt, r.prompt_logprobs)
@@ -122,11 +142,18 @@ class ResponseContext:
             top = sorted(scored.items(), key=lambda kv: -kv[1])[: self.prompt_logprobs]
             entries = {t: (lp, i + 1) for i, (t, lp) in enumerate(top)}
             entries.setdefault(token, (scored[token], None))  # a rank past the top ones is not computed
-            out.append({str(t): {"logprob": lp, "rank": rank, "decoded_token": self.token_text(t)}
+            out.append({str(t): {"logprob": _finite(lp), "rank": rank, "decoded_token": self.token_text(t)}
                         for t, (lp, rank) in entries.items()})  # fmt: skip
         return out
 
     # -- streamed responses ------------------------------------------------
+    def shown(self, d: SampleDelta) -> SampleDelta:
+        """A sample's delta as the client sees it: with ``echo_only``, no generated token, and "length" at its end."""
+        if not self.echo_only:
+            return d
+        return replace(d, text="", token_ids=[], logprobs=[], top_logprobs=[],
+                       finish_reason=d.finish_reason and "length", stop_reason=None)  # fmt: skip
+
     def chunk(self, key: int, d: SampleDelta, include_usage: bool) -> dict:
         """A streamed chunk carrying one sample's delta."""
         index = key * self.n + d.index
@@ -155,7 +182,7 @@ class ResponseContext:
 
     def usage_chunk(self, results: list[TextRequestOutput]) -> dict:
         """The last chunk of a stream with ``stream_options.include_usage``."""
-        return {**self.head(chunk=True), "choices": [], "usage": usage(results)}
+        return {**self.head(chunk=True), "choices": [], "usage": usage(results, generated=not self.echo_only)}
 
     @staticmethod
     def _with_usage(body: dict, include_usage: bool) -> dict:
@@ -169,10 +196,11 @@ def wants_chunk(d: SampleDelta, with_logprobs: bool) -> bool:
     return bool(d.text or d.finish_reason or (with_logprobs and d.token_ids))
 
 
-def usage(results: list[TextRequestOutput]) -> dict:
-    """OpenAI's usage block: prompt tokens once per prompt (and their prefix-cache hits), every sample's tokens."""
+def usage(results: list[TextRequestOutput], *, generated: bool = True) -> dict:
+    """OpenAI's usage block: prompt tokens once per prompt (and their prefix-cache hits), every sample's tokens
+    (none unless ``generated``: an echo of the prompt alone)."""
     prompt = sum(len(r.prompt_token_ids) for r in results)
-    completion = sum(len(c.token_ids) for r in results for c in r.outputs)
+    completion = sum(len(c.token_ids) for r in results for c in r.outputs) if generated else 0
     cached = sum(r.num_cached_tokens or 0 for r in results)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
@@ -183,9 +211,39 @@ def sse(body: dict | str) -> str:
     return f"data: {body if isinstance(body, str) else json.dumps(body)}\n\n"
 
 
-def _chat_logprob(text: str, logprob: float) -> dict:
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
+
+
+@functools.cache
+def _byte_level_alphabet() -> dict[str, int]:
+    """The printable character a byte-level BPE (GPT-2's) writes for each byte, mapped back to the byte."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in kept]
+    return {chr(b): b for b in kept} | {chr(256 + i): b for i, b in enumerate(shifted)}
+
+
+def token_bytes(tokenizer, token_id: int, text: str | None = None) -> list[int]:
+    """A token's UTF-8 bytes: its text's (``text``: its decode, when known), or, for a token that holds part of
+    a character (its text has U+FFFD), the bytes it stands for, read off its vocabulary entry (byte-level BPE, or
+    SentencePiece's ``<0xNN>``)."""
+    text = tokenizer.decode([token_id]) if text is None else text
+    if REPLACEMENT not in text or not hasattr(tokenizer, "convert_ids_to_tokens"):
+        return list(text.encode())
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if not isinstance(piece, str) or not piece:
+        return list(text.encode())
+    if m := _BYTE_TOKEN.fullmatch(piece):
+        return [int(m.group(1), 16)]
+    alphabet = _byte_level_alphabet()
+    if all(ch in alphabet for ch in piece):
+        return [alphabet[ch] for ch in piece]
+    return list(text.encode())
+
+
+def _finite(logprob: float) -> float:
+    """A log-probability JSON can carry: -inf (a token a grammar or the model rules out) or NaN as LOGPROB_FLOOR."""
+    return logprob if logprob > LOGPROB_FLOOR else LOGPROB_FLOOR
 
 
 def _top(top: dict[int, float], k: int) -> list[tuple[int, float]]:
-    return sorted(top.items(), key=lambda kv: -kv[1])[:k]
+    return [(t, _finite(v)) for t, v in sorted(top.items(), key=lambda kv: -kv[1])[:k]]

@@ -92,6 +92,7 @@ def _assert_failed(answer, phase: str) -> None:
         assert f"request failed: {phase} failed: " in body["error"]["message"]
     else:
         assert status == 200 and body[-1] == "[DONE]" and body[-2]["error"]["type"] == "internal_error"
+        assert body[-2]["error"]["code"] == 500 and set(body[-2]["error"]) == {"message", "type", "param", "code"}
         assert f"request failed: {phase} failed: " in body[-2]["error"]["message"]
 
 
