@@ -288,7 +288,9 @@ class Scheduler:
         """Preempt later groups until ``plan`` fits; preempt ``group`` itself if nothing else can go."""
         while not self._fits(plan):
             scheduled = {s.group for s in step.scheduled}
-            victim = next((g for g in reversed(self.running) if g is not group and g not in scheduled), None)
+            # a group whose every sample was stopped (stop_samples) holds nothing until it is retired: never a victim
+            victims = (g for g in reversed(self.running) if g is not group and g not in scheduled and g.active())
+            victim = next(victims, None)
             self._preempt(victim or group, step)
             if victim is None:
                 return False
