@@ -255,3 +255,24 @@ def test_a_request_whose_samples_all_stopped_is_never_chosen_for_preemption(tiny
     assert done == {"a": [(0, "length", 12)], "b": [(0, "stop", 2)], "c": [(0, "length", 4)]}
     assert engine.scheduler.num_preemptions["recompute"] > 0
 
+@pytest.mark.parametrize(("which", "queue"), [("parked", "waiting"), ("recomputing", "waiting"),
+                                              ("recomputing", "running")])
+def test_stopping_a_sample_of_a_group_waiting_for_recompute(tiny_hf, which, queue):
+    """n = 2 samples preempted for recompute (one recomputes the shared prefix, the other is parked on it): a
+    stopped sample stays stopped and its sibling runs to the end (a parked one used to come back and run on; the
+    one recomputing left its sibling parked forever)."""
+    engine = make_engine(tiny_hf, num_blocks=20, prefix=False, max_num_batched_tokens=8, max_num_seqs=8)
+    prompts = _prompts(2, seed=1, low=20, high=21)
+    engine.add_request("a", prompts[0], SamplingParams(max_tokens=40, ignore_eos=True))
+    engine.add_request("b", prompts[1], SamplingParams(max_tokens=20, n=2, temperature=1.0, seed=1, ignore_eos=True))
+    stopped = []
+
+    def pick(group, step):
+        if not group.parked or (group in engine.scheduler.waiting) != (queue == "waiting"):
+            return None
+        stopped.append((group.parked if which == "parked" else group.active())[0].index)
+        return stopped[0]
+
+    done = _stop_run(engine, "b", pick)
+    other = 1 - stopped[0]
+    assert done["b"][stopped[0]][1] == "stop" and done["b"][other] == (other, "length", 20)
