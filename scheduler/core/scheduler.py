@@ -147,6 +147,26 @@ class Scheduler:
         seq.finish(reason, time.perf_counter() if now is None else now)
         self._free(seq)
 
+    def stop_samples(self, group: SequenceGroup, seqs: Iterable[Sequence], reason: str) -> None:
+        """End some unfinished sequences of a live group now and free their blocks; its other samples run on.
+
+        A stopped parked sequence is never forked back; if the sequence recomputing the shared prefix
+        the parked ones wait for stops, they are recomputed without it, from the waiting queue.
+        """
+        now = time.perf_counter()
+        for seq in seqs:
+            self.finish(seq, reason, now)
+        group.parked = [s for s in group.parked if not s.is_finished]
+        if not group.parked:
+            group.fork_at = 0
+        if not group.parked or group.active():
+            return
+        group.parked = []  # every unfinished sequence holds no block now
+        self._park(group)
+        if group not in self.waiting:
+            (self.running if group in self.running else self.swapped).remove(group)
+            _insert_by_arrival(self.waiting, group)
+
     def _free(self, seq: Sequence) -> None:
         """Release a sequence's blocks, if it holds any."""
         if seq.seq_id in self.bm:
@@ -288,7 +308,9 @@ class Scheduler:
         """Preempt later groups until ``plan`` fits; preempt ``group`` itself if nothing else can go."""
         while not self._fits(plan):
             scheduled = {s.group for s in step.scheduled}
-            victim = next((g for g in reversed(self.running) if g is not group and g not in scheduled), None)
+            # a group whose every sample was stopped (stop_samples) holds nothing until it is retired: never a victim
+            victims = (g for g in reversed(self.running) if g is not group and g not in scheduled and g.active())
+            victim = next(victims, None)
             self._preempt(victim or group, step)
             if victim is None:
                 return False

@@ -280,9 +280,7 @@ class LLMEngine:
                                  "sample indices"))  # fmt: skip
         if not (isinstance(reason, str) and reason):
             raise InvalidArgumentError(describe("reason", reason, "a non-empty str"))
-        for seq in group.unfinished():
-            if seq.index in indices:
-                self.scheduler.finish(seq, reason)
+        self.scheduler.stop_samples(group, [s for s in group.unfinished() if s.index in indices], reason)
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request is waiting, running or swapped out."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sched_helpers import make_engine
+from sched_helpers import assert_all_freed, make_engine
 
 from scheduler import SamplingParams
 
@@ -223,3 +223,56 @@ def test_each_block_of_a_request_is_hashed_once(tiny_hf, prompts, monkeypatch):
     assert engine.scheduler.num_preemptions["recompute"] > 0
     computed_blocks = sum((len(p) + 8 - 1) // 4 for p in chosen)  # a sample's last token is never computed
     assert len(calls) == computed_blocks + 1  # every full block once, and the salt's root once
+
+
+def _stop_run(engine, request_id: str, pick) -> dict[str, list[tuple]]:
+    """Step to the end, calling ``stop_samples(request_id, [i])`` once, after the first step where
+    ``pick(group, step)`` gives an index ``i``; (index, finish reason, output length) per sample of every request."""
+    done, step, stopped = {}, 0, False
+    while engine.has_unfinished_requests() and step < 300:
+        step += 1
+        for out in engine.step():
+            done[out.request_id] = [(c.index, c.finish_reason, len(c.token_ids)) for c in out.outputs]
+        group = engine.scheduler.requests.get(request_id)
+        index = pick(group, step) if group is not None and not stopped else None
+        if index is not None:
+            engine.stop_samples(request_id, [index])
+            stopped = True
+    assert stopped and not engine.has_unfinished_requests(), "a request never finished"
+    assert_all_freed(engine)
+    return done
+
+
+def test_a_request_whose_samples_all_stopped_is_never_chosen_for_preemption(tiny_hf):
+    """All samples of "b" stopped between steps: the next step's preemption takes a group holding blocks (it
+    used to preempt "b", holding none, and crash the step, aborting every request)."""
+    engine = make_engine(tiny_hf, num_blocks=14, prefix=False, max_num_batched_tokens=24, max_num_seqs=4)
+    prompts = _prompts(3, seed=5, low=16, high=17)
+    engine.add_request("a", prompts[0], SamplingParams(max_tokens=12, ignore_eos=True))
+    engine.add_request("b", prompts[1][:1], SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.add_request("c", (prompts[2] * 3)[:40], SamplingParams(max_tokens=4, ignore_eos=True))
+    done = _stop_run(engine, "b", lambda group, step: 0 if step == 2 else None)
+    assert done == {"a": [(0, "length", 12)], "b": [(0, "stop", 2)], "c": [(0, "length", 4)]}
+    assert engine.scheduler.num_preemptions["recompute"] > 0
+
+@pytest.mark.parametrize(("which", "queue"), [("parked", "waiting"), ("recomputing", "waiting"),
+                                              ("recomputing", "running")])
+def test_stopping_a_sample_of_a_group_waiting_for_recompute(tiny_hf, which, queue):
+    """n = 2 samples preempted for recompute (one recomputes the shared prefix, the other is parked on it): a
+    stopped sample stays stopped and its sibling runs to the end (a parked one used to come back and run on; the
+    one recomputing left its sibling parked forever)."""
+    engine = make_engine(tiny_hf, num_blocks=20, prefix=False, max_num_batched_tokens=8, max_num_seqs=8)
+    prompts = _prompts(2, seed=1, low=20, high=21)
+    engine.add_request("a", prompts[0], SamplingParams(max_tokens=40, ignore_eos=True))
+    engine.add_request("b", prompts[1], SamplingParams(max_tokens=20, n=2, temperature=1.0, seed=1, ignore_eos=True))
+    stopped = []
+
+    def pick(group, step):
+        if not group.parked or (group in engine.scheduler.waiting) != (queue == "waiting"):
+            return None
+        stopped.append((group.parked if which == "parked" else group.active())[0].index)
+        return stopped[0]
+
+    done = _stop_run(engine, "b", pick)
+    other = 1 - stopped[0]
+    assert done["b"][stopped[0]][1] == "stop" and done["b"][other] == (other, "length", 20)
