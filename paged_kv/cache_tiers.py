@@ -17,7 +17,7 @@ from collections.abc import Hashable
 from paged_kv.block_hash import BlockHash, BlockHashes, salt_root
 from paged_kv.block_pool import BlockId, BlockPool, CacheRecord
 from paged_kv.errors import DuplicateSequenceError, InvalidArgumentError, UnknownSequenceError, check_type, describe
-from paged_kv.host_tier import BlockRecord, TierOps
+from paged_kv.host_tier import BlockRecord, TierOps, check_record
 from paged_kv.tokens import Tokens, as_token_array
 
 CacheEvent = tuple[str, CacheRecord]  # (medium "GPU" or "CPU", a pool's journal record)
@@ -139,6 +139,7 @@ class CacheTiers:
         check_type("records", records, list, "a list of BlockRecord")
         for i, r in enumerate(records):
             check_type(f"records[{i}]", r, BlockRecord, "a BlockRecord")
+            check_record(f"records[{i}]", r, 8 * self.block_size)  # else the host pool would index what never hits
         self._version += 1
         return self.host.fill(records, payload)
 

@@ -26,6 +26,9 @@ from dataclasses import dataclass, field
 
 from paged_kv.block_hash import BlockHash
 from paged_kv.block_pool import EVICTED, STORED, BlockId, BlockPool, CacheRecord, CopyOp
+from paged_kv.errors import InvalidArgumentError, describe
+
+HASH_BYTES = 32  # a block hash (SHA-256), and its parent's
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +38,16 @@ class BlockRecord:
     hash: BlockHash
     parent: BlockHash
     tokens: bytes
+
+
+def check_record(name: str, record: object, token_bytes: int) -> None:
+    """Raise InvalidArgumentError unless ``record``'s ``hash`` and ``parent`` are 32 bytes and ``tokens`` is
+    ``token_bytes`` bytes (a BlockRecord, or any block identity with those fields)."""
+    for field_name, size in (("hash", HASH_BYTES), ("parent", HASH_BYTES), ("tokens", token_bytes)):
+        value = getattr(record, field_name)
+        if not isinstance(value, bytes) or len(value) != size:
+            shown = f"{len(value)} bytes" if isinstance(value, bytes) else type(value).__name__
+            raise InvalidArgumentError(describe(f"{name}.{field_name}", shown, f"{size} bytes"))
 
 
 @dataclass(frozen=True, slots=True)

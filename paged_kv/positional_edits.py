@@ -20,7 +20,7 @@ class PositionalEdits:
     Relies on the manager's ``gpu``, ``block_size`` and ``_version`` (bumped by every change), its
     private ``_get_resident``, ``_blocks_for``, ``_blocks_to_write``, ``_copy_on_write``, ``_freeze``
     (stop caching a sequence, keep records of its full blocks) and ``_log`` (the journal), and the
-    fields of its per-sequence ``_Seq`` (``blocks``, ``num_tokens``, ``hashes``, ``frozen``). The
+    fields of its per-sequence ``_Seq`` (``blocks``, ``num_tokens``, ``hashes``, ``frozen``, ``priority``). The
     manager's rules hold here: a method that raises changes nothing, every table entry a method sets
     is journaled, and a caller's BlockHashes is never cut (a private copy is).
     """
@@ -81,7 +81,7 @@ class PositionalEdits:
         check_int("num_tokens", num_tokens, low=0, high=seq.num_tokens)
         self._version += 1
         keep = self._blocks_for(num_tokens)
-        self.gpu.release(reversed(seq.blocks[keep:]))
+        self.gpu.release(reversed(seq.blocks[keep:]), seq.priority)
         del seq.blocks[keep:]
         if seq.hashes is not None:
             seq.hashes = seq.hashes.copy(num_tokens)  # a private copy: a caller's object is only ever extended
@@ -102,7 +102,7 @@ class PositionalEdits:
         if not num_blocks:
             return
         self._version += 1
-        self.gpu.release(reversed(seq.blocks[:num_blocks]))  # like free: the head is evicted last
+        self.gpu.release(reversed(seq.blocks[:num_blocks]), seq.priority)  # like free: the head is evicted last
         del seq.blocks[:num_blocks]
         self._freeze(seq, seq.num_tokens)
         if seq.frozen is not None and num_blocks <= len(seq.frozen.hashes):

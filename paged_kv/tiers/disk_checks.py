@@ -9,12 +9,12 @@ from pathlib import Path
 import torch
 
 from paged_kv.errors import InvalidArgumentError, check_int, check_type, describe
+from paged_kv.host_tier import check_record
 from paged_kv.tensor_checks import check_shape, check_tensor
 from paged_kv.tiers.disk_files import temp_path
 from paged_kv.tiers.disk_format import DiskBlock
 from paged_kv.tiers.fingerprint import ModelFingerprint
 
-HASH_BYTES = 32
 _CPU = torch.device("cpu")
 
 
@@ -85,8 +85,4 @@ def check_put(fingerprint: ModelFingerprint, blocks: object, kv: object, scales:
 def _check_block(name: str, block: object, token_bytes: int) -> None:
     """One block: 32-byte hash and parent, ``token_bytes`` of tokens."""
     check_type(name, block, DiskBlock, "a DiskBlock")
-    for field, size in (("hash", HASH_BYTES), ("parent", HASH_BYTES), ("tokens", token_bytes)):
-        value = getattr(block, field)
-        if not isinstance(value, bytes) or len(value) != size:
-            shown = f"{len(value)} bytes" if isinstance(value, bytes) else type(value).__name__
-            raise InvalidArgumentError(describe(f"{name}.{field}", shown, f"{size} bytes"))
+    check_record(name, block, token_bytes)

@@ -54,6 +54,14 @@ def record() -> BlockRecord:
     return BlockRecord(h.hashes[2], h.hashes[1], h.contents[2])
 
 
+def bad_records() -> list[list[BlockRecord]]:
+    """Records whose fields a block pool cannot index: a hash or parent not 32 bytes, tokens not one block of int64."""
+    r = record()
+    return [[BlockRecord(None, r.parent, r.tokens)], [BlockRecord(r.hash.hex(), r.parent, r.tokens)],
+            [BlockRecord(r.hash, r.parent[:8], r.tokens)], [BlockRecord(r.hash, r.parent, r.tokens[:8])],
+            [r, BlockRecord(r.hash, r.parent, list(r.tokens))]]
+
+
 def stream(num_tokens: int = 5, cache_salt: str | None = None, block_size: int = 4) -> BlockHashes:
     """The hashes of ids ``0..num_tokens-1`` (the manager's prompts start so)."""
     h = BlockHashes(block_size, cache_salt=cache_salt)
@@ -114,7 +122,8 @@ def entries() -> list[Entry]:
             "token_ids": Arg("ids", [0, 1, 2, 3, 4, 5, 6, 7, 8]), "cache_salt": Arg("opt_str", None),
             "hashes": Arg("obj", lambda: stream(9), bad=OTHER_STREAMS)}, tiered),
         Entry("paged_kv.BlockManager.fill_host", "fill_host", {
-            "records": Arg("obj", lambda: [record()], bad={WRONG_TYPE: [None, "x", 3, ["x"], [(b"h", b"p", b"t")]]}),
+            "records": Arg("obj", lambda: [record()], bad={WRONG_TYPE: [None, "x", 3, ["x"], [(b"h", b"p", b"t")],
+                                                                   *bad_records()]}),
             "payload": Arg("obj", None, skip=(WRONG_TYPE,))}, tiered),  # the reader's data: opaque to the manager
         Entry("paged_kv.BlockManager.add_blocks", "add_blocks", {"num_blocks": Arg("int", 2)}, m),
         Entry("paged_kv.BlockManager.allocate", "allocate", {

@@ -104,3 +104,20 @@ def test_pinned_blocks_apart_from_a_prompt_are_those_it_would_not_hit():
     assert bm.num_pinned_blocks_apart([9] + list(range(8))) == 2
     assert bm.num_pinned_blocks_apart(list(range(9)), cache_salt="tenant") == 2  # another tenant shares nothing
     assert bm.num_pinned_blocks_apart(9) == 2  # anonymous tokens share nothing
+
+
+@pytest.mark.parametrize("cut", ["truncate", "drop_front"])
+def test_blocks_a_sequence_gives_up_early_are_evictable_at_its_priority(cut):
+    bm = manager(num_blocks=4)
+    bm.allocate("keep", list(range(30, 34)) + [1], priority=0)
+    bm.free("keep")
+    bm.allocate("low", list(range(4)) + [9], priority=7)  # its full first block is cached
+    if cut == "truncate":
+        bm.truncate("low", 0)
+    else:
+        bm.drop_front("low", 2)
+    assert bm.stats().num_evictable == 2
+    bm.allocate("x", list(range(50, 62)))  # 3 blocks: the 2 free ones, then priority 7 goes before priority 0
+    assert cached_after(bm, list(range(30, 34))) == 4
+    assert cached_after(bm, list(range(4))) == 0
+    bm.check()
