@@ -110,7 +110,7 @@ class LLMEngine:
         self.tiers = self._make_tiers(spec)
         prefetch = self.tiers.prefetch if self.tiers is not None else None
         self.scheduler = Scheduler(config.scheduler, self.block_manager, eos_ids, prefetch=prefetch)
-        self.pins = PinnedPrefixes(self.block_manager)
+        self.pins = PinnedPrefixes(self.block_manager, self._warm_up)
         disk = self.tiers.disk if self.tiers is not None else None
         self.cache_events = None if events is None else CacheEvents(events, self.block_manager, disk)
         self.sampler = Sampler(model.config.vocab_size, self.device, eos_ids)  # keeps penalty counts per sequence
@@ -218,8 +218,11 @@ class LLMEngine:
         returned); the pin holds from the step that finishes it.
         """
         prompt = check_prompt(token_ids, self.model.config.vocab_size)
-        params = SamplingParams(max_tokens=1, cache_salt=cache_salt)
-        return self.pins.pin(prompt, params.cache_salt, lambda rid: self.add_request(rid, prompt, params))
+        return self.pins.pin(prompt, SamplingParams(cache_salt=cache_salt).cache_salt)  # the salt checked
+
+    def _warm_up(self, request_id: str, prompt: list[int], cache_salt: str | None) -> None:
+        """Queue the one-token request that computes a pinned prefix."""
+        self.add_request(request_id, prompt, SamplingParams(max_tokens=1, cache_salt=cache_salt))
 
     def unpin(self, pin_id: str) -> None:
         """Release a pinned prefix: its blocks are cached and evictable again."""
@@ -364,6 +367,10 @@ class LLMEngine:
                 logger.exception("freeing %s after the failed step failed", request_id)
         # the step registered blocks (device, host) whose K/V it may never have written: forget them all
         self.block_manager.reset_prefix_cache()
+        try:
+            self.pins.restore()  # and compute the pinned prefixes again
+        except Exception:  # the step's own failure is the one to propagate
+            logger.exception("pinning the prefixes again after the failed step failed")
 
     def _check_select(self, select: Selector | None) -> None:
         """A selection hook must be callable, and cannot run while a request is constrained (it skips the mask)."""

@@ -2,7 +2,8 @@
 
 A prefix not cached yet is computed first by a one-token warm-up request queued like any
 other; the pin takes hold in the step that finishes it (before any other request can evict
-its blocks), and that request's output is never returned to the caller.
+its blocks), and that request's output is never returned to the caller. A failed step forgets
+every cached block (:meth:`PinnedPrefixes.restore`): each pin then waits for a new warm-up.
 """
 
 from __future__ import annotations
@@ -15,39 +16,65 @@ from paged_kv.errors import InvalidArgumentError, UnknownSequenceError, describe
 from scheduler.core.outputs import RequestOutput
 
 WARMUP_PREFIX = "paged-kv-pin-"  # request ids of warm-up requests
+Prefix = tuple[list[int], str | None]  # a pinned prompt's token ids and cache salt
+WarmUp = Callable[[str, list[int], str | None], None]
 
 
 class PinnedPrefixes:
     """The engine's pins: held ones (in the block manager) and those waiting for their warm-up request."""
 
-    def __init__(self, bm: BlockManager) -> None:
+    def __init__(self, bm: BlockManager, warm_up: WarmUp) -> None:
         self.bm = bm
-        self._waiting: dict[str, tuple[list[int], str | None]] = {}  # warm-up request id -> (prompt, salt)
+        self._warm_up = warm_up  # queues the one-token request computing a prefix: (request id, prompt, salt)
+        self._prompts: dict[str, Prefix] = {}  # every pin not unpinned, held or waiting
+        self._waiting: set[str] = set()  # pins waiting for their warm-up request (its id is the pin's)
         self._warm_ups: set[str] = set()  # warm-up requests not finished (a pin dropped while waiting included)
         self._ids = itertools.count()
 
-    def pin(self, prompt: list[int], cache_salt: str | None, warm_up: Callable[[str], None]) -> str:
-        """Pin ``prompt``'s full blocks now if cached, else after ``warm_up(request_id)`` computes them; its id."""
+    def pin(self, prompt: list[int], cache_salt: str | None) -> str:
+        """Pin ``prompt``'s full blocks now if cached, else after a warm-up request computes them; its id."""
         if len(prompt) < self.bm.block_size:
             expected = f"at least one full block ({self.bm.block_size} tokens)"
             raise InvalidArgumentError(describe("token_ids", f"{len(prompt)} tokens", expected))
         pin_id = f"{WARMUP_PREFIX}{next(self._ids)}"
-        full = len(prompt) // self.bm.block_size * self.bm.block_size
-        if self.bm.pin(pin_id, prompt, cache_salt=cache_salt) < full:  # not all on the device: compute it first
-            self.bm.unpin(pin_id)
-            warm_up(pin_id)
-            self._waiting[pin_id] = (prompt, cache_salt)
-            self._warm_ups.add(pin_id)
+        self._prompts[pin_id] = (prompt, cache_salt)
+        self._hold_or_warm_up(pin_id)
         return pin_id
+
+    def _hold_or_warm_up(self, pin_id: str) -> None:
+        """Hold the pin's blocks if all are cached on the device, else queue its warm-up request."""
+        prompt, salt = self._prompts[pin_id]
+        full = len(prompt) // self.bm.block_size * self.bm.block_size
+        if self.bm.pin(pin_id, prompt, cache_salt=salt) < full:  # not all on the device: compute it first
+            self.bm.unpin(pin_id)
+            self._warm_up(pin_id, prompt, salt)
+            self._waiting.add(pin_id)
+            self._warm_ups.add(pin_id)
 
     def unpin(self, pin_id: str) -> None:
         """Release a pin (or drop one still waiting for its warm-up)."""
         if not isinstance(pin_id, str):
             raise InvalidArgumentError(describe("pin_id", pin_id, "a str that pin_prefix returned"))
-        if self._waiting.pop(pin_id, None) is None:
-            if pin_id not in self.bm.pinned:
-                raise UnknownSequenceError(describe("pin_id", pin_id, "an id pin_prefix returned, not unpinned yet"))
+        if pin_id not in self._prompts:
+            raise UnknownSequenceError(describe("pin_id", pin_id, "an id pin_prefix returned, not unpinned yet"))
+        del self._prompts[pin_id]
+        if pin_id in self._waiting:
+            self._waiting.discard(pin_id)
+        else:
             self.bm.unpin(pin_id)
+
+    def restore(self) -> None:
+        """After a failed step (every request aborted, the prefix cache reset): warm every pin up again.
+
+        The reset forgot the pinned blocks' hashes, so a held pin would keep its blocks without a
+        hit; an aborted warm-up would never settle. Each pin keeps its id.
+        """
+        self._warm_ups.clear()  # aborted with every other request: their outputs never come
+        for pin_id in self._prompts:
+            if pin_id in self.bm.pinned:
+                self.bm.unpin(pin_id)
+            self._waiting.discard(pin_id)
+            self._hold_or_warm_up(pin_id)
 
     def settle(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Pin the prefixes whose warm-up finished among ``outputs``; return the others."""
@@ -58,10 +85,16 @@ class PinnedPrefixes:
             if out.request_id not in self._warm_ups:
                 kept.append(out)
                 continue
-            self._warm_ups.discard(out.request_id)
-            waiting = self._waiting.pop(out.request_id, None)
-            if waiting is not None and out.error is None:
-                self.bm.pin(out.request_id, waiting[0], cache_salt=waiting[1])
+            pin_id = out.request_id
+            self._warm_ups.discard(pin_id)
+            if pin_id not in self._waiting:
+                continue  # unpinned while it waited
+            self._waiting.discard(pin_id)
+            if out.error is None:
+                prompt, salt = self._prompts[pin_id]
+                self.bm.pin(pin_id, prompt, cache_salt=salt)
+            else:  # its warm-up failed alone: the pin is dropped
+                del self._prompts[pin_id]
         return kept
 
     @property

@@ -149,11 +149,10 @@ def apply_top_k_top_p(
         return logits
     vocab = logits.shape[-1]
     ordered, order = logits.sort(dim=-1, descending=True)  # [R, V]
-    ranks = torch.arange(vocab, device=logits.device)[None, :]
     drop = torch.zeros_like(ordered, dtype=torch.bool)
-    if use_k:
+    if use_k:  # every logit tied with the k-th stays, as in vLLM and transformers (no bias from the sort order)
         k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
-        drop |= ranks >= k[:, None]
+        drop |= ordered < ordered.gather(1, (k - 1)[:, None])
     if use_p:
         probs = ordered.masked_fill(drop, float("-inf")).softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs  # the most likely token always has 0 before it

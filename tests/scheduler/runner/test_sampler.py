@@ -62,6 +62,17 @@ def test_filters_leave_rows_without_them_untouched():
     assert 1 <= (out[2] > -math.inf).sum() < 10
 
 
+def test_top_k_keeps_every_logit_tied_with_the_kth_as_transformers_does():
+    from transformers.generation.logits_process import TopKLogitsWarper
+
+    logits = torch.tensor([[3.0, 2.0, 2.0, 2.0, 1.0, 0.5], [1.0, 1.0, 1.0, 1.0, 1.0, 1.0]])
+    out = apply_top_k_top_p(logits, torch.tensor([2, 1]), torch.tensor([1.0, 1.0]))
+    for row, k in enumerate((2, 1)):
+        oracle = TopKLogitsWarper(top_k=k)(None, logits[row : row + 1].clone())[0]
+        assert torch.equal(out[row], oracle)
+    assert (out[0] > -math.inf).tolist() == [True, True, True, True, False, False]
+
+
 def test_seeded_rows_do_not_depend_on_their_neighbours():
     logits = torch.randn(5, 100, generator=torch.Generator().manual_seed(1))
     params = [SamplingParams(temperature=1.0)] * 5
