@@ -72,6 +72,7 @@ class ModelConfig:
         c = hf_config
         if not all(hasattr(c, a) for a in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")):
             raise InvalidArgumentError(describe("hf_config", type(c).__name__, "a transformers LlamaConfig"))
+        _check_llama_family(c)
         rope = dict(getattr(c, "rope_scaling", None) or getattr(c, "rope_parameters", None) or {})
         theta = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -84,6 +85,26 @@ class ModelConfig:
             tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
             attention_bias=bool(getattr(c, "attention_bias", False)),
         )  # fmt: skip
+
+
+LLAMA_FAMILY = ("llama", "mistral")  # model types whose layers are this model's (Mistral without a sliding window)
+
+
+def _check_llama_family(c: object) -> None:
+    """Refuse a config this model would run with other math, never silently: another architecture, another
+    activation, MLP biases, or a sliding window shorter than the context."""
+    model_type = getattr(c, "model_type", None) or "llama"
+    if model_type not in LLAMA_FAMILY:
+        raise InvalidArgumentError(describe("hf_config.model_type", model_type, f"one of {LLAMA_FAMILY}"))
+    act = getattr(c, "hidden_act", "silu")
+    if act != "silu":
+        raise InvalidArgumentError(describe("hf_config.hidden_act", act, '"silu" (a Llama MLP)'))
+    if getattr(c, "mlp_bias", False):
+        raise InvalidArgumentError(describe("hf_config.mlp_bias", True, "False (MLP biases are not supported)"))
+    window = getattr(c, "sliding_window", None) if getattr(c, "use_sliding_window", True) else None
+    if window is not None and window < c.max_position_embeddings:
+        expected = f"None or at least max_position_embeddings={c.max_position_embeddings} (no sliding-window attention)"
+        raise InvalidArgumentError(describe("hf_config.sliding_window", window, expected))
 
 
 def local_kv_heads(cfg: ModelConfig, shard: TPShard) -> int:

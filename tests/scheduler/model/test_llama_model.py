@@ -97,3 +97,21 @@ def test_state_dict_loading_equals_model_loading(tiny_hf, prompts):
     b = from_state_dict(ModelConfig.from_hf(tiny_hf.config), tiny_hf.state_dict())
     (la,), (lb,) = _forward(a, [prompts[2]], [[33]]), _forward(b, [prompts[2]], [[33]])
     assert torch.equal(la, lb)
+
+
+@pytest.mark.parametrize(("field", "value", "kind"), [
+    ("hidden_act", "gelu", "llama"), ("mlp_bias", True, "llama"), ("sliding_window", 64, "mistral"),
+    ("model_type", "gemma", "llama"),
+])  # fmt: skip
+def test_configs_this_model_would_compute_differently_are_refused_naming_the_field(field, value, kind):
+    from transformers import LlamaConfig, MistralConfig
+
+    shape = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+             "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 128}  # fmt: skip
+    cls = MistralConfig if kind == "mistral" else LlamaConfig
+    ok = cls(**shape, **({"sliding_window": None} if kind == "mistral" else {}))
+    assert ModelConfig.from_hf(ok).num_layers == 1  # Mistral without a window is a Llama
+    bad = cls(**shape)
+    setattr(bad, field, value)
+    with pytest.raises(InvalidArgumentError, match=f"hf_config.{field}"):
+        ModelConfig.from_hf(bad)
