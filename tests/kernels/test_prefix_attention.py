@@ -60,6 +60,7 @@ CASES = [
     pytest.param([(16, [17]), (32, [33])], [0, 3], 4, 4, 24, 16, BF16, BF16, id="mha-bf16-d24-empty-group"),
     pytest.param([(8, [9]), (16, [17])], [2, 2], 4, 2, 16, 8, F16, F32, id="q32-kv16"),
     pytest.param([(24, [25, 30])], [64], 4, 2, 16, 8, F32, F32, id="64-queries-one-group"),  # a system-prompt group
+    pytest.param([(16, [20]), (8, [9]), (8, [12])], [3, 1, 0], 4, 2, 16, 8, F32, F32, id="empty-last-group"),
 ]
 
 
