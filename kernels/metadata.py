@@ -175,7 +175,7 @@ def _check_row(s: int, row: Sequence[int], seq_len: int, block_size: int, num_bl
     if len(row) < used:
         raise InvalidArgumentError(describe(f"len(tables[{s}])", len(row), f">= {used} blocks for {seq_len} tokens"))
     for i, block in enumerate(row):
-        check_int(f"tables[{s}][{i}]", block, low=-(1 << 62))
+        check_int(f"tables[{s}][{i}]", block, low=-(1 << 31), high=(1 << 31) - 1)  # the table is int32
     if not used:
         return
     lo, hi = min(row[:used]), max(row[:used])
