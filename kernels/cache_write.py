@@ -145,8 +145,8 @@ def _check_caches(k_cache, v_cache, num_heads: int, head_dim: int) -> None:
 
 
 def _check_scales(k_scale, v_scale, k_cache) -> None:
-    """Scales: required float32 [NB, BS, H] for quantized caches, forbidden otherwise; contiguous."""
-    if check_scales(k_scale, v_scale, k_cache):
+    """Scales: float32 [NB, BS, H] on the cache's device, contiguous, for quantized caches; forbidden otherwise."""
+    if check_scales(k_scale, v_scale, k_cache, k_cache.device):
         check_contiguous("k_scale", k_scale)
         check_contiguous("v_scale", v_scale)
 

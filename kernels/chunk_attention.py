@@ -107,6 +107,8 @@ def _check_qkv(q: object, k: object, v: object) -> None:
     check_tensor("k", k, ndim=3, dtypes=(q.dtype,), device=q.device)
     check_tensor("v", v, ndim=3, dtypes=(q.dtype,), device=q.device)
     check_shape("v", v, tuple(k.shape))
+    if q.shape[1] == 0 or q.shape[2] == 0:
+        raise InvalidArgumentError(describe("q.shape", tuple(q.shape), "[T, Hq, D] with Hq >= 1 and D >= 1"))
     if k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
         raise InvalidArgumentError(describe("k.shape", tuple(k.shape), f"[{q.shape[0]}, Hkv, {q.shape[2]}] like q"))
     if k.shape[1] == 0 or q.shape[1] % k.shape[1]:

@@ -175,7 +175,7 @@ def _check_row(s: int, row: Sequence[int], seq_len: int, block_size: int, num_bl
     if len(row) < used:
         raise InvalidArgumentError(describe(f"len(tables[{s}])", len(row), f">= {used} blocks for {seq_len} tokens"))
     for i, block in enumerate(row):
-        check_int(f"tables[{s}][{i}]", block, low=-(1 << 62))
+        check_int(f"tables[{s}][{i}]", block, low=-(1 << 31), high=(1 << 31) - 1)  # the table is int32
     if not used:
         return
     lo, hi = min(row[:used]), max(row[:used])
@@ -244,16 +244,21 @@ def prepare_prefix_metadata(
     *,
     block_size: int,
     num_blocks: int,
-    device: torch.device,
+    device: str | torch.device,
 ) -> PrefixMetadata:
     """Validate host prefix groups (tables ``[G, W]``, lengths, query rows per group) and upload them."""
+    check_int("block_size", block_size, low=1)
+    check_int("num_blocks", num_blocks, low=1)
+    device = check_device("device", device)
     tables = check_host_ints("tables", tables, 2)
     plens, counts = check_host_ints("prefix_lens", prefix_lens, 1), check_host_ints("query_counts", query_counts, 1)
     if plens.shape != (len(tables),) or counts.shape != plens.shape:
         got = (tables.shape, plens.shape, counts.shape)
         raise InvalidArgumentError(describe("tables, prefix_lens, query_counts shapes", got, "[G, W], [G], [G]"))
-    if (plens < 0).any() or (plens > tables.shape[1] * block_size).any() or (counts < 0).any():
+    if (plens < 0).any() or (plens > tables.shape[1] * block_size).any():
         raise OutOfRangeError(describe("prefix_lens", plens.tolist(), f"in [0, {tables.shape[1] * block_size}]"))
+    if (counts < 0).any():
+        raise OutOfRangeError(describe("query_counts", counts.tolist(), "row counts >= 0"))
     used = np.arange(tables.shape[1])[None, :] < -(-plens[:, None] // block_size)  # [G, W]
     if ((tables < 0) | (tables >= num_blocks))[used].any():
         raise OutOfRangeError(describe("tables", tables[used].tolist(), f"block ids in [0, {num_blocks}) where used"))

@@ -147,6 +147,7 @@ def _prefix_torch(q, k_cache, v_cache, meta: PrefixMetadata, opts, k_scale, v_sc
     starts = offsets(counts)[:-1]
     j = np.arange(width)[None, :]
     padded = starts[:, None] + np.minimum(j, np.maximum(counts[:, None] - 1, 0))  # [G, M] rows, repeated past the end
+    padded = np.minimum(padded, len(q) - 1)  # a group without rows (at the end: start == T) borrows a real row
     packed = (np.repeat(np.arange(num_groups), counts) * width + np.arange(len(q)) - np.repeat(starts, counts))
     idx = torch.from_numpy(np.concatenate([padded.ravel(), packed])).to(q.device)
     pad_idx, pack_idx = idx.split([padded.size, len(packed)])

@@ -9,7 +9,8 @@ import torch
 from backend_device import call_on_backend
 
 import kernels.cache_write as write_kv_module
-from kernels.cache_write import write_kv
+from kernels.cache_write import write_kv, write_kv_prepared
+from kernels.metadata import prepare_attention_metadata
 from kernels.quant import as_storage, is_quantized, quant_max, quantize_per_token_head
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError
 
@@ -272,6 +273,19 @@ def test_scales_forbidden_for_float_cache() -> None:
         call_on_backend(
             write_kv, key, value, cache.k, cache.v, torch.tensor([0, 1]), k_scale=torch.zeros(1, 4, 1), backend="triton"
         )
+    assert all(torch.equal(raw(t), b) for t, b in zip(cache.tensors(), before))
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_prepared_write_rejects_a_scale_on_another_device(backend: str) -> None:
+    key, value = sample(2, 2, 8, torch.float32, seed=6)
+    cache = make_cache(2, 8, 2, 8, torch.int8)
+    meta = prepare_attention_metadata([[0], [1]], [0, 0], [1, 1], block_size=8, num_blocks=2)
+    before = cache.snapshot()
+    elsewhere = torch.zeros(2, 8, 2, device="meta")  # on a GPU: a CPU scale beside a CUDA cache
+    with pytest.raises(InvalidArgumentError, match="v_scale.device"):
+        call_on_backend(write_kv_prepared, key, value, cache.k, cache.v, meta, k_scale=cache.k_scale,
+                        v_scale=elsewhere, backend=backend)  # fmt: skip
     assert all(torch.equal(raw(t), b) for t, b in zip(cache.tensors(), before))
 
 

@@ -157,9 +157,11 @@ def test_chunk_merged_with_the_cached_prefix_equals_paged_prefill(dtype):
         (lambda a: {"backend": "triton"}, InvalidArgumentError),
         (lambda a: {"backend": "flash"}, InvalidArgumentError),
         (lambda a: {"scale": math.nan}, InvalidArgumentError),
+        (lambda a: {"q": a["q"][:, :, :0], "k": a["k"][:, :, :0], "v": a["v"][:, :, :0]}, InvalidArgumentError),
+        (lambda a: {"q": a["q"][:, :0]}, InvalidArgumentError),
     ],
     ids=["lens-sum", "lens-negative", "lens-on-device", "head-dim", "heads-not-divisor", "dtype", "backend",
-         "flash-on-cpu", "scale-nan"],
+         "flash-on-cpu", "scale-nan", "head-dim-0", "no-query-heads"],
 )  # fmt: skip
 def test_bad_input_raises_before_any_op(monkeypatch, change, error):
     q, k, v, _, _ = chunk_case([5, 3], 4, 2, 16)

@@ -12,14 +12,13 @@ import importlib
 import numpy as np
 import pytest
 import torch
-from attention_cases import BF16, F32, I8, build_paged
+from attention_cases import BF16, F32, I8, build_paged, fail_launch
 from backend_device import TRITON_DEVICE, call_on_backend
 from no_host_reads import LaunchRecorder, forbid_host_reads
 
 import kernels.decode_attention as dec
 import kernels.prefill_attention as pre
 import kernels.splits as spl
-from attention_cases import fail_launch
 from kernels import (
     AttentionMetadata,
     paged_decode_attention,
@@ -88,6 +87,12 @@ def test_prepare_rejects_bad_steps_with_typed_errors(tables, computed, new, erro
 def test_padding_entries_past_a_sequence_are_not_checked():
     meta = prepare_attention_metadata([[2, 1000]], [3], [1], block_size=4, num_blocks=4)
     assert meta.seq_lens.tolist() == [4]
+
+
+@pytest.mark.parametrize("padding", [2**32 - 1, -(2**40)])
+def test_padding_that_no_int32_table_holds_is_a_typed_error(padding):
+    with pytest.raises(OutOfRangeError, match=r"tables\[0\]\[1\]"):
+        prepare_attention_metadata([[2, padding]], [3], [1], block_size=4, num_blocks=4)
 
 
 def test_prepared_wrappers_reject_metadata_of_another_pool():

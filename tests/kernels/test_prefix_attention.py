@@ -60,6 +60,7 @@ CASES = [
     pytest.param([(16, [17]), (32, [33])], [0, 3], 4, 4, 24, 16, BF16, BF16, id="mha-bf16-d24-empty-group"),
     pytest.param([(8, [9]), (16, [17])], [2, 2], 4, 2, 16, 8, F16, F32, id="q32-kv16"),
     pytest.param([(24, [25, 30])], [64], 4, 2, 16, 8, F32, F32, id="64-queries-one-group"),  # a system-prompt group
+    pytest.param([(16, [20]), (8, [9]), (8, [12])], [3, 1, 0], 4, 2, 16, 8, F32, F32, id="empty-last-group"),
 ]
 
 
@@ -172,6 +173,24 @@ def test_prepared_rejects_bad_metadata():
         prepare_prefix_metadata(tables.numpy(), [8], [2], block_size=8, num_blocks=1, device="cpu")
     with pytest.raises(OutOfRangeError):
         prepare_prefix_metadata(tables.numpy(), [800], [2], block_size=8, num_blocks=99, device="cpu")
+
+
+@pytest.mark.parametrize(
+    "change,error,named",
+    [
+        ({"query_counts": [2, -1]}, OutOfRangeError, "query_counts"),
+        ({"block_size": 0}, InvalidArgumentError, "block_size"),
+        ({"block_size": None}, InvalidArgumentError, "block_size"),
+        ({"num_blocks": "8"}, InvalidArgumentError, "num_blocks"),
+        ({"device": "no-such-device"}, InvalidArgumentError, "device"),
+    ],
+    ids=["negative-count", "block-size-0", "block-size-none", "num-blocks-str", "device"],
+)
+def test_prepare_prefix_metadata_names_the_bad_argument(change, error, named):
+    args = dict(tables=[[0, 1], [2, 3]], prefix_lens=[8, 4], query_counts=[2, 1], block_size=4, num_blocks=8,
+                device="cpu")  # fmt: skip
+    with pytest.raises(error, match=named):
+        prepare_prefix_metadata(**{**args, **change})
 
 
 def test_kernels_build_for_gpu():
