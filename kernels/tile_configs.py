@@ -27,6 +27,7 @@ from paged_kv.errors import InvalidArgumentError, describe
 
 CONFIG_DIR = Path(__file__).with_name("configs")
 TILE_FIELDS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "waves"}  # what a tuned entry may set
+POWER_OF_TWO_FIELDS = {"BLOCK_M", "BLOCK_N", "num_warps"}  # Triton's ranges and warp counts
 _overrides: list[dict[str, dict[str, int]]] = []  # innermost last
 
 
@@ -85,7 +86,8 @@ def load_table(path: Path) -> dict[str, dict[str, int]]:
 
 
 def check_table(table: object, name: str = "table") -> dict[str, dict[str, int]]:
-    """``table`` if it maps keys to ``{field: positive int}`` with fields from TILE_FIELDS, else a typed error."""
+    """``table`` if it maps keys to ``{field: positive int}`` with fields from TILE_FIELDS (tile sizes and warps
+    powers of two), else a typed error."""
     if not isinstance(table, Mapping):
         raise InvalidArgumentError(describe(name, type(table).__name__, "a mapping of tile keys to launch values"))
     for key, entry in table.items():
@@ -95,6 +97,8 @@ def check_table(table: object, name: str = "table") -> dict[str, dict[str, int]]
             if field not in TILE_FIELDS or isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 expected = f"a positive int of a field in {sorted(TILE_FIELDS)}"
                 raise InvalidArgumentError(describe(f"{name}[{key!r}][{field!r}]", value, expected))
+            if field in POWER_OF_TWO_FIELDS and value & (value - 1):  # else the launch fails, untyped
+                raise InvalidArgumentError(describe(f"{name}[{key!r}][{field!r}]", value, "a power of two"))
     return {key: dict(entry) for key, entry in table.items()}
 
 

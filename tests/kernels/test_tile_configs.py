@@ -62,8 +62,9 @@ def test_save_merges_and_is_read_back(fake_gpu):
 @pytest.mark.parametrize(
     "table",
     [[1, 2], {"a/x": {}}, {"a/x": {"BLOCK_Q": 16}}, {"a/x": {"BLOCK_N": 0}}, {"a/x": {"BLOCK_N": True}},
-     {"a/x": {"BLOCK_N": 16.0}}, {"a/x": 16}],
-    ids=["not-a-mapping", "empty-entry", "unknown-field", "zero", "bool", "float", "not-an-entry"],
+     {"a/x": {"BLOCK_N": 16.0}}, {"a/x": 16}, {"a/x": {"BLOCK_N": 48}}, {"a/x": {"num_warps": 6}}],
+    ids=["not-a-mapping", "empty-entry", "unknown-field", "zero", "bool", "float", "not-an-entry", "block-48",
+         "warps-6"],
 )  # fmt: skip
 def test_bad_tables_raise_naming_the_place(table):
     with pytest.raises(InvalidArgumentError, match="table"):
