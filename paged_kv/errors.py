@@ -93,13 +93,14 @@ def check_real(
     open_low: bool = False, open_high: bool = False,
 ) -> float:
     """Return ``value`` as a finite float in the interval, else raise (bools, NaN and infinities are rejected)."""
-    interval = f"{'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"
+    bounded = math.isfinite(low) or math.isfinite(high)
+    interval = f" in {'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}" if bounded else ""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy float scalars are Real
-        raise InvalidArgumentError(describe(name, value, f"a finite number in {interval}"))
+        raise InvalidArgumentError(describe(name, value, f"a finite number{interval}"))
     x = float(value)
     inside = (low < x if open_low else low <= x) and (x < high if open_high else x <= high)
     if not (math.isfinite(x) and inside):
-        raise InvalidArgumentError(describe(name, value, f"a finite number in {interval}"))
+        raise InvalidArgumentError(describe(name, value, f"a finite number{interval}"))
     return x
 
 

@@ -108,6 +108,11 @@ def test_check_real_rejects_bools_non_numbers_non_finite_and_out_of_interval(val
         check_real("w", value, low=0.0, high=1.0, open_high=True)
 
 
+def test_check_real_without_bounds_names_no_interval():
+    with pytest.raises(InvalidArgumentError, match=r"^s=nan: expected a finite number$"):
+        check_real("s", float("nan"))
+
+
 def test_check_real_open_and_closed_ends():
     assert check_real("t", 1.0, low=0.0, high=1.0) == 1.0
     with pytest.raises(InvalidArgumentError, match=r"in \(0.0, 1.0\]"):
