@@ -328,7 +328,7 @@ class KvCache(KvCacheAccess):
         """A new sequence of this pool holding ``keys`` / ``values`` ``[seq_len, H, D]`` per layer."""
         seq = self._pool.new_seq()
         try:
-            seq.extend(seq_len)
+            extend_zeroed(seq, seq_len)  # the last page's slots past seq_len read as zeros after advance()
             for layer, (k, v) in enumerate(zip(keys, values)):
                 seq.write(layer, 0, k, v)
         except BaseException:

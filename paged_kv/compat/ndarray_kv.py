@@ -169,8 +169,10 @@ class KvCache:
         """Write rows at ``[start, start + T)`` of ``layer``, growing the sequence; all or nothing."""
         held = self._seq.length
         end = start + k.shape[0]
+        # new pages plus a copy of every shared page written (a shorter layer writes into earlier pages)
+        self._pool.ensure_free(self._pool.manager.num_blocks_to_write_all([(self._seq.seq_id, start, end)]))
         if end > held:
-            self._seq.extend(end - held)  # raises OutOfBlocksError with nothing taken
+            self._seq.extend(end - held)
         try:
             self._seq.write(layer, start, k, v)
         except BaseException:

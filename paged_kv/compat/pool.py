@@ -66,8 +66,10 @@ class KVPool:
             if name not in KVCacheSpec.__dataclass_fields__:
                 fields = ", ".join(KVCacheSpec.__dataclass_fields__)
                 raise InvalidArgumentError(describe(name, want, f"a KVCacheSpec field ({fields})"))
+            if name != "dtype":  # numpy ints are sizes too; 2.0 is no layer count, True no head_dim
+                want = check_int(name, want, low=1)
             have = getattr(self.spec, name)
-            if have != want or type(have) is not type(want):  # 2.0 is no layer count, True no head_dim
+            if have != want:
                 raise InvalidArgumentError(describe(f"pool.{name}", have, f"{want} to match the cache"))
 
     def add_layers(self, num_layers: int) -> None:

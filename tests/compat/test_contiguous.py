@@ -80,17 +80,31 @@ def test_inputs_accept_lists_and_tensors():
     np.testing.assert_array_equal(cache.get_values(0), np.arange(KV, dtype=np.float32))
 
 
-def test_position_advanced_without_store_reads_zero_even_on_a_recycled_page():
+def cache_on_a_recycled_page() -> KvCache:
+    """An empty cache whose pool's only page was filled with non-zero data by another cache."""
     pool = KVPool(num_layers=L, num_kv_heads=1, head_dim=KV, block_size=BS, num_blocks=1)
     other = KvCache(L, 32, KV, pool=pool)
-    fill(other, tokens(2, BS))  # fills the only page with non-zero data
+    fill(other, tokens(2, BS))
     other.clear()
-    cache = KvCache(L, 32, KV, pool=pool)
+    return KvCache(L, 32, KV, pool=pool)
+
+
+def test_position_advanced_without_store_reads_zero_even_on_a_recycled_page():
+    cache = cache_on_a_recycled_page()
     cache.advance()
     cache.store_kv(1, np.ones(KV), np.ones(KV))
     cache.advance()
     np.testing.assert_array_equal(cache.get_keys(0), np.zeros(2 * KV, np.float32))
     np.testing.assert_array_equal(cache.get_values(1), np.r_[np.zeros(KV), np.ones(KV)].astype(np.float32))
+
+
+def test_position_advanced_after_a_restore_never_shows_another_caches_data():
+    cache = cache_on_a_recycled_page()
+    snap = [np.ones(KV, np.float32)] * L
+    cache.restore_from_snapshot(snap, snap, 1)  # takes the recycled page for position 0
+    cache.advance()  # position 1, never stored, shares that page
+    np.testing.assert_array_equal(cache.get_keys(0), np.r_[np.ones(KV), np.zeros(KV)].astype(np.float32))
+    np.testing.assert_array_equal(cache.get_values(1), np.r_[np.ones(KV), np.zeros(KV)].astype(np.float32))
 
 
 def test_for_each_visits_every_token_in_order():

@@ -232,6 +232,19 @@ def test_full_fixed_pool_raises_and_changes_nothing(rng):
     assert cache.seq_len == 2 * BS - 1
 
 
+def test_append_to_a_shorter_layer_that_cannot_copy_every_shared_page_takes_none(rng):
+    pool = KVPool(num_layers=L, num_kv_heads=H, head_dim=D, dtype=torch.float64, block_size=BS, num_blocks=3)
+    cache = KvCache(L, H, D, 64, pool=pool)
+    cache.append_kv(0, rows(rng, BS + 1), rows(rng, BS + 1))  # two pages, the last one partly filled
+    cache.append_kv(1, rows(rng, 1), rows(rng, 1))
+    twin = cache.copy()  # shares both pages; one page is free
+    before = state(cache)
+    with pytest.raises(OutOfBlocksError):  # layer 1 rows 1..BS+1 grow the last page and write both: two copies
+        cache.append_kv(1, rows(rng, BS + 1), rows(rng, BS + 1))
+    assert state(cache) == before and pool.manager.gpu.num_free == 1
+    assert twin.seq_len == BS + 1
+
+
 def test_dropping_a_cache_returns_its_pages(rng):
     pool = KVPool(num_layers=L, num_kv_heads=H, head_dim=D, dtype=torch.float64, block_size=BS, num_blocks=8)
     cache = KvCache(L, H, D, 64, pool=pool)

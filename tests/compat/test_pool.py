@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import gc
 
+import numpy as np
 import pytest
 import torch
 
 from paged_kv.compat.pool import KVPool
+from paged_kv.compat.quantized import QuantizedKVCache
 from paged_kv.errors import InvalidArgumentError, OutOfBlocksError, OutOfRangeError
 
 
@@ -133,3 +135,13 @@ def test_pages_to_append_counts_new_pages_and_a_shared_last_page():
     assert p.manager.gpu.num_free == free - 2
     with pytest.raises(InvalidArgumentError, match="n="):
         seq.pages_to_append(-1)
+
+
+def test_compatible_takes_numpy_integers_and_rejects_floats_and_bools():
+    p = pool()
+    p.compatible(num_layers=np.int64(2), head_dim=np.int32(4), block_size=np.uint8(4), dtype=torch.float32)
+    cache = QuantizedKVCache(np.int64(2), np.int64(2), 8, np.int64(4), "F32", pool=p, block_size=np.int64(4))
+    assert cache.pool is p
+    for name, bad in (("num_layers", 2.0), ("head_dim", True), ("num_layers", 3), ("dtype", "float32")):
+        with pytest.raises(InvalidArgumentError, match=f"^(pool.)?{name}="):
+            p.compatible(**{name: bad})
