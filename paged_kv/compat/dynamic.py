@@ -3,7 +3,8 @@
 Tensors are shaped ``(batch, num_kv_heads, seq_len, head_dim)``. The first
 ``update`` of a layer sets it, later ones append along ``seq_len`` and return
 the full ``(key, value)``, equal to ``torch.cat`` of every input so far
-(exactly, unless a quantized storage ``dtype=`` was asked for). Layers past the
+(exactly, unless the storage holds less than the inputs: a quantized ``dtype=``, or
+a shared ``pool=`` of a narrower float dtype, which rounds them). Layers past the
 current count are added on demand; ``seq_len()`` follows layer 0.
 
 Storage: each batch row is one :class:`~paged_kv.compat.pool.PagedSeq`
