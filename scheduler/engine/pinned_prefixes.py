@@ -27,8 +27,8 @@ class PinnedPrefixes:
         self.bm = bm
         self._warm_up = warm_up  # queues the one-token request computing a prefix: (request id, prompt, salt)
         self._prompts: dict[str, Prefix] = {}  # every pin not unpinned, held or waiting
-        self._waiting: set[str] = set()  # pins waiting for their warm-up request (its id is the pin's)
-        self._warm_ups: set[str] = set()  # warm-up requests not finished (a pin dropped while waiting included)
+        # warm-up requests not finished (their ids are their pins'); a pin waits while it is here and in _prompts
+        self._warm_ups: set[str] = set()
         self._ids = itertools.count()
 
     def pin(self, prompt: list[int], cache_salt: str | None) -> str:
@@ -48,7 +48,6 @@ class PinnedPrefixes:
         if self.bm.pin(pin_id, prompt, cache_salt=salt) < full:  # not all on the device: compute it first
             self.bm.unpin(pin_id)
             self._warm_up(pin_id, prompt, salt)
-            self._waiting.add(pin_id)
             self._warm_ups.add(pin_id)
 
     def unpin(self, pin_id: str) -> None:
@@ -58,9 +57,7 @@ class PinnedPrefixes:
         if pin_id not in self._prompts:
             raise UnknownSequenceError(describe("pin_id", pin_id, "an id pin_prefix returned, not unpinned yet"))
         del self._prompts[pin_id]
-        if pin_id in self._waiting:
-            self._waiting.discard(pin_id)
-        else:
+        if pin_id not in self._warm_ups:  # held (a waiting pin holds nothing yet)
             self.bm.unpin(pin_id)
 
     def restore(self) -> None:
@@ -70,10 +67,10 @@ class PinnedPrefixes:
         hit; an aborted warm-up would never settle. Each pin keeps its id.
         """
         self._warm_ups.clear()  # aborted with every other request: their outputs never come
+        held = self.bm.pinned
         for pin_id in self._prompts:
-            if pin_id in self.bm.pinned:
+            if pin_id in held:
                 self.bm.unpin(pin_id)
-            self._waiting.discard(pin_id)
             self._hold_or_warm_up(pin_id)
 
     def settle(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
@@ -87,9 +84,8 @@ class PinnedPrefixes:
                 continue
             pin_id = out.request_id
             self._warm_ups.discard(pin_id)
-            if pin_id not in self._waiting:
+            if pin_id not in self._prompts:
                 continue  # unpinned while it waited
-            self._waiting.discard(pin_id)
             if out.error is None:
                 prompt, salt = self._prompts[pin_id]
                 self.bm.pin(pin_id, prompt, cache_salt=salt)
@@ -104,4 +100,4 @@ class PinnedPrefixes:
 
     def is_waiting(self, pin_id: str) -> bool:
         """Whether the pin waits for its warm-up request."""
-        return pin_id in self._waiting
+        return pin_id in self._warm_ups and pin_id in self._prompts
