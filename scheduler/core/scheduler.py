@@ -117,9 +117,7 @@ class Scheduler:
         group = self.requests.pop(request_id, None) if isinstance(request_id, str) else None
         if group is None:
             raise UnknownSequenceError(describe("request_id", request_id, "the id of an unfinished request"))
-        for queue in (self.running, self.swapped, self.waiting):
-            if group in queue:
-                queue.remove(group)
+        self._dequeue(group)
         now = time.perf_counter() if now is None else now
         for seq in group.unfinished():
             self.finish(seq, reason, now)
@@ -161,11 +159,16 @@ class Scheduler:
             group.fork_at = 0
         if not group.parked or group.active():
             return
-        group.parked = []  # every unfinished sequence holds no block now
-        self._park(group)
+        self._park(group)  # every unfinished sequence holds no block now
         if group not in self.waiting:
-            (self.running if group in self.running else self.swapped).remove(group)
+            self._dequeue(group)
             _insert_by_arrival(self.waiting, group)
+
+    def _dequeue(self, group: SequenceGroup) -> None:
+        """Take a group out of whichever queue holds it."""
+        for queue in (self.running, self.swapped, self.waiting):
+            if group in queue:
+                queue.remove(group)
 
     def _free(self, seq: Sequence) -> None:
         """Release a sequence's blocks, if it holds any."""
