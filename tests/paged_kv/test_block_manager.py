@@ -744,6 +744,18 @@ def test_add_blocks_grows_the_pool():
     m.check()
 
 
+def test_add_blocks_keeps_the_watermark_a_fraction_of_the_grown_pool():
+    m = make(num_blocks=10, num_cpu_blocks=10, watermark=0.2)  # 2 blocks in reserve
+    m.add_blocks(90)  # 100 blocks: 20 in reserve, as vLLM's watermark is a fraction of the GPU blocks
+    assert m.can_allocate(80 * 4) and not m.can_allocate(80 * 4 + 1)
+    assert m.config.num_blocks == 100 and m.config.watermark_blocks == 20
+    m.allocate("s", 40)
+    m.swap_out(["s"])
+    m.allocate("fill", 80 * 4)  # 20 free, s needs 10: the reserve of the grown pool would be broken
+    assert not m.can_swap_in(["s"])
+    m.check()
+
+
 # -- stats and check ------------------------------------------------------------
 def test_stats_usage_and_fragmentation():
     m = make(num_blocks=8)
