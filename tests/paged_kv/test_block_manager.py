@@ -9,7 +9,7 @@ import pytest
 from bm_helpers import blocks_to_append_all, cached_hash, make, snapshot
 
 import paged_kv.block_hash as hash_mod
-from paged_kv import BlockManager, BlockManagerConfig
+from paged_kv import BlockManager
 from paged_kv.block_pool import InvariantError
 from paged_kv.config import MAX_BLOCKS
 from paged_kv.errors import (
