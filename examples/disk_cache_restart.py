@@ -36,6 +36,7 @@ def ask(llm: LLM, question: str) -> None:
 
 
 def main() -> None:
+    """Ask one engine, shut it down, then ask a second engine on the same disk directory."""
     torch.set_num_threads(2)
     hf, tokenizer = load_smollm2()
     loaded = LoadedModel(hf, tokenizer, "SmolLM2")

@@ -16,10 +16,10 @@ PRIORITY_MIN, PRIORITY_MAX = -(1 << 63), (1 << 63) - 1  # vLLM's request priorit
 class BlockManagerConfig:
     """Sizes and policies of a :class:`~paged_kv.block_manager.BlockManager`."""
 
-    num_blocks: int
+    num_blocks: int  # the GPU pool's size (BlockManager.add_blocks grows it, and the manager's config with it)
     block_size: int = 16
     num_cpu_blocks: int = 0
-    watermark: float = 0.01
+    watermark: float = 0.01  # fraction of the GPU blocks that can_allocate, fits and can_swap_in keep free (vLLM's)
     enable_prefix_caching: bool = True
     num_host_blocks: int = 0  # the host tier of the prefix cache (0: none); see paged_kv.host_tier
     host_store: str = "evict"  # the host tier receives: "evict" (blocks leaving the pool), "write" (every full block)

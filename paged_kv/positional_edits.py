@@ -8,6 +8,7 @@ follow. The facades address slots by position, as the cache APIs they present do
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 
 from paged_kv.block_pool import BlockId, CopyOp, SeqId
 from paged_kv.config import MAX_BLOCKS
@@ -17,7 +18,7 @@ from paged_kv.errors import OutOfBlocksError, check_int
 class PositionalEdits:
     """The facades' edits by position of a :class:`~paged_kv.block_manager.BlockManager`, which inherits them.
 
-    Relies on the manager's ``gpu``, ``block_size`` and ``_version`` (bumped by every change), its
+    Relies on the manager's ``gpu``, ``config``, ``block_size`` and ``_version`` (bumped by every change), its
     private ``_get_resident``, ``_blocks_for``, ``_blocks_to_write``, ``_copy_on_write``, ``_freeze``
     (stop caching a sequence, keep records of its full blocks) and ``_log`` (the journal), and the
     fields of its per-sequence ``_Seq`` (``blocks``, ``num_tokens``, ``hashes``, ``frozen``, ``priority``). The
@@ -117,3 +118,5 @@ class PositionalEdits:
         check_int("num_blocks", num_blocks, low=0, high=MAX_BLOCKS - self.gpu.num_blocks)
         self._version += 1
         self.gpu.grow(num_blocks)
+        # config.num_blocks is the pool's size, so the watermark stays its fraction of the grown pool (as vLLM's)
+        self.config = replace(self.config, num_blocks=self.gpu.num_blocks)

@@ -8,7 +8,9 @@ Multi-engine rules (several processes may share the directory):
 - the byte budget counts the indexed files; past it the least recently used (oldest mtime, read
   again just before the delete) are deleted; a file already gone is fine;
 - a file gone between index and read is a miss; a corrupt file of our model leaves the index and
-  is deleted; a file of another model is never read, deleted or counted in the budget.
+  is deleted; a file of another model is never read, deleted or counted in the budget;
+- a file of our model that cannot be read now (an I/O error, or a header that no longer lists the
+  blocks indexed) leaves the index but stays, and every later scan tries it again.
 """
 
 from __future__ import annotations
@@ -44,10 +46,11 @@ class DiskStore:
 
     def __init__(self, directory: Path, fingerprint: ModelFingerprint, capacity_bytes: int) -> None:
         self.directory, self.fingerprint, self.capacity_bytes = directory, fingerprint, capacity_bytes
-        self.lock = threading.RLock()  # guards the index, the counters and the skipped set
+        self.lock = threading.RLock()  # guards the index, the counters and the skipped files
         self.index = DiskIndex()
         self.counts = dict.fromkeys(COUNTERS, 0)
-        self._skipped: set[str] = set()  # files skipped and still there (counted and logged once)
+        # files skipped and still there (counted and logged once) -> whether a scan tries them again
+        self._skipped: dict[str, bool] = {}
 
     def refresh(self) -> None:
         """Rescan: index our model's files written since, forget vanished ones, keep the budget."""
@@ -68,7 +71,7 @@ class DiskStore:
                 self._note_skip(name, RejectedFile("another model's file (by its name)", foreign=True))
         with self.lock:
             unlisted = set(self.index.files) - ours
-            new = sorted(ours - set(self.index.files) - self._skipped)
+            new = sorted(name for name in ours - set(self.index.files) if self._skipped.get(name, True))
         for name in unlisted:  # gone, or written and indexed after the listing
             if not (self.directory / name).exists():
                 self._forget(name)
@@ -92,6 +95,7 @@ class DiskStore:
             return
         with self.lock:
             self.index.add(name, FileEntry(size=stat.st_size, mtime_ns=stat.st_mtime_ns, blocks=blocks))
+            self._skipped.pop(name, None)  # it serves again: a later failure is a new one
 
     def load(self, name: str, expect: dict[int, DiskBlock]) -> Loaded | None:
         """A file's verified blocks and tensors, marked used, if it holds ``expect`` (slot -> block).
@@ -177,18 +181,23 @@ class DiskStore:
             self.index.remove(name)
 
     def _reject(self, name: str, rejected: RejectedFile, *, delete: bool = True) -> None:
-        """Drop a file that cannot serve from the index; delete it if it is a corrupt file of our model."""
+        """Drop a file that cannot serve from the index; delete it if it is a corrupt file of our model.
+
+        ``delete=False``: the file may serve later (unreadable now, or rewritten since it was indexed),
+        so it stays and later scans try it again.
+        """
         self._forget(name)
-        self._note_skip(name, rejected)
+        self._note_skip(name, rejected, retry=not delete)
         if delete and not rejected.foreign and delete_quietly(self.directory / name):
             with self.lock:
-                self._skipped.discard(name)  # a new file under this name is checked afresh
+                self._skipped.pop(name, None)  # a new file under this name is checked afresh
 
-    def _note_skip(self, name: str, rejected: RejectedFile) -> None:
-        """Count and log a skipped file, once per file."""
+    def _note_skip(self, name: str, rejected: RejectedFile, *, retry: bool = False) -> None:
+        """Count and log a skipped file, once per file; ``retry``: whether later scans try it again."""
         with self.lock:
-            if name in self._skipped:
+            known = name in self._skipped
+            self._skipped[name] = retry
+            if known:
                 return
-            self._skipped.add(name)
             self.counts["files_skipped"] += 1
         logger.warning("disk tier: skipped %s in %s: %s", name, self.directory, rejected)

@@ -47,7 +47,7 @@ class DiskTierStats:
     hits: int  # blocks read and verified
     bytes_read: int
     bytes_written: int
-    files_skipped: int  # corrupt, truncated or foreign files met (each counted once)
+    files_skipped: int  # corrupt, truncated, foreign or unreadable files met (each counted once)
     writes_dropped: int  # blocks whose write was dropped (queue over its limit, or a write error)
 
 

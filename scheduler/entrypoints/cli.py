@@ -22,10 +22,11 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
     p.add_argument("--max-in-flight", type=int, default=256,
-                   help="requests held at once (running + waiting); more get 503 with Retry-After")
+                   help="requests held at once (running + waiting); more get 503 with Retry-After (default 256)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + max_tokens of a request (default: what the model and the KV pool allow)")
-    p.add_argument("--max-logprobs", type=int, default=20, help="most log-probabilities per token a request may ask")
+    p.add_argument("--max-logprobs", type=int, default=20,
+                   help="most log-probabilities per token a request may ask (default 20)")
     p.add_argument("--api-key", nargs="+", default=None,
                    help="key(s) every /v1 request must send as 'Authorization: Bearer <key>' (not /health or /metrics)")
     p.add_argument("--disable-log-requests", action="store_true", help="do not log each request")

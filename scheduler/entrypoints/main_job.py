@@ -30,39 +30,51 @@ KV_CACHE_DTYPES = {"auto": None, "int8": torch.int8, "fp8": torch.float8_e4m3fn,
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options of the main job."""
-    p = argparse.ArgumentParser(prog="python -m scheduler", description=__doc__.splitlines()[0])
-    p.add_argument("--num-requests", type=int, default=24, help="chat requests in the workload (default 24)")
-    p.add_argument("--max-tokens", type=int, default=48, help="longest answer; each request draws its own limit")
-    p.add_argument("--arrivals-per-step", type=int, default=2,
-                   help="requests that join per engine step (0: all at once)")
-    p.add_argument("--show", type=int, default=3, help="answers to print")
-    p.add_argument("--beam-width", type=int, default=4, help="beam width of the beam-search example (0: skip it)")
-    add_engine_options(p)
-    p.add_argument("--seed", type=int, default=0, help="workload seed")
+    p = main_job_parser()
     args = p.parse_args(argv)
     checked_engine_config(p, args)
     return args
 
 
+def main_job_parser() -> argparse.ArgumentParser:
+    """The main job's parser: its workload options and the engine's."""
+    p = argparse.ArgumentParser(prog="python -m scheduler", description=__doc__.splitlines()[0])
+    p.add_argument("--num-requests", type=int, default=24, help="chat requests in the workload (default 24)")
+    p.add_argument("--max-tokens", type=int, default=48,
+                   help="longest answer; each request draws its own limit (default 48)")
+    p.add_argument("--arrivals-per-step", type=int, default=2,
+                   help="requests that join per engine step (default 2; 0: all at once)")
+    p.add_argument("--show", type=int, default=3, help="answers to print (default 3)")
+    p.add_argument("--beam-width", type=int, default=4,
+                   help="beam width of the beam-search example (default 4; 0: skip it)")
+    add_engine_options(p)
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    return p
+
+
 def add_engine_options(p: argparse.ArgumentParser) -> None:
     """The engine's options (KV pool and its tiers, budgets, preemption, device, threads, KV events), shared with
     ``paged-kv serve``."""
-    p.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
-    p.add_argument("--kv-blocks", type=int, default=128, help="GPU KV pool size in blocks (the KV budget)")
+    p.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute",
+                   help="a preempted request's KV is freed and recomputed later (recompute) or swapped out to "
+                        "the CPU pool (swap); default recompute")
+    p.add_argument("--kv-blocks", type=int, default=128, help="GPU KV pool size in blocks (the KV budget; default 128)")
     p.add_argument("--cpu-blocks", type=int, default=None,
                    help="CPU swap pool in blocks (default: 2x kv-blocks with swap, else 0)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     p.add_argument("--kv-cache-dtype", choices=tuple(KV_CACHE_DTYPES), default="auto",
-                   help="KV page storage: auto (the model's dtype), or int8 / fp8 (e4m3, e5m2) codes with scales")
-    p.add_argument("--max-num-seqs", type=int, default=16, help="sequences per step")
-    p.add_argument("--max-batched-tokens", type=int, default=256, help="new tokens per step (prefill chunks + decodes)")
+                   help="KV page storage: auto (the model's dtype; default auto), or int8 / fp8 (e4m3, e5m2) codes "
+                        "with scales")
+    p.add_argument("--max-num-seqs", type=int, default=16, help="sequences per step (default 16)")
+    p.add_argument("--max-batched-tokens", type=int, default=256,
+                   help="new tokens per step (prefill chunks + decodes; default 256)")
     p.add_argument("--no-prefix-caching", action="store_true", help="recompute shared prompt prefixes")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode steps eagerly, no CUDA graphs")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="CUDA: share of the GPU's memory the engine may use; sizes the KV pool (overrides --kv-blocks)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="ranks the model is split over: local worker processes, or torchrun's WORLD_SIZE")
+                   help="ranks the model is split over: local worker processes, or torchrun's WORLD_SIZE (default 1)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1: small decode matmuls gain little from more, "
                         "and lose badly when the cores are shared; 0: torch's default)")  # fmt: skip

@@ -28,14 +28,15 @@ def add_tier_options(p: argparse.ArgumentParser) -> None:
     """The tier and KV-event flags, in their own group of ``--help``."""
     g = p.add_argument_group("tiered prefix cache and KV events")
     g.add_argument("--kv-offloading-size", type=gib, default=0, metavar="GiB",
-                   help="host-memory tier of the prefix cache under the device pool, in GiB (0: none)")
+                   help="host-memory tier of the prefix cache under the device pool, in GiB (default 0: none)")
     g.add_argument("--kv-offloading-policy", choices=HOST_STORE_POLICIES, default="evict",
-                   help="what the host tier stores: blocks evicted from the device (evict, default), "
-                        "or every full block as it is written (write)")
+                   help="what the host tier stores: blocks evicted from the device (evict), "
+                        "or every full block as it is written (write); default evict")
     g.add_argument("--kv-disk-dir", default=None, metavar="DIR",
                    help="disk tier under the host tier: block files in DIR, found again after a restart "
                         "(needs --kv-offloading-size and --kv-disk-size)")
-    g.add_argument("--kv-disk-size", type=gib, default=0, metavar="GiB", help="the disk tier's budget in GiB")
+    g.add_argument("--kv-disk-size", type=gib, default=0, metavar="GiB",
+                   help="the disk tier's budget in GiB (default 0; > 0 with --kv-disk-dir)")
     g.add_argument("--kv-events-config", type=kv_events_json, default=None, metavar="JSON",
                    help='KV cache events, vLLM\'s KVEventsConfig as JSON, e.g. '
                         '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}\'')

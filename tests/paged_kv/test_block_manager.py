@@ -9,7 +9,7 @@ import pytest
 from bm_helpers import blocks_to_append_all, cached_hash, make, snapshot
 
 import paged_kv.block_hash as hash_mod
-from paged_kv import BlockManager, BlockManagerConfig
+from paged_kv import BlockManager
 from paged_kv.block_pool import InvariantError
 from paged_kv.config import MAX_BLOCKS
 from paged_kv.errors import (
@@ -741,6 +741,18 @@ def test_add_blocks_grows_the_pool():
     m.allocate("b", 12)
     assert m.block_table("b") == [2, 3, 4]
     m.add_blocks(0)
+    m.check()
+
+
+def test_add_blocks_keeps_the_watermark_a_fraction_of_the_grown_pool():
+    m = make(num_blocks=10, num_cpu_blocks=10, watermark=0.2)  # 2 blocks in reserve
+    m.add_blocks(90)  # 100 blocks: 20 in reserve, as vLLM's watermark is a fraction of the GPU blocks
+    assert m.can_allocate(80 * 4) and not m.can_allocate(80 * 4 + 1)
+    assert m.config.num_blocks == 100 and m.config.watermark_blocks == 20
+    m.allocate("s", 40)
+    m.swap_out(["s"])
+    m.allocate("fill", 80 * 4)  # 20 free, s needs 10: the reserve of the grown pool would be broken
+    assert not m.can_swap_in(["s"])
     m.check()
 
 

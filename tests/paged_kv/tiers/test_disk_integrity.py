@@ -13,6 +13,7 @@ from disk_helpers import (
     our_files, store,
 )  # fmt: skip
 
+from paged_kv.tiers import disk_store
 from paged_kv.tiers.disk_files import STALE_TMP_SECONDS
 from paged_kv.tiers.disk_format import file_bytes, file_name
 from paged_kv.tiers.disk_tier import DiskTier
@@ -170,4 +171,49 @@ def test_a_directory_removed_under_the_tier_empties_the_index_and_writes_go_on(t
     assert tier.stats.num_blocks == 0 and directory.is_dir()
     store(tier, blocks)
     assert tier.read(root, hashes, contents, limit=2)[0] == blocks
+    tier.close()
+
+
+def test_a_file_unreadable_at_scan_is_kept_and_indexed_by_a_later_refresh(tmp_path, monkeypatch, caplog):
+    tier, (root, hashes, contents, blocks), second = _two_files(tmp_path)
+    tier.close()
+    real = disk_store.read_header
+
+    def eio_on_second(path, fp):  # the second file cannot be read for now (EIO, too many open files, ...)
+        if path == second:
+            raise OSError(5, "Input/output error")
+        return real(path, fp)
+
+    monkeypatch.setattr(disk_store, "read_header", eio_on_second)
+    with caplog.at_level(logging.WARNING, logger="paged_kv.tiers"):
+        again = DiskTier(tmp_path, capacity_bytes=BIG, fingerprint=FP16)
+        again.refresh()  # still unreadable: tried again, counted and logged once
+    assert again.find(root, hashes, contents, limit=4) == 2 and second.exists()
+    assert again.stats.files_skipped == 1 and sum(second.name in r.getMessage() for r in caplog.records) == 1
+    monkeypatch.setattr(disk_store, "read_header", real)  # readable again
+    again.refresh()
+    got, kv, scales = again.read(root, hashes, contents, limit=4)
+    assert got == blocks
+    assert_data_of(FP16, got, kv, scales)
+    assert journal_set(again.take_changes()) == indexed(again) == set(hashes)
+    again.close()
+
+
+def test_a_file_unreadable_on_read_is_kept_and_indexed_by_a_later_refresh(tmp_path, monkeypatch):
+    tier, (root, hashes, contents, blocks), second = _two_files(tmp_path)
+    real, spoiled = disk_store.decode, second.read_bytes()
+
+    def eio_on_second(data, fp):  # reading the second file fails for now
+        if data == spoiled:
+            raise OSError(5, "Input/output error")
+        return real(data, fp)
+
+    monkeypatch.setattr(disk_store, "decode", eio_on_second)
+    assert tier.read(root, hashes, contents, limit=4)[0] == blocks[:2]
+    assert tier.find(root, hashes, contents, limit=4) == 2 and second.exists() and tier.stats.files_skipped == 1
+    monkeypatch.setattr(disk_store, "decode", real)
+    tier.refresh()
+    got, kv, scales = tier.read(root, hashes, contents, limit=4)
+    assert got == blocks
+    assert_data_of(FP16, got, kv, scales)
     tier.close()

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 
 from scheduler.core.params import SamplingParams
 from scheduler.entrypoints.cli import main, serve_parser, server_config
 from scheduler.entrypoints.llm import LLM
-from scheduler.entrypoints.main_job import KV_CACHE_DTYPES, engine_config, parse_args
+from scheduler.entrypoints.main_job import KV_CACHE_DTYPES, engine_config, main_job_parser, parse_args
 from scheduler.entrypoints.server.config import ServerConfig
 
 
@@ -21,6 +23,14 @@ def test_serve_takes_the_engine_options_of_the_main_job():
     assert (config.scheduler.preemption_mode, config.scheduler.max_num_seqs) == ("swap", 4)
     assert engine_config(parse_args(["--kv-blocks", "64", "--block-size", "8", "--preemption-mode", "swap",
                                       "--max-num-seqs", "4"])) == config  # fmt: skip
+
+
+@pytest.mark.parametrize("parser", [serve_parser, main_job_parser])
+def test_every_option_with_a_default_names_it_in_its_help(parser):
+    for action in parser()._actions:
+        if action.default is None or action.default is False or action.default == argparse.SUPPRESS:  # none, a switch
+            continue
+        assert f"default {action.default}" in (action.help or ""), f"{action.option_strings}: {action.help!r}"
 
 
 @pytest.mark.parametrize(("argv", "code"), [([], 2), (["nope"], 2), (["--help"], 0)])
