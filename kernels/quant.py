@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from paged_kv.tensor_checks import CACHE_DTYPES, check_dtype, check_tensor
 from paged_kv.errors import InvalidArgumentError, describe
+from paged_kv.tensor_checks import CACHE_DTYPES, check_dtype, check_tensor
 
 FLOAT_OUTPUTS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # what dequantize returns
 DEQUANT_INPUTS = CACHE_DTYPES + (torch.float64,)  # codes of any cache dtype (float ones pass through)

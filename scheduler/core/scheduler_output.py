@@ -1,4 +1,4 @@
-"""A step as the scheduler decided it (:class:`SchedulerOutput`) and the tokens chosen after it (:class:`SampledToken`)."""
+"""A step as the scheduler planned it (:class:`SchedulerOutput`) and the tokens then chosen (:class:`SampledToken`)."""
 
 from __future__ import annotations
 

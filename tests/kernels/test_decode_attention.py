@@ -34,7 +34,6 @@ from kernels.attention_triton import dot_dtype
 from kernels.decode_attention import paged_decode_attention
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError
 
-
 # (q dtype, cache dtype, Hq, Hkv, head_dim, block_size, seq_lens, shared blocks)
 DECODE_CASES = [
     pytest.param(F32, F32, 4, 4, 64, 16, [1, 16, 45, 64], 1, id="mha-f32-bs16"),

@@ -35,7 +35,6 @@ import kernels.prefill_attention as pre
 from kernels.prefill_attention import paged_prefill_attention
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError
 
-
 # (q dtype, cache dtype, Hq, Hkv, head_dim, block_size, seq_lens, q_lens)
 PREFILL_CASES = [
     pytest.param(F32, F32, 4, 4, 64, 16, [32, 50, 1, 9], [32, 20, 1, 0], id="mha-f32-full-extend-single-empty"),

@@ -6,9 +6,9 @@ import copy
 import itertools
 
 import pytest
+from bm_helpers import BS, VOCAB, cached_hash, make, random_op, snapshot
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from bm_helpers import BS, VOCAB, cached_hash, make, random_op, snapshot
 
 from paged_kv import BlockManager
 from paged_kv.errors import InvalidArgumentError, OutOfBlocksError, PagedKVError

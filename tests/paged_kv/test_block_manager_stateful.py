@@ -18,10 +18,10 @@ import random
 from array import array
 
 import pytest
+from bm_helpers import BS, VOCAB, assert_mirror_matches, random_op, replay, snapshot
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from bm_helpers import BS, VOCAB, assert_mirror_matches, random_op, replay, snapshot
 
 from paged_kv import BlockManager, BlockManagerConfig, OutOfBlocksError
 

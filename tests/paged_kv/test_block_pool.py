@@ -39,7 +39,8 @@ def block_hash(pool: BlockPool, block: int) -> bytes | None:
 def state(pool: BlockPool) -> tuple:
     """Everything a pool holds, for before/after comparison."""
     return (
-        pool.num_blocks, list(pool.ref_counts), list(pool._free), {p: list(v) for p, v in pool._evictable.items() if v}, dict(pool._cached),
+        pool.num_blocks, list(pool.ref_counts), list(pool._free),
+        {p: list(v) for p, v in pool._evictable.items() if v}, dict(pool._cached),
         list(pool.hash_of), list(pool._parent), list(pool._tokens), pool.num_evictions,
     )
 

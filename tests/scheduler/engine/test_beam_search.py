@@ -212,7 +212,8 @@ def test_a_group_recomputed_after_preemption_computes_its_shared_prefix_once(tin
 
     engine.scheduler.schedule = traced
     outs = BeamSearch(engine).generate(prompts, params)
-    assert [[h.token_ids for h in o.hypotheses] for o in outs] == [[h.token_ids for h in o.hypotheses] for o in reference]
+    tokens = [[h.token_ids for h in o.hypotheses] for o in outs]
+    assert tokens == [[h.token_ids for h in o.hypotheses] for o in reference]
     assert preempted, "no group was preempted"
     bs = engine.block_manager.block_size
     for rid, times in preempted.items():

@@ -17,11 +17,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from paged_kv.errors import InvalidArgumentError, PagedKVError, PublisherClosedError
+from scheduler.core.kv_events_config import KVEventsConfig
 from scheduler.engine.kv_event_publisher import END_SEQ, NullEventPublisher, ZmqEventPublisher, make_publisher
 from scheduler.engine.kv_events import (
     MEDIUM_CPU, MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KVEventRecorder, encode_batch,
 )  # fmt: skip
-from scheduler.core.kv_events_config import KVEventsConfig
 
 TOPIC = "kv@pod-0@model"
 H = [bytes([i]) * 32 for i in range(8)]  # 32-byte block hashes, like paged-kv's SHA-256 digests

@@ -98,7 +98,8 @@ def test_the_main_jobs_summary_gives_each_tiers_hits_traffic_and_occupancy(tiny_
     hits, traffic, held = tier_summary(llm.engine).splitlines()
     device = stats.num_hit_tokens - t.host_hit_tokens - t.disk_hit_tokens
     assert t.host_hit_tokens > 0 and t.disk_bytes_written > 0
-    assert hits == f"prefix-cache hits by tier: device {device} tokens, host {t.host_hit_tokens}, disk {t.disk_hit_tokens}"
+    assert hits == (f"prefix-cache hits by tier: device {device} tokens, host {t.host_hit_tokens}, "
+                    f"disk {t.disk_hit_tokens}")
     mib = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
     assert traffic == (f"tier traffic: device->host {mib(t.bytes_stored)}, host->device {mib(t.bytes_loaded)}; "
                        f"disk written {mib(t.disk_bytes_written)}, read {mib(t.disk_bytes_read)}")  # fmt: skip
@@ -106,7 +107,8 @@ def test_the_main_jobs_summary_gives_each_tiers_hits_traffic_and_occupancy(tiny_
     assert held.startswith(f"tier occupancy: host {t.host_cached_blocks} of 32 blocks cached ({share}); disk ")
     assert held.endswith(f"of {mib(1 << 20)} ({t.disk_bytes_used / (1 << 20):.0%})")
     llm.engine.shutdown()
-    assert tier_summary(LLM(tiny_model_dir, engine_config=engine_config(parse_args(["--device", "cpu"]))).engine) is None
+    plain = LLM(tiny_model_dir, engine_config=engine_config(parse_args(["--device", "cpu"])))
+    assert tier_summary(plain.engine) is None
 
 
 def test_the_pinned_system_prompt_is_what_a_chat_request_starts_with_and_stays_cached(tiny_model_dir, tmp_path):

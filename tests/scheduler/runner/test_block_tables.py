@@ -107,7 +107,8 @@ def test_the_journal_keeps_every_row_equal_to_its_table(seed):
         if (op == "allocate" or not resident) and bm.can_allocate(prompt):
             bm.allocate(step, prompt)
             live.append(step)
-        elif op == "append" and max(map(bm.num_tokens, resident)) < 90 and bm.can_append_all([(s, 1) for s in resident]):
+        elif (op == "append" and max(map(bm.num_tokens, resident)) < 90
+              and bm.can_append_all([(s, 1) for s in resident])):
             bm.append_all([(s, [rng.randrange(8)]) for s in resident])
         elif op == "fork" and bm.num_tokens(resident[0]) < 80:
             bm.fork(rng.choice(resident), step)
