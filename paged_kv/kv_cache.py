@@ -86,7 +86,11 @@ class PagedKVCache:
         check_type("spec", spec, KVCacheSpec, "a KVCacheSpec")
         check_int("num_blocks", num_blocks, low=1, high=MAX_BLOCKS)
         self.device = check_device("device", device)
-        self.pin_memory = check_bool("pin_memory", pin_memory) and self.device.type == "cpu"  # host pages for DMA
+        # Page-locked host pages speed up copies to an accelerator: they are made only for CPU storage on a
+        # machine that has one (without, torch has no pinned allocator and pageable pages serve alike, as
+        # they do for device storage). The attribute says whether the pages are pinned.
+        pin_memory = check_bool("pin_memory", pin_memory)
+        self.pin_memory = pin_memory and self.device.type == "cpu" and torch.accelerator.is_available()
         self.spec = spec
         self.num_blocks = num_blocks
         shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)

@@ -32,7 +32,7 @@ class DimensionMismatch(InvalidArgumentError):
 
 
 class NonFiniteInput(InvalidArgumentError):
-    """An input vector holds NaN or infinity (after conversion to float32)."""
+    """An input vector holds NaN or infinity (after conversion to float32), or a stored one's norm overflows float32."""
 
 
 def compressed_pool(
@@ -67,6 +67,22 @@ def _per_head(name: str, xs: object, count: int, dim: int, device: torch.device)
     if len(xs) != count:
         raise DimensionMismatch(describe(f"len({name})", len(xs), f"{count} (one vector per head)"))
     return torch.stack([_vector(f"{name}[{h}]", x, dim, device) for h, x in enumerate(xs)])
+
+
+def _check_norms(names: list[tuple[str, str]], x: torch.Tensor, records: torch.Tensor, q: TurboQuantizer) -> None:
+    """Raise unless every record of vectors ``x`` ``[H, 2, d]`` holds a finite norm and residual norm.
+
+    A record keeps both as float32; a finite vector longer than float32's maximum (or whose
+    quantisation residual is) would be stored as inf. ``names[h]`` names head ``h``'s key and value.
+    """
+    bad = (~torch.isfinite(q.norms(records))).any(-1).nonzero()  # [n, 2]: (head, key 0 / value 1)
+    if len(bad):
+        h, which = bad[0].tolist()
+        norm = float(x[h, which].double().norm())
+        most = torch.finfo(torch.float32).max
+        raise NonFiniteInput(describe(
+            names[h][which], f"a vector of norm {norm:.4g}", f"a norm (and residual norm) float32 holds, <= {most:.4g}"
+        ))
 
 
 # -- paged storage -------------------------------------------------------------
@@ -128,8 +144,10 @@ class KvCacheCompressor:
     def push(self, key: object, value: object) -> None:
         """Quantise and append one token's ``key`` and ``value`` (``head_dim`` floats each)."""
         d = self.config.head_dim
-        kv = torch.stack([_vector("key", key, d, self.device), _vector("value", value, d, self.device)])
-        _store(self.pool, [self], self.quantizer.encode(kv.unsqueeze(0)))  # records: [1, 2, R]
+        kv = torch.stack([_vector("key", key, d, self.device), _vector("value", value, d, self.device)]).unsqueeze(0)
+        records = self.quantizer.encode(kv)  # [1, 2, R]
+        _check_norms([("key", "value")], kv, records, self.quantizer)
+        _store(self.pool, [self], records)
 
     def len(self) -> int:
         """Number of (key, value) pairs stored."""
@@ -251,7 +269,9 @@ class MultiHeadKvCache:
         """Append one token: ``num_heads`` key and value vectors of ``head_dim``; all checked before any is stored."""
         h, d, dev = len(self._heads), self.config.head_dim, self.pool.storage.device
         k, v = _per_head("keys", keys, h, d, dev), _per_head("values", values, h, d, dev)  # [H, d] each
-        records = self.quantizer.encode(torch.stack([k, v], dim=1))  # [H, 2, R]
+        kv = torch.stack([k, v], dim=1)  # [H, 2, d]
+        records = self.quantizer.encode(kv)  # [H, 2, R]
+        _check_norms([(f"keys[{i}]", f"values[{i}]") for i in range(h)], kv, records, self.quantizer)
         _store(self.pool, self._heads, records)
 
     def attention_scores(self, queries: object) -> list[np.ndarray]:

@@ -14,7 +14,8 @@ Layers are updated one after another, so a row reserves slots up to the
 longest layer and each layer writes at its own length; positions a layer has
 not written yet are never read. Adjacent rows given bitwise-equal K/V (beam
 search's repeated prompt) keep sharing their pages. Pages held grow with the
-tokens cached and return to the pool on ``clear``/``truncate``.
+tokens cached and return to the pool on ``clear``/``truncate``, and leading pages
+on ``drop_front`` (a sliding window).
 """
 
 from __future__ import annotations
@@ -146,6 +147,33 @@ class KVCache:
         keep = max((n for n in self._lens if n is not None), default=0)
         for row in self._rows:
             row.truncate(keep)
+
+    def droppable_pages(self, keep_last: int = 0) -> int:
+        """Leading pages whose positions all lie below every layer's length minus ``keep_last`` (0 without rows).
+
+        With ``keep_last=0`` it is the most ``drop_front`` takes; a sliding window of
+        ``w`` positions may drop ``droppable_pages(w)`` and keep every layer's last ``w``.
+        """
+        keep_last = check_int("keep_last", keep_last, low=0)
+        if not self._rows:
+            return 0
+        return max(min(n or 0 for n in self._lens) - keep_last, 0) // self._pool.block_size
+
+    def drop_front(self, num_pages: int) -> None:
+        """Give back the first ``num_pages`` pages of every row (a sliding window); positions shift down.
+
+        Position ``p`` of every layer becomes ``p - num_pages * block_size`` and each
+        layer's length shrinks alike, so every layer must hold that many positions (a
+        layer with no entry holds none): at most :meth:`droppable_pages`. Pages shared
+        with a copy stay with it.
+        """
+        num_pages = check_int("num_pages", num_pages, low=0, high=self.droppable_pages())
+        if not num_pages:
+            return
+        for row in self._rows:
+            row.drop_front(num_pages)
+        shift = num_pages * self._pool.block_size
+        self._lens = [None if n is None else n - shift for n in self._lens]
 
     @property
     def num_pages(self) -> int:

@@ -11,8 +11,9 @@ bias::
     <q, k> ~ <q, k_codes> + |r| * sqrt(pi / 2) / projections * <S q, sign(S r)>
 
 A vector's record is ``record_bytes`` uint8: packed codes, packed signs, then
-the norm and the residual norm as float32. Used by facade 002
-(:mod:`paged_kv.compat.compressed`), which stores records in pages.
+the norm and the residual norm as float32 (computed in float64, so any finite
+input whose norms float32 holds is recorded; the facade refuses the others).
+Used by facade 002 (:mod:`paged_kv.compat.compressed`), which stores records in pages.
 """
 
 from __future__ import annotations
@@ -170,16 +171,25 @@ class TurboQuantizer:
         return one
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
-        """Records ``[H, T, record_bytes]`` uint8 of vectors ``x`` ``[H, T, head_dim]``."""
+        """Records ``[H, T, record_bytes]`` uint8 of vectors ``x`` ``[H, T, head_dim]``.
+
+        A norm or residual norm past float32's range is stored as inf: the facades refuse such
+        vectors (see :meth:`norms`) before storing their records.
+        """
         norm = x.double().norm(dim=-1, keepdim=True)  # [H, T, 1]; float64: large finite inputs do not overflow
         y = (x.double() / norm.clamp_min(1e-300)).float() @ self.rotation.mT  # [H, T, d] rotated direction
         codes = torch.bucketize(y, self.bounds)  # [H, T, d] nearest level
-        resid = norm.float() * (y - self.levels[codes])  # [H, T, d] rotated residual
-        signs = (resid @ self.sketch.mT) >= 0  # [H, T, m]
+        unit = y - self.levels[codes]  # [H, T, d] rotated residual / norm: the residual's direction, never overflows
+        signs = (unit @ self.sketch.mT) >= 0  # [H, T, m]: sign(S r) = sign(S r / norm)
         flat = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731  [H * T, k]
-        norms = torch.cat([norm.float(), resid.norm(dim=-1, keepdim=True)], dim=-1)  # [H, T, 2]
+        norms = torch.cat([norm, norm * unit.double().norm(dim=-1, keepdim=True)], dim=-1)  # [H, T, 2] float64
         parts = (pack_bits(flat(codes), self.config.bits), pack_bits(flat(signs), 1), _float_bytes(flat(norms)))
         return torch.cat(parts, dim=1).view(*x.shape[:2], -1)
+
+    def norms(self, records: torch.Tensor) -> torch.Tensor:
+        """The norms and residual norms ``[H, T, 2]`` float32 that records ``[H, T, R]`` hold."""
+        tail = self.config.code_bytes + self.config.sign_bytes
+        return _bytes_float(records[..., tail:].reshape(-1, 8)).view(*records.shape[:2], 2)
 
     def _chunks(self, records: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Records ``[H, T, R]`` in token slices whose decoded temporaries stay near ``_CHUNK`` floats."""
@@ -195,7 +205,7 @@ class TurboQuantizer:
         codes = unpack_bits(flat[:, :cb], cfg.head_dim, cfg.bits).view(-1)
         levels = self.levels.index_select(0, codes).view(h, t, -1)  # int32 indices are fine here
         signs = unpack_bits(flat[:, cb : cb + sb], cfg.projections, 1).view(h, t, -1).float() * 2 - 1
-        return levels, signs, _bytes_float(flat[:, cb + sb :]).view(h, t, 2)
+        return levels, signs, self.norms(rec)
 
     def inner_products(self, records: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
         """Unbiased estimates ``[H, T]`` of ``<k, q>`` from key records ``[H, T, R]``, queries ``[H, d]``."""

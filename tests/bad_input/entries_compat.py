@@ -284,6 +284,11 @@ def _rows() -> list[Entry]:
         Entry("paged_kv.compat.dynamic.KVCache.truncate", "truncate", {
             "new_len": Arg("int", 1, bad=NOT_NEGATIVE), "layer_idx": Arg("opt_int", 0, bad={OUT_OF_RANGE: [-1, 5]})},
                 dynamic_cache),
+        Entry("paged_kv.compat.dynamic.KVCache.droppable_pages", "droppable_pages", {
+            "keep_last": Arg("int", 1, bad=NOT_NEGATIVE)}, dynamic_cache),
+        Entry("paged_kv.compat.dynamic.KVCache.drop_front", "drop_front", {
+            "num_pages": Arg("int", 0, bad={OUT_OF_RANGE: [-1, 1]})},
+                dynamic_cache),  # 3 positions: no whole page to drop
         Entry("paged_kv.compat.dynamic.KVCacheEntry", dynamic.KVCacheEntry, {
             "key": Arg("float_tensor", dyn_kv, skip=(NAN_INF,)), "value": Arg("float_tensor", dyn_kv, skip=(NAN_INF,)),
             "block_size": Arg("opt_int", 4, bad={OUT_OF_RANGE: [0]}), "device": Arg("device", "cpu")}),

@@ -13,7 +13,7 @@ from bad_input_machinery import (
     requiring,
     with_shared_pools,
 )
-from entries_compat import dyn_kv, pool_of
+from entries_compat import dyn_kv, dynamic_cache, pool_of
 from entries_scheduler import hf_config
 
 
@@ -34,6 +34,21 @@ def paged_cache():
     c = _transformers().PagedCache(block_size=4)
     c.update(torch.ones(2, 2, 3, 4), torch.ones(2, 2, 3, 4), 0)
     return c
+
+
+def sliding_rows():
+    """The rows of two sliding layers with a window of 4, empty."""
+    from paged_kv.compat.dynamic import KVCache
+
+    return _transformers().SlidingRows(KVCache.with_num_layers(2, block_size=4), 4)
+
+
+def sliding_layer(filled: bool = True):
+    """Sliding layer 0 of :func:`sliding_rows`, holding 3 positions of 2 rows (or none)."""
+    layer = _transformers().PagedSlidingLayer(sliding_rows(), 0)
+    if filled:
+        layer.update(torch.ones(2, 2, 3, 4), torch.ones(2, 2, 3, 4))
+    return layer
 
 
 def entries() -> list[Entry]:
@@ -84,13 +99,33 @@ def _rows() -> list[Entry]:
         Entry("paged_kv.integrations.transformers.PagedLayer.crop", "crop",
             {"max_length": Arg("int", 2, skip=(OUT_OF_RANGE,))},
               lambda: paged_cache().layers[0]),
+        Entry("paged_kv.integrations.transformers.SlidingRows", lambda **kw: _transformers().SlidingRows(**kw), {
+            "store": Arg("obj", lambda: paged_cache().kv, bad={WRONG_TYPE: [None, "x"]}),
+            "sliding_window": Arg("int", 4, bad={OUT_OF_RANGE: [-1, 1]})}),  # a window of 1 keeps nothing
+        Entry("paged_kv.integrations.transformers.PagedSlidingLayer",
+              lambda **kw: _transformers().PagedSlidingLayer(**kw), {
+            "rows": Arg("obj", sliding_rows, bad={WRONG_TYPE: [None, "x", dynamic_cache()]}),  # a store is no rows
+            "layer_idx": Arg("int", 1, bad={OUT_OF_RANGE: [-1, 2]})}),
+        Entry("paged_kv.integrations.transformers.PagedSlidingLayer.update", "update", {
+            "key_states": Arg("float_tensor", dyn_kv, skip=(NAN_INF,)),
+            "value_states": Arg("float_tensor", dyn_kv, skip=(NAN_INF,))},
+            sliding_layer, named={"key_states": "key", "value_states": "value"}),
+        Entry("paged_kv.integrations.transformers.PagedSlidingLayer.lazy_initialization", "lazy_initialization", {
+            "key_states": Arg("tensor", dyn_kv), "value_states": Arg("tensor", dyn_kv)},
+            lambda: sliding_layer(filled=False), named={"key_states": "key", "value_states": "value"}),
+        Entry("paged_kv.integrations.transformers.PagedSlidingLayer.get_mask_sizes", "get_mask_sizes",
+              {"query_length": Arg("int", 3, bad=NOT_NEGATIVE)}, sliding_layer),
+        Entry("paged_kv.integrations.transformers.PagedSlidingLayer.crop", "crop",
+            {"max_length": Arg("int", 2, skip=(OUT_OF_RANGE,))},
+              sliding_layer),  # nothing released yet: any int is a valid crop, as for PagedLayer.crop
     ]
     # fmt: on
 
 
 # Public names that are not entry points for bad input, each with the reason.
 EXEMPT: dict[str, str] = {
-    "paged_kv.integrations.transformers.PagedLayer.reorder_cache": (
+    f"paged_kv.integrations.transformers.{layer}.reorder_cache": (
         "raises NotImplementedError by design: rows are shared by every layer (PagedCache.reorder_cache is a row)"
-    ),
+    )
+    for layer in ("PagedLayer", "PagedSlidingLayer")
 }

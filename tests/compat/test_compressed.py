@@ -169,6 +169,7 @@ def test_push_len_is_empty_and_accepted_input_kinds():
         (np.ones(D), [float("nan")] * D, NonFiniteInput, "value"),
         (np.r_[np.ones(D - 1), np.inf], np.ones(D), NonFiniteInput, "key"),
         (np.ones(D), np.full(D, 1e39), NonFiniteInput, "value"),  # overflows float32
+        (np.full(D, 1e38), np.ones(D), NonFiniteInput, "key=.*norm 4e"),  # finite, but its norm 4e38 is not
         ("abc", np.ones(D), InvalidArgumentError, "key"),
         (np.ones(D, dtype=bool), np.ones(D), InvalidArgumentError, "key"),
     ],
@@ -381,6 +382,7 @@ def test_multi_head_constructor_errors():
         (np.ones((3, D + 1)), np.ones((3, D)), DimensionMismatch, "keys"),
         (np.ones((3, D)), [np.ones(D), np.ones(D), np.r_[np.ones(D - 1), np.nan]], NonFiniteInput, r"values\[2\]"),
         (np.r_[np.ones((2, D)), np.full((1, D), np.inf)], np.ones((3, D)), NonFiniteInput, "keys"),
+        (np.ones((3, D)), [np.ones(D), np.full(D, 1e38), np.ones(D)], NonFiniteInput, r"values\[1\]=.*norm 4e"),
         (5, np.ones((3, D)), InvalidArgumentError, "keys"),
     ],
 )

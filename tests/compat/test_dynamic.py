@@ -269,6 +269,44 @@ def test_truncate_one_layer_keeps_pages_the_others_use():
     assert cache.num_pages == B
 
 
+def test_drop_front_gives_leading_pages_back_and_shifts_every_layer():
+    cache = filled()  # layers 0 and 1 hold 5 positions of 2 rows: 2 pages per row
+    cache.update(0, *kv(4, seed=7))  # layer 0 now holds 9: 3 pages per row
+    keys0, values1 = cache.get(0).key, cache.get(1).value
+    pool = cache.pool
+    assert cache.droppable_pages() == 1  # layer 1's 5 positions fill one whole page
+    assert cache.droppable_pages(keep_last=1) == 1 and cache.droppable_pages(keep_last=2) == 0
+    cache.drop_front(1)
+    assert cache.get(0).seq_len() == 5 and cache.get(1).seq_len() == 1 and cache.num_pages == B * 2
+    assert pool.manager.gpu.num_used == B * 2
+    assert torch.equal(cache.get(0).key, keys0[:, :, 4:]) and torch.equal(cache.get(1).value, values1[:, :, 4:])
+    k, v = kv(1, seed=8)
+    got = cache.update(1, k, v)  # appends after the kept position
+    assert torch.equal(got[0][:, :, -1:], k) and torch.equal(got[1][:, :, :1], values1[:, :, 4:])
+    cache.drop_front(0)
+    assert cache.get(0).seq_len() == 5
+    pool.manager.check()
+
+
+def test_drop_front_keeps_pages_a_copy_shares_and_refuses_positions_a_layer_lacks():
+    cache = filled()
+    twin = cache.copy()
+    keys = twin.get(0).key
+    cache.drop_front(1)
+    assert torch.equal(twin.get(0).key, keys) and cache.pool.manager.gpu.num_used == B * 2
+    before = state(cache)
+    with pytest.raises(OutOfRangeError, match="^num_pages="):
+        cache.drop_front(1)  # layer 1 holds 1 position: no whole page
+    with pytest.raises(OutOfRangeError, match="^num_pages="):
+        cache.drop_front(-1)
+    with pytest.raises(InvalidArgumentError, match="^keep_last="):
+        cache.droppable_pages(keep_last=-1)
+    assert same_state(before, state(cache))
+    cache.update(2, *kv(8, seed=3))  # a layer updated for the first time writes at position 0
+    assert cache.droppable_pages() == 0
+    assert KVCache().droppable_pages() == 0 and KVCache.with_num_layers(2).droppable_pages() == 0
+
+
 def test_quantized_storage_dtype_is_close_and_counts_scales():
     cache = KVCache(block_size=4, dtype=torch.int8)
     k, v = kv(6)
@@ -425,10 +463,15 @@ def random_walk(seed: int, device: str = "cpu", steps: int = 120) -> None:
         elif op < 0.85:
             twin = cache.copy()
             caches.append((twin, dict(ref)))
-        elif op < 0.95:
+        elif op < 0.9:
             n = rng.randrange(6)
             cache.truncate(n)
             ref.update({layer: (k[:, :, :n], v[:, :, :n]) for layer, (k, v) in ref.items()})
+        elif op < 0.95:
+            pages = rng.randint(0, cache.droppable_pages())
+            cache.drop_front(pages)
+            shift = pages * (cache.pool.block_size if pages else 0)
+            ref.update({layer: (k[:, :, shift:], v[:, :, shift:]) for layer, (k, v) in ref.items()})
         else:
             cache.clear()
             ref.clear()

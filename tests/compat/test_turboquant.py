@@ -96,6 +96,20 @@ def test_records_hold_codes_signs_and_float32_norms():
     assert torch.equal(codes[[0, 1, 3, 4]].long(), want[[0, 1, 3, 4]])
 
 
+def test_a_long_vector_keeps_its_codes_signs_and_scaled_norms():
+    # norm 3e38 fits a float32, and so must its residual norm: no overflow on the way (float64 norms,
+    # signs from the residual's direction)
+    tq = TurboQuantizer([CFG])
+    x = randn(1, 4, D, seed=5)
+    scale = 3e38 / float(x.norm(dim=-1).max())
+    small, large = tq.encode(x), tq.encode(x * scale)
+    tail = CFG.code_bytes + CFG.sign_bytes
+    assert torch.equal(small[..., :tail], large[..., :tail])
+    assert bool(torch.isfinite(tq.norms(large)).all())
+    assert torch.allclose(tq.norms(large).double(), tq.norms(small).double() * scale, rtol=1e-5)
+    assert torch.equal(tq.norms(small), small[..., tail:].clone().view(torch.float32))
+
+
 def test_head_h_of_a_batch_is_the_quantiser_of_its_seed():
     configs = [CFG, dataclasses.replace(CFG, seed=8)]
     batch, single = TurboQuantizer(configs), TurboQuantizer(configs[1:])

@@ -158,7 +158,7 @@ def test_deepcopy_shares_pages_and_diverges(model, prompt):
 
 def test_errors_are_typed():
     with pytest.raises(InvalidArgumentError, match="^config.layer_types"):
-        PagedCache(LlamaConfig(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"]))
+        PagedCache(LlamaConfig(num_hidden_layers=2, layer_types=["chunked_attention", "full_attention"]))
     cache = PagedCache()
     with pytest.raises(OutOfRangeError, match="^layer_idx="):
         cache.update(torch.zeros(1, 1, 1, 1), torch.zeros(1, 1, 1, 1), -1)

@@ -61,6 +61,20 @@ def test_write_then_gather_roundtrip(dtype):
     assert not cache.layer(0).k.view(torch.uint8).any()  # other layer untouched
 
 
+def test_pin_memory_without_an_accelerator_falls_back_to_pageable_pages(monkeypatch):
+    # torch has no pinned allocator without an accelerator (it raised an untyped RuntimeError);
+    # pinning only speeds up copies to one, so the host pages stay pageable and say so
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.int8)
+    cache = PagedKVCache(spec, 2, "cpu", pin_memory=True)
+    assert cache.pin_memory is False and not any(t.is_pinned() for t in cache.tensors())
+    k = torch.randn(3, 2, 8, generator=torch.Generator().manual_seed(0))
+    cache.write(0, k, k, cache.slots([1], 0, 3))
+    assert torch.allclose(cache.gather(0, [1], 0, 3)[0], k, atol=k.abs().max().item() / 127)
+    with pytest.raises(InvalidArgumentError, match="^pin_memory="):
+        PagedKVCache(spec, 2, "cpu", pin_memory=1)
+
+
 def test_slots_follow_the_block_table():
     cache = make(block_size=4)
     assert cache.slots([5, 2], 2, 7).tolist() == [22, 23, 8, 9, 10]
