@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from scheduler.core.sequence import SequenceGroup
 
@@ -17,6 +17,9 @@ class CompletionOutput:
     cumulative_logprob: float
     logprobs: list[float]  # log-probability of each output token under the model
     top_logprobs: list[dict[int, float]]  # per output token, when SamplingParams.logprobs > 0
+    # per output token, its rank in the vocabulary under the model (1: the most likely; vLLM's Logprob.rank);
+    # None for a token a selection hook chose
+    ranks: list[int | None] = field(default_factory=list)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,6 +38,7 @@ class RequestOutput:
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at admission
     # with SamplingParams.prompt_logprobs: per prompt token {token: logprob, top ones...} (None for the first)
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_ranks: list[int | None] | None = None  # beside prompt_logprobs: each prompt token's rank (None: the first)
 
     @classmethod
     def from_group(cls, group: SequenceGroup) -> RequestOutput:
@@ -43,6 +47,7 @@ class RequestOutput:
             CompletionOutput(
                 index=s.index, token_ids=s.output_token_ids, finish_reason=s.finish_reason,
                 cumulative_logprob=s.cumulative_logprob, logprobs=list(s.logprobs), top_logprobs=list(s.top_logprobs),
+                ranks=list(s.ranks),
             )  # fmt: skip
             for s in sorted(group.seqs, key=lambda s: s.index)
         ]
@@ -52,4 +57,5 @@ class RequestOutput:
             finish_time=group.finish_time, num_preemptions=group.num_preemptions,
             num_cached_tokens=group.num_cached_tokens,
             prompt_logprobs=None if group.prompt_logprobs is None else list(group.prompt_logprobs),
+            prompt_ranks=None if group.prompt_ranks is None else list(group.prompt_ranks),
         )  # fmt: skip

@@ -199,7 +199,7 @@ class Scheduler:
 
     def _record(self, t: SampledToken, now: float) -> None:
         """Append one sampled token and apply the stop conditions to its sequence."""
-        t.seq.append_token(t.token_id, t.logprob, t.top_logprobs)
+        t.seq.append_token(t.token_id, t.logprob, t.top_logprobs, t.rank)
         t.group.first_token_time = t.group.first_token_time or now
         reason = self._stop_reason(t.group.params, t.seq, t.token_id)
         if reason is not None:

@@ -406,9 +406,10 @@ class LLMEngine:
                              [g.params.prompt_logprobs for _, g, _, _ in prompts])  # fmt: skip
         with restoring([r.generator for r in sample_rows]):
             result = self.sampler(picked, sample_rows, prompt_logits, targets)
-        for (_, group, _, _), scored in zip(prompts, result.prompt_logprobs):
+        for (_, group, _, _), scored, rank in zip(prompts, result.prompt_logprobs, result.prompt_ranks):
             group.prompt_logprobs.append(scored)  # in position order: a group's rows come in order
-        chosen = zip(result.token_ids, result.logprobs, result.top_logprobs)
+            group.prompt_ranks.append(rank)
+        chosen = zip(result.token_ids, result.logprobs, result.top_logprobs, result.ranks)
         return [SampledToken(g, s, *c) for (g, s, _), c in zip(samples, chosen)]
 
     def _select(self, select: Selector, out: SchedulerOutput, logits: torch.Tensor) -> list[SampledToken]:

@@ -108,7 +108,7 @@ class ResponseContext:
 
     def _choice(self, index: int, c: TextCompletion, r: TextRequestOutput) -> dict:
         if self.echo_only:  # the prompt alone: its generated token is not shown
-            c = replace(c, text="", token_ids=[], logprobs=[], top_logprobs=[], finish_reason="length",
+            c = replace(c, text="", token_ids=[], logprobs=[], top_logprobs=[], ranks=[], finish_reason="length",
                         stop_reason=None)  # fmt: skip
         ids, lps, tops, text = c.token_ids, c.logprobs, c.top_logprobs, c.text
         if self.echo:  # the prompt's tokens first: the first has no log-probability
@@ -134,14 +134,14 @@ class ResponseContext:
     def _prompt_logprobs(self, r: TextRequestOutput) -> list[dict | None]:
         """vLLM's prompt_logprobs: per prompt token, None for the first, else its and the top ones' entries."""
         out: list[dict | None] = []
-        for token, scored in zip(r.prompt_token_ids, r.prompt_logprobs or []):
+        for token, scored, rank in zip(r.prompt_token_ids, r.prompt_logprobs or [], r.prompt_ranks or []):
             if scored is None:
                 out.append(None)
                 continue
             # the first k scored are the true top k (a prompt token outside them is below them all)
             top = sorted(scored.items(), key=lambda kv: -kv[1])[: self.prompt_logprobs]
             entries = {t: (lp, i + 1) for i, (t, lp) in enumerate(top)}
-            entries.setdefault(token, (scored[token], None))  # a rank past the top ones is not computed
+            entries.setdefault(token, (scored[token], rank))  # as vLLM: a top one keeps its place as its rank
             out.append({str(t): {"logprob": _finite(lp), "rank": rank, "decoded_token": self.token_text(t)}
                         for t, (lp, rank) in entries.items()})  # fmt: skip
         return out
@@ -151,7 +151,7 @@ class ResponseContext:
         """A sample's delta as the client sees it: with ``echo_only``, no generated token, and "length" at its end."""
         if not self.echo_only:
             return d
-        return replace(d, text="", token_ids=[], logprobs=[], top_logprobs=[],
+        return replace(d, text="", token_ids=[], logprobs=[], top_logprobs=[], ranks=[],
                        finish_reason=d.finish_reason and "length", stop_reason=None)  # fmt: skip
 
     def chunk(self, key: int, d: SampleDelta, include_usage: bool) -> dict:

@@ -204,8 +204,10 @@ def test_echo_and_prompt_logprobs_show_the_prompt_as_the_offline_engine_scores_i
     assert shown[0] is None and len(shown) == len(ids)
     for i, t in enumerate(ids[1:], start=1):
         assert shown[i][str(t)]["logprob"] == pytest.approx(scored[i][t], abs=1e-5)
-        ranks = sorted(e["rank"] for e in shown[i].values() if e["rank"] is not None)
-        assert ranks[:2] == [1, 2]  # the two most likely, ranked
+        top = sorted(scored[i].items(), key=lambda kv: -kv[1])[:2]
+        assert {int(k): e["rank"] for k, e in shown[i].items()} == {t: ref.prompt_ranks[i]} | {
+            k: rank for rank, (k, _) in enumerate(top, start=1)}  # the top two by place, the token by its rank
+    assert max(ref.prompt_ranks[1:]) > 2  # a token past the top two has its rank too (it used to be null)
     chat = served.post("chat/completions", {"model": served.model, "messages": CHAT, "max_tokens": 2,
                                             "prompt_logprobs": 0})  # fmt: skip
     assert chat.status_code == 200 and chat.json()["prompt_logprobs"][0] is None
