@@ -42,15 +42,18 @@ class RequestOutput:
 
     @classmethod
     def from_group(cls, group: SequenceGroup) -> RequestOutput:
-        """Snapshot a sequence group."""
+        """Snapshot a sequence group: one output per sample, a sample not forked yet with no token."""
         outputs = [
             CompletionOutput(
                 index=s.index, token_ids=s.output_token_ids, finish_reason=s.finish_reason,
                 cumulative_logprob=s.cumulative_logprob, logprobs=list(s.logprobs), top_logprobs=list(s.top_logprobs),
                 ranks=list(s.ranks),
             )  # fmt: skip
-            for s in sorted(group.seqs, key=lambda s: s.index)
+            for s in group.seqs
         ]
+        outputs += [CompletionOutput(index=i, token_ids=[], finish_reason=None, cumulative_logprob=0.0, logprobs=[],
+                                     top_logprobs=[]) for i in group.unforked]  # fmt: skip
+        outputs.sort(key=lambda c: c.index)
         return cls(
             request_id=group.request_id, prompt_token_ids=group.prompt_token_ids, outputs=outputs,
             finished=group.is_finished(), arrival_time=group.arrival_time, first_token_time=group.first_token_time,

@@ -101,8 +101,8 @@ class Scheduler:
         if request_id in self.requests:
             raise DuplicateSequenceError(describe("request_id", request_id, "an id not already in use"))
         seq = Sequence(next(self._ids), 0, prompt, self._new_hashes(params.cache_salt))
-        unforked = params.n - 1 if fork_samples else 0
-        group = SequenceGroup(request_id, [seq], params, max_seqs=params.n, num_unforked=unforked, priority=priority)
+        unforked = list(range(1, params.n)) if fork_samples else []
+        group = SequenceGroup(request_id, [seq], params, max_seqs=params.n, unforked=unforked, priority=priority)
         self.requests[request_id] = group
         group.set_status(SequenceStatus.WAITING)
         self.waiting.append(group)
@@ -113,7 +113,8 @@ class Scheduler:
         return BlockHashes(self.bm.block_size, cache_salt=cache_salt) if self.bm.config.enable_prefix_caching else None
 
     def abort(self, request_id: str, now: float | None = None, reason: str = "abort") -> SequenceGroup:
-        """Stop a request now: every unfinished sequence ends with ``reason`` and frees its blocks."""
+        """Stop a request now: every unfinished sequence ends with ``reason`` and frees its blocks, and every
+        sample not forked yet ends with ``reason`` and no token."""
         group = self.requests.pop(request_id, None) if isinstance(request_id, str) else None
         if group is None:
             raise UnknownSequenceError(describe("request_id", request_id, "the id of an unfinished request"))
@@ -121,8 +122,18 @@ class Scheduler:
         now = time.perf_counter() if now is None else now
         for seq in group.unfinished():
             self.finish(seq, reason, now)
+        self._end_unforked(group, group.unforked, reason, now)
         group.finish_time = now
         return group
+
+    def _end_unforked(self, group: SequenceGroup, indices: list[int], reason: str, now: float) -> None:
+        """End samples not forked yet: each becomes a finished sequence of the group with no token, never forked."""
+        prompt = group.prompt_token_ids
+        for index in indices:
+            seq = Sequence(next(self._ids), index, prompt)  # holds no block
+            seq.finish(reason, now)
+            group.seqs.append(seq)
+        group.unforked = [i for i in group.unforked if i not in indices]
 
     def has_unfinished(self) -> bool:
         """Whether any group is queued, running or swapped out."""
@@ -132,9 +143,10 @@ class Scheduler:
         """Every live group, in queue order."""
         return [*self.running, *self.swapped, *self.waiting]
 
-    def fork(self, group: SequenceGroup, parent: Sequence) -> Sequence:
-        """Add to ``group`` a child sharing every block of ``parent`` (no KV copied)."""
-        child = parent.fork(next(self._ids), len(group.seqs))
+    def fork(self, group: SequenceGroup, parent: Sequence, index: int | None = None) -> Sequence:
+        """Add to ``group`` a child sharing every block of ``parent`` (no KV copied), sample ``index`` (default: the
+        next one)."""
+        child = parent.fork(next(self._ids), len(group.seqs) if index is None else index)
         if parent.seq_id in self.bm:
             self.bm.fork(parent.seq_id, child.seq_id, hashes=child.block_hashes)
         group.seqs.append(child)
@@ -334,9 +346,9 @@ class Scheduler:
         seq.num_computed = start + n
         group.first_scheduled_time = group.first_scheduled_time or time.perf_counter()
         forks = ()
-        if group.num_unforked and seq.num_computed == seq.num_tokens:
-            forks = tuple(self.fork(group, seq) for _ in range(group.num_unforked))
-            group.num_unforked = 0
+        if group.unforked and seq.num_computed == seq.num_tokens:
+            forks = tuple(self.fork(group, seq, index) for index in group.unforked)
+            group.unforked = []
         if group.parked and seq.num_computed == group.fork_at:
             self._unpark(group, seq)
         step.add(ScheduledSeq(seq, group, start, n, forks, _prompt_positions(group, seq, start, n)))

@@ -147,7 +147,9 @@ class SequenceGroup:
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at admission (None: not yet)
     priority: int = 0  # vLLM's request priority (lower: more important): orders the eviction of its blocks
     max_seqs: int = 1  # sequences the group may run at once (n samples, beam width)
-    num_unforked: int = 0  # samples forked from the first sequence when it first samples (n - 1 at admission)
+    # indices of the samples forked from the first sequence when it first samples (1..n-1 at admission, then
+    # none). Invariant: these and the indices of ``seqs`` are 0..num_samples-1, each once
+    unforked: list[int] = field(default_factory=list)
     # after a recompute preemption: sequences holding no blocks until the first active one has computed the
     # ``fork_at`` tokens they all start with; then they are forked from it there (the shared prefix runs once)
     parked: list[Sequence] = field(default_factory=list)
@@ -167,6 +169,11 @@ class SequenceGroup:
         """The request's prompt."""
         seq = self.seqs[0]
         return seq.token_ids[: seq.prompt_len]
+
+    @property
+    def num_samples(self) -> int:
+        """Samples of the request: its sequences and the samples not forked yet."""
+        return len(self.seqs) + len(self.unforked)
 
     @property
     def reads_prefix_cache(self) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from sched_helpers import NUM_NEW, make_engine
+from sched_helpers import NUM_NEW, assert_all_freed, make_engine
 
 from paged_kv.errors import (
     DuplicateSequenceError,
@@ -109,6 +109,28 @@ def test_abort_twice_and_after_finish_raise(busy):
         busy.step()
     with pytest.raises(UnknownSequenceError):
         busy.abort("r0")
+
+
+def _samples(out) -> list[tuple]:
+    return [(c.index, c.finish_reason, c.token_ids) for c in out.outputs]
+
+
+@pytest.mark.parametrize("when", ["queued", "mid-prefill"])
+def test_a_request_ended_before_its_samples_fork_reports_every_sample(tiny_hf, prompts, when):
+    """n = 3 before the first sample (queued, or part of its prompt computed): a snapshot, an abort and a failure
+    each give three outputs, indices 0..2, no tokens (an abort or a failure used to give sample 0 alone)."""
+    engine = make_engine(tiny_hf, max_num_batched_tokens=16, max_num_seqs=8)
+    params = SamplingParams(n=3, max_tokens=4, temperature=1.0, seed=0)
+    engine.add_request("a", prompts[6], params)  # 64 tokens: four steps of 16 before it samples
+    engine.add_request("b", prompts[3], params)
+    if when == "mid-prefill":
+        engine.step()
+        assert engine.scheduler.requests["a"].seqs[0].num_computed == 16
+    assert _samples(engine.request_output("a")) == [(i, None, []) for i in range(3)]
+    assert _samples(engine.abort("a")) == [(i, "abort", []) for i in range(3)]
+    failed = engine.fail("b", "its text layer failed")
+    assert _samples(failed) == [(i, "error", []) for i in range(3)] and failed.finished
+    assert_all_freed(engine)
 
 
 def test_stop_tokens_and_eos_end_a_sample_and_are_kept(tiny_hf, prompts, hf_greedy):
