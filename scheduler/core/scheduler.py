@@ -126,6 +126,16 @@ class Scheduler:
         group.finish_time = now
         return group
 
+    def _stop_unforked(self, group: SequenceGroup, indices: set[int], reason: str, now: float) -> None:
+        """End the samples of ``indices`` not forked yet. If the first sequence is among ``indices`` while samples
+        stay to fork, it has no token yet (samples fork before the first one is drawn): it goes on as the first
+        of them, computing the prompt they share, and its own index ends instead."""
+        root, kept = group.seqs[0], [i for i in group.unforked if i not in indices]
+        if kept and root.index in indices:
+            group.unforked[group.unforked.index(kept[0])] = root.index
+            root.index = kept[0]
+        self._end_unforked(group, [i for i in group.unforked if i in indices], reason, now)
+
     def _end_unforked(self, group: SequenceGroup, indices: list[int], reason: str, now: float) -> None:
         """End samples not forked yet: each becomes a finished sequence of the group with no token, never forked."""
         prompt = group.prompt_token_ids
@@ -157,15 +167,18 @@ class Scheduler:
         seq.finish(reason, time.perf_counter() if now is None else now)
         self._free(seq)
 
-    def stop_samples(self, group: SequenceGroup, seqs: Iterable[Sequence], reason: str) -> None:
-        """End some unfinished sequences of a live group now and free their blocks; its other samples run on.
+    def stop_samples(self, group: SequenceGroup, indices: Iterable[int], reason: str) -> None:
+        """End the samples ``indices`` of a live group now and free their blocks; its other samples run on.
 
-        A stopped parked sequence is never forked back; if the sequence recomputing the shared prefix
-        the parked ones wait for stops, they are recomputed without it, from the waiting queue.
+        A finished sample stays as it ended. A sample not forked yet ends with no token, never forked. A
+        stopped parked sequence is never forked back; if the sequence recomputing the shared prefix the
+        parked ones wait for stops, they are recomputed without it, from the waiting queue.
         """
-        now = time.perf_counter()
-        for seq in seqs:
-            self.finish(seq, reason, now)
+        now, indices = time.perf_counter(), set(indices)
+        self._stop_unforked(group, indices, reason, now)
+        for seq in group.unfinished():
+            if seq.index in indices:
+                self.finish(seq, reason, now)
         group.parked = [s for s in group.parked if not s.is_finished]
         if not group.parked:
             group.fork_at = 0

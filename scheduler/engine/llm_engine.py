@@ -277,13 +277,16 @@ class LLMEngine:
         return dataclasses.replace(RequestOutput.from_group(group), error=error)
 
     def stop_samples(self, request_id: str, indices: Iterable[int], reason: str = "stop") -> None:
-        """End some samples of a live request now and free their blocks (a text layer matched a stop string)."""
+        """End some samples of a live request now and free their blocks (a text layer matched a stop string).
+
+        ``indices`` are sample indices, in ``[0, n)``; a sample already finished stays as it ended. A sample
+        not forked yet (the request has not sampled) ends with no token and is never forked.
+        """
         group = self._live(request_id)
-        indices = set(as_id_list("indices", list(indices) if isinstance(indices, (set, frozenset)) else indices,
-                                 "sample indices"))  # fmt: skip
+        chosen = _sample_indices(indices, group.num_samples)
         if not (isinstance(reason, str) and reason):
             raise InvalidArgumentError(describe("reason", reason, "a non-empty str"))
-        self.scheduler.stop_samples(group, [s for s in group.unfinished() if s.index in indices], reason)
+        self.scheduler.stop_samples(group, chosen, reason)
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request is waiting, running or swapped out."""
@@ -502,6 +505,15 @@ def _rows(logits: torch.Tensor, rows: list[int], start: int, end: int) -> torch.
     if rows == list(range(start, end)):
         return logits[start:end]
     return logits[torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)]
+
+
+def _sample_indices(indices: Iterable[int], num_samples: int) -> set[int]:
+    """Sample indices as a set: a sequence (or set) of ints in ``[0, num_samples)``; OutOfRangeError past either end."""
+    items = list(indices) if isinstance(indices, (set, frozenset)) else indices
+    items = items.tolist() if hasattr(items, "tolist") else items  # numpy arrays, torch tensors
+    if isinstance(items, (str, bytes)) or not isinstance(items, Seq):
+        raise InvalidArgumentError(describe("indices", type(indices).__name__, "a sequence of sample indices"))
+    return {check_int(f"indices[{i}]", v, low=0, high=num_samples - 1) for i, v in enumerate(items)}
 
 
 def _as_id_set(ids: int | Iterable[int] | None) -> frozenset[int]:

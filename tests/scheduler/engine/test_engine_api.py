@@ -133,6 +133,39 @@ def test_a_request_ended_before_its_samples_fork_reports_every_sample(tiny_hf, p
     assert_all_freed(engine)
 
 
+@pytest.mark.parametrize("bad", [[1], [0, 1], [-1], {0, 7}])
+def test_stop_samples_refuses_an_index_the_request_does_not_have(busy, bad):
+    """Each request of ``busy`` has one sample: any other index is out of range (it used to be ignored)."""
+    before = _state(busy)
+    with pytest.raises(OutOfRangeError, match="indices"):
+        busy.stop_samples("r0", bad)
+    assert _state(busy) == before
+
+
+@pytest.mark.parametrize("when", ["queued", "mid-prefill"])
+@pytest.mark.parametrize("stopped", [[2], [0], [1, 0], [0, 1, 2]])
+def test_a_sample_stopped_before_it_is_forked_ends_with_no_token_and_is_never_forked(tiny_hf, prompts, when,
+                                                                                       stopped):  # fmt: skip
+    """n = 3 stopped by index before the first sample: each stopped sample ends with no token, the others run
+    to the end with the tokens they have alone (sample 0, computing the prompt, hands it on to one of them);
+    stopped samples used to be forked and run on, and stopping sample 0 ended the whole request."""
+    params = SamplingParams(n=3, max_tokens=5, temperature=1.0, seed=3, ignore_eos=True)
+    (free,) = make_engine(tiny_hf).generate([prompts[2]], params, use_tqdm=False)
+    engine = make_engine(tiny_hf, max_num_batched_tokens=16, max_num_seqs=8)
+    engine.add_request("r", prompts[2], params)  # 33 tokens: three steps before it samples
+    if when == "mid-prefill":
+        engine.step()
+    engine.stop_samples("r", stopped)
+    assert [c.finish_reason for c in engine.request_output("r").outputs] == [
+        "stop" if i in stopped else None for i in range(3)]  # fmt: skip
+    done = {}
+    while engine.has_unfinished_requests():
+        done |= {o.request_id: o for o in engine.step()}
+    assert _samples(done["r"]) == [(i, "stop", []) if i in stopped else (i, "length", free.outputs[i].token_ids)
+                                   for i in range(3)]  # fmt: skip
+    assert_all_freed(engine)
+
+
 def test_stop_tokens_and_eos_end_a_sample_and_are_kept(tiny_hf, prompts, hf_greedy):
     ref = hf_greedy[2]
     eos = ref[4]
