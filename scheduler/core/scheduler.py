@@ -73,10 +73,12 @@ class Scheduler:
 
     def __init__(
         self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: Iterable[int] = (), *,
-        prefetch: Prefetcher | None = None,
+        prefetch: Prefetcher | None = None, max_model_len: int | None = None,
     ) -> None:  # fmt: skip
+        """``max_model_len``: a sample that holds that many tokens stops with "length" (None: only at max_tokens)."""
         self.config = config
         self.bm = block_manager
+        self.max_model_len = max_model_len
         self.prefetch = prefetch  # brings a waiting prompt's blocks from a lower tier into the host tier
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, SequenceGroup] = {}  # every unfinished request
@@ -231,12 +233,14 @@ class Scheduler:
             self.finish(t.seq, reason, now)
 
     def _stop_reason(self, params: SamplingParams, seq: Sequence, token_id: int) -> str | None:
-        """"stop" for a stop token, EOS unless ignored, or a finished grammar; "length" at ``max_tokens``; else None."""
+        """"stop" for a stop token, EOS unless ignored, or a finished grammar; "length" at ``max_tokens`` or at
+        ``max_model_len`` tokens (the last token is never computed: no position reaches max_model_len); else None."""
         if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
             return "stop"
         if seq.matcher is not None and seq.matcher.is_terminated():  # structured outputs: took its stop token
             return "stop"
-        return "length" if seq.num_outputs >= params.max_tokens else None
+        full = self.max_model_len is not None and seq.num_tokens >= self.max_model_len
+        return "length" if full or seq.num_outputs >= params.max_tokens else None
 
     def _retire_finished(self) -> list[SequenceGroup]:
         """Drop the running groups whose every sequence stopped; return them, finish times set."""

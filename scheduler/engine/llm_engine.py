@@ -109,7 +109,8 @@ class LLMEngine:
         self.runner = self._make_runner(spec, num_blocks, graphs)
         self.tiers = self._make_tiers(spec)
         prefetch = self.tiers.prefetch if self.tiers is not None else None
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, eos_ids, prefetch=prefetch)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, eos_ids, prefetch=prefetch,
+                                   max_model_len=model.config.max_position_embeddings)  # fmt: skip
         self.pins = PinnedPrefixes(self.block_manager, self._warm_up)
         disk = self.tiers.disk if self.tiers is not None else None
         self.cache_events = None if events is None else CacheEvents(events, self.block_manager, disk)

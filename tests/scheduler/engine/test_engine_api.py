@@ -47,9 +47,7 @@ BAD_REQUESTS = {
     "longer than the pool": (lambda e: e.add_request("x", [1] * 150, None), InvalidArgumentError),
     "n samples past the pool": (lambda e: e.add_request("x", [1] * 40, SamplingParams(n=4)), InvalidArgumentError),
     "n past max_num_seqs": (lambda e: e.add_request("x", [1], SamplingParams(n=5)), InvalidArgumentError),
-    "longer than the model": (
-        lambda e: e.add_request("x", [1] * 10, SamplingParams(max_tokens=510)), InvalidArgumentError
-    ),
+    "prompt longer than the model": (lambda e: e.add_request("x", [1] * 513, None), InvalidArgumentError),
     "abort unknown": (lambda e: e.abort("nope"), UnknownSequenceError),
     "abort non-str": (lambda e: e.abort(["r0"]), UnknownSequenceError),
     "generate with one bad prompt": (lambda e: e.generate([[1, 2], [300]], use_tqdm=False), OutOfRangeError),
@@ -163,6 +161,35 @@ def test_a_sample_stopped_before_it_is_forked_ends_with_no_token_and_is_never_fo
         done |= {o.request_id: o for o in engine.step()}
     assert _samples(done["r"]) == [(i, "stop", []) if i in stopped else (i, "length", free.outputs[i].token_ids)
                                    for i in range(3)]  # fmt: skip
+    assert_all_freed(engine)
+
+
+def _trace_position_ends(engine) -> list[int]:
+    """Records, for every sequence each step runs, the end of the positions it computes."""
+    ends, schedule = [], engine.scheduler.schedule
+
+    def traced():
+        out = schedule()
+        ends.extend(s.start + s.num_tokens for s in out.scheduled)
+        return out
+
+    engine.scheduler.schedule = traced
+    return ends
+
+
+def test_a_request_past_the_model_context_stops_there_with_length(tiny_hf):
+    """As vLLM's offline engine: prompt + max_tokens past the context (512) is served and stops once the sample
+    holds 512 tokens ("length"; a prompt of exactly 512 gets one token), no position reaches 512, and the pool
+    need is counted at that length (130 blocks of 4 hold 512 tokens, not 500 + 100); it used to be refused."""
+    engine = make_engine(tiny_hf, num_blocks=130)
+    ends = _trace_position_ends(engine)
+    params = SamplingParams(max_tokens=100, ignore_eos=True)
+    for prompt_len, expected in ((500, 12), (512, 1)):
+        (out,) = engine.generate([[7] * prompt_len], params, use_tqdm=False)
+        assert (len(out.outputs[0].token_ids), out.outputs[0].finish_reason) == (expected, "length")
+    assert max(ends) == 512  # positions 0..511: the 512-token prompt's, never one past
+    with pytest.raises(InvalidArgumentError, match="model context"):
+        engine.add_request("long", [7] * 513, params)
     assert_all_freed(engine)
 
 

@@ -51,6 +51,28 @@ def test_max_model_len_is_the_kv_pool_or_the_cap_and_a_longer_request_is_refused
         assert s.post("chat/completions", chat).json()["usage"]["total_tokens"] == longest
 
 
+def test_the_model_context_bounds_max_tokens_as_vllm_serves_it(served):
+    """The served max_model_len is the model's context here (the pool holds more). As vLLM's server: a chat's
+    omitted max_tokens is clamped to it (the answer stops there with "length"), an explicit one past it is a
+    400 (a completion's omitted max_tokens is OpenAI's 16), and a prompt that leaves no room is a 400."""
+    context = served.llm.engine.model.config.max_position_embeddings
+    words = next(m for m in range(8, context, 8) if len(served.llm.chat_prompt(_long_chat(m))) > context - 24)
+    room = context - len(served.llm.chat_prompt(_long_chat(words)))
+    chat = {"model": served.model, "messages": _long_chat(words), "ignore_eos": True, "temperature": 0}
+    r = served.post("chat/completions", chat).json()
+    assert (r["choices"][0]["finish_reason"], r["usage"]["completion_tokens"]) == ("length", room)
+    refused(served.post("chat/completions", chat | {"max_tokens": room + 1}), "max_tokens")
+    body = {"model": served.model, "prompt": [5] * (context - 6), "ignore_eos": True, "temperature": 0}
+    r = served.post("completions", body | {"max_tokens": 6}).json()
+    assert (r["choices"][0]["finish_reason"], r["usage"]["completion_tokens"]) == ("length", 6)
+    refused(served.post("completions", body), "max_tokens")  # the default 16 does not fit
+    refused(served.post("completions", body | {"prompt": [5] * context, "max_tokens": 1}), "prompt")
+
+
+def _long_chat(words: int) -> list[dict]:
+    return [{"role": "user", "content": "hello " * words}]
+
+
 def test_completion_logprobs_hold_the_sampled_token_and_streamed_offsets_continue(served):
     body = {"model": served.model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
     for k in (0, 2):
