@@ -2,7 +2,8 @@
 
 A request with ``P`` prompts and ``n`` samples each has ``P * n`` choices;
 choice ``key * n + index`` is sample ``index`` of prompt ``key``. With ``best_of > n`` each
-prompt's ``best_of`` samples are ranked by cumulative log-probability and the ``n`` best kept.
+prompt's ``best_of`` samples are ranked by cumulative log-probability and the ``n`` best kept
+(``usage`` counts the kept samples' tokens, as vLLM does).
 A completion's ``echo`` puts the prompt before each choice's text (and, with ``logprobs``, its
 tokens before the choice's, the first with no log-probability); streamed, in a first chunk of
 each choice of its own. With ``max_tokens=0`` (``echo_only``) the engine generates one token that
@@ -93,18 +94,21 @@ class ResponseContext:
     # -- whole responses ---------------------------------------------------
     def response(self, results: list[TextRequestOutput]) -> dict:
         """The non-streamed body of a finished request."""
-        choices = [self._choice(key * self.n + i, c, r) for key, r in enumerate(results) for i, c in self._best(r)]
-        body = {**self.head(chunk=False), "choices": choices, "usage": usage(results, generated=not self.echo_only)}
+        returned = [self._best(r) for r in results]
+        choices = [self._choice(key * self.n + i, c, r)
+                   for key, (r, kept) in enumerate(zip(results, returned)) for i, c in enumerate(kept)]  # fmt: skip
+        body = {**self.head(chunk=False), "choices": choices,
+                "usage": usage(results, returned, generated=not self.echo_only)}  # fmt: skip
         if self.kind == "chat" and self.prompt_logprobs is not None:  # vLLM: one prompt, on the response
             body["prompt_logprobs"] = self._prompt_logprobs(results[0])
         return body
 
-    def _best(self, result: TextRequestOutput) -> enumerate[TextCompletion]:
+    def _best(self, result: TextRequestOutput) -> list[TextCompletion]:
         """The ``n`` samples returned, in index order, or, of ``best_of > n``, the ``n`` most likely."""
         outputs = result.outputs
         if len(outputs) > self.n:
             outputs = sorted(outputs, key=lambda c: -c.cumulative_logprob)[: self.n]
-        return enumerate(outputs)
+        return outputs
 
     def _choice(self, index: int, c: TextCompletion, r: TextRequestOutput) -> dict:
         if self.echo_only:  # the prompt alone: its generated token is not shown
@@ -182,7 +186,8 @@ class ResponseContext:
 
     def usage_chunk(self, results: list[TextRequestOutput]) -> dict:
         """The last chunk of a stream with ``stream_options.include_usage``."""
-        return {**self.head(chunk=True), "choices": [], "usage": usage(results, generated=not self.echo_only)}
+        returned = [self._best(r) for r in results]
+        return {**self.head(chunk=True), "choices": [], "usage": usage(results, returned, generated=not self.echo_only)}
 
     @staticmethod
     def _with_usage(body: dict, include_usage: bool) -> dict:
@@ -196,11 +201,14 @@ def wants_chunk(d: SampleDelta, with_logprobs: bool) -> bool:
     return bool(d.text or d.finish_reason or (with_logprobs and d.token_ids))
 
 
-def usage(results: list[TextRequestOutput], *, generated: bool = True) -> dict:
-    """OpenAI's usage block: prompt tokens once per prompt (and their prefix-cache hits), every sample's tokens
-    (none unless ``generated``: an echo of the prompt alone)."""
+def usage(results: list[TextRequestOutput], returned: list[list[TextCompletion]] | None = None, *,
+          generated: bool = True) -> dict:  # fmt: skip
+    """OpenAI's usage block: prompt tokens once per prompt (and their prefix-cache hits), the tokens of the samples
+    returned (``returned``, per result: with ``best_of > n`` the ``n`` kept, as vLLM counts them; default every
+    sample), none unless ``generated`` (an echo of the prompt alone)."""
     prompt = sum(len(r.prompt_token_ids) for r in results)
-    completion = sum(len(c.token_ids) for r in results for c in r.outputs) if generated else 0
+    returned = returned if returned is not None else [r.outputs for r in results]
+    completion = sum(len(c.token_ids) for kept in returned for c in kept) if generated else 0
     cached = sum(r.num_cached_tokens or 0 for r in results)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
