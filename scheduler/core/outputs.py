@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from scheduler.core.sequence import SequenceGroup
 
@@ -17,6 +17,9 @@ class CompletionOutput:
     cumulative_logprob: float
     logprobs: list[float]  # log-probability of each output token under the model
     top_logprobs: list[dict[int, float]]  # per output token, when SamplingParams.logprobs > 0
+    # per output token, its rank in the vocabulary under the model (1: the most likely; vLLM's Logprob.rank);
+    # None for a token a selection hook chose
+    ranks: list[int | None] = field(default_factory=list)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,21 +38,27 @@ class RequestOutput:
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at admission
     # with SamplingParams.prompt_logprobs: per prompt token {token: logprob, top ones...} (None for the first)
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_ranks: list[int | None] | None = None  # beside prompt_logprobs: each prompt token's rank (None: the first)
 
     @classmethod
     def from_group(cls, group: SequenceGroup) -> RequestOutput:
-        """Snapshot a sequence group."""
+        """Snapshot a sequence group: one output per sample, a sample not forked yet with no token."""
         outputs = [
             CompletionOutput(
                 index=s.index, token_ids=s.output_token_ids, finish_reason=s.finish_reason,
                 cumulative_logprob=s.cumulative_logprob, logprobs=list(s.logprobs), top_logprobs=list(s.top_logprobs),
+                ranks=list(s.ranks),
             )  # fmt: skip
-            for s in sorted(group.seqs, key=lambda s: s.index)
+            for s in group.seqs
         ]
+        outputs += [CompletionOutput(index=i, token_ids=[], finish_reason=None, cumulative_logprob=0.0, logprobs=[],
+                                     top_logprobs=[]) for i in group.unforked]  # fmt: skip
+        outputs.sort(key=lambda c: c.index)
         return cls(
             request_id=group.request_id, prompt_token_ids=group.prompt_token_ids, outputs=outputs,
             finished=group.is_finished(), arrival_time=group.arrival_time, first_token_time=group.first_token_time,
             finish_time=group.finish_time, num_preemptions=group.num_preemptions,
             num_cached_tokens=group.num_cached_tokens,
             prompt_logprobs=None if group.prompt_logprobs is None else list(group.prompt_logprobs),
+            prompt_ranks=None if group.prompt_ranks is None else list(group.prompt_ranks),
         )  # fmt: skip

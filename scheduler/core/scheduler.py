@@ -73,10 +73,12 @@ class Scheduler:
 
     def __init__(
         self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: Iterable[int] = (), *,
-        prefetch: Prefetcher | None = None,
+        prefetch: Prefetcher | None = None, max_model_len: int | None = None,
     ) -> None:  # fmt: skip
+        """``max_model_len``: a sample that holds that many tokens stops with "length" (None: only at max_tokens)."""
         self.config = config
         self.bm = block_manager
+        self.max_model_len = max_model_len
         self.prefetch = prefetch  # brings a waiting prompt's blocks from a lower tier into the host tier
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, SequenceGroup] = {}  # every unfinished request
@@ -101,8 +103,8 @@ class Scheduler:
         if request_id in self.requests:
             raise DuplicateSequenceError(describe("request_id", request_id, "an id not already in use"))
         seq = Sequence(next(self._ids), 0, prompt, self._new_hashes(params.cache_salt))
-        unforked = params.n - 1 if fork_samples else 0
-        group = SequenceGroup(request_id, [seq], params, max_seqs=params.n, num_unforked=unforked, priority=priority)
+        unforked = list(range(1, params.n)) if fork_samples else []
+        group = SequenceGroup(request_id, [seq], params, max_seqs=params.n, unforked=unforked, priority=priority)
         self.requests[request_id] = group
         group.set_status(SequenceStatus.WAITING)
         self.waiting.append(group)
@@ -113,7 +115,8 @@ class Scheduler:
         return BlockHashes(self.bm.block_size, cache_salt=cache_salt) if self.bm.config.enable_prefix_caching else None
 
     def abort(self, request_id: str, now: float | None = None, reason: str = "abort") -> SequenceGroup:
-        """Stop a request now: every unfinished sequence ends with ``reason`` and frees its blocks."""
+        """Stop a request now: every unfinished sequence ends with ``reason`` and frees its blocks, and every
+        sample not forked yet ends with ``reason`` and no token."""
         group = self.requests.pop(request_id, None) if isinstance(request_id, str) else None
         if group is None:
             raise UnknownSequenceError(describe("request_id", request_id, "the id of an unfinished request"))
@@ -121,8 +124,28 @@ class Scheduler:
         now = time.perf_counter() if now is None else now
         for seq in group.unfinished():
             self.finish(seq, reason, now)
+        self._end_unforked(group, group.unforked, reason, now)
         group.finish_time = now
         return group
+
+    def _stop_unforked(self, group: SequenceGroup, indices: set[int], reason: str, now: float) -> None:
+        """End the samples of ``indices`` not forked yet. If the first sequence is among ``indices`` while samples
+        stay to fork, it has no token yet (samples fork before the first one is drawn): it goes on as the first
+        of them, computing the prompt they share, and its own index ends instead."""
+        root, kept = group.seqs[0], [i for i in group.unforked if i not in indices]
+        if kept and root.index in indices:
+            group.unforked[group.unforked.index(kept[0])] = root.index
+            root.index = kept[0]
+        self._end_unforked(group, [i for i in group.unforked if i in indices], reason, now)
+
+    def _end_unforked(self, group: SequenceGroup, indices: list[int], reason: str, now: float) -> None:
+        """End samples not forked yet: each becomes a finished sequence of the group with no token, never forked."""
+        prompt = group.prompt_token_ids
+        for index in indices:
+            seq = Sequence(next(self._ids), index, prompt)  # holds no block
+            seq.finish(reason, now)
+            group.seqs.append(seq)
+        group.unforked = [i for i in group.unforked if i not in indices]
 
     def has_unfinished(self) -> bool:
         """Whether any group is queued, running or swapped out."""
@@ -132,9 +155,10 @@ class Scheduler:
         """Every live group, in queue order."""
         return [*self.running, *self.swapped, *self.waiting]
 
-    def fork(self, group: SequenceGroup, parent: Sequence) -> Sequence:
-        """Add to ``group`` a child sharing every block of ``parent`` (no KV copied)."""
-        child = parent.fork(next(self._ids), len(group.seqs))
+    def fork(self, group: SequenceGroup, parent: Sequence, index: int | None = None) -> Sequence:
+        """Add to ``group`` a child sharing every block of ``parent`` (no KV copied), sample ``index`` (default: the
+        next one)."""
+        child = parent.fork(next(self._ids), len(group.seqs) if index is None else index)
         if parent.seq_id in self.bm:
             self.bm.fork(parent.seq_id, child.seq_id, hashes=child.block_hashes)
         group.seqs.append(child)
@@ -145,15 +169,18 @@ class Scheduler:
         seq.finish(reason, time.perf_counter() if now is None else now)
         self._free(seq)
 
-    def stop_samples(self, group: SequenceGroup, seqs: Iterable[Sequence], reason: str) -> None:
-        """End some unfinished sequences of a live group now and free their blocks; its other samples run on.
+    def stop_samples(self, group: SequenceGroup, indices: Iterable[int], reason: str) -> None:
+        """End the samples ``indices`` of a live group now and free their blocks; its other samples run on.
 
-        A stopped parked sequence is never forked back; if the sequence recomputing the shared prefix
-        the parked ones wait for stops, they are recomputed without it, from the waiting queue.
+        A finished sample stays as it ended. A sample not forked yet ends with no token, never forked. A
+        stopped parked sequence is never forked back; if the sequence recomputing the shared prefix the
+        parked ones wait for stops, they are recomputed without it, from the waiting queue.
         """
-        now = time.perf_counter()
-        for seq in seqs:
-            self.finish(seq, reason, now)
+        now, indices = time.perf_counter(), set(indices)
+        self._stop_unforked(group, indices, reason, now)
+        for seq in group.unfinished():
+            if seq.index in indices:
+                self.finish(seq, reason, now)
         group.parked = [s for s in group.parked if not s.is_finished]
         if not group.parked:
             group.fork_at = 0
@@ -199,19 +226,21 @@ class Scheduler:
 
     def _record(self, t: SampledToken, now: float) -> None:
         """Append one sampled token and apply the stop conditions to its sequence."""
-        t.seq.append_token(t.token_id, t.logprob, t.top_logprobs)
+        t.seq.append_token(t.token_id, t.logprob, t.top_logprobs, t.rank)
         t.group.first_token_time = t.group.first_token_time or now
         reason = self._stop_reason(t.group.params, t.seq, t.token_id)
         if reason is not None:
             self.finish(t.seq, reason, now)
 
     def _stop_reason(self, params: SamplingParams, seq: Sequence, token_id: int) -> str | None:
-        """"stop" for a stop token, EOS unless ignored, or a finished grammar; "length" at ``max_tokens``; else None."""
+        """"stop" for a stop token, EOS unless ignored, or a finished grammar; "length" at ``max_tokens`` or at
+        ``max_model_len`` tokens (the last token is never computed: no position reaches max_model_len); else None."""
         if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
             return "stop"
         if seq.matcher is not None and seq.matcher.is_terminated():  # structured outputs: took its stop token
             return "stop"
-        return "length" if seq.num_outputs >= params.max_tokens else None
+        full = self.max_model_len is not None and seq.num_tokens >= self.max_model_len
+        return "length" if full or seq.num_outputs >= params.max_tokens else None
 
     def _retire_finished(self) -> list[SequenceGroup]:
         """Drop the running groups whose every sequence stopped; return them, finish times set."""
@@ -334,9 +363,9 @@ class Scheduler:
         seq.num_computed = start + n
         group.first_scheduled_time = group.first_scheduled_time or time.perf_counter()
         forks = ()
-        if group.num_unforked and seq.num_computed == seq.num_tokens:
-            forks = tuple(self.fork(group, seq) for _ in range(group.num_unforked))
-            group.num_unforked = 0
+        if group.unforked and seq.num_computed == seq.num_tokens:
+            forks = tuple(self.fork(group, seq, index) for index in group.unforked)
+            group.unforked = []
         if group.parked and seq.num_computed == group.fork_at:
             self._unpark(group, seq)
         step.add(ScheduledSeq(seq, group, start, n, forks, _prompt_positions(group, seq, start, n)))

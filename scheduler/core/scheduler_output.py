@@ -41,6 +41,7 @@ class SampledToken:
     token_id: int
     logprob: float
     top_logprobs: dict[int, float] | None = None
+    rank: int | None = None  # its rank in the vocabulary (1: the most likely); None when a selection hook chose it
 
 
 @dataclass(eq=False)

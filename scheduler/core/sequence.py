@@ -62,6 +62,7 @@ class Sequence:
         self.finish_time: float | None = None
         self.logprobs: list[float] = []  # log-probability of each output token
         self.top_logprobs: list[dict[int, float]] = []  # per output token, when asked for
+        self.ranks: list[int | None] = []  # rank of each output token in the vocabulary (None: a selection hook's)
         self.generator: torch.Generator | None = None
         # structured outputs: the grammar's state, set by the engine when the sequence first samples. It has
         # accepted exactly output_token_ids (append_token advances it, fork copies it), so preemption keeps it.
@@ -97,12 +98,15 @@ class Sequence:
         """Whether a stop condition ended the sequence."""
         return self.status is SequenceStatus.FINISHED
 
-    def append_token(self, token_id: int, logprob: float, top: dict[int, float] | None = None) -> None:
+    def append_token(
+        self, token_id: int, logprob: float, top: dict[int, float] | None = None, rank: int | None = None
+    ) -> None:
         """Record a sampled token (its KV is computed by the next step); a grammar, if any, must allow it."""
         if self.matcher is not None and not self.matcher.accept_token(token_id):
             raise SequenceStateError(describe("token_id", token_id, "a token the sequence's grammar allows"))
         self.token_ids.append(token_id)
         self.logprobs.append(logprob)
+        self.ranks.append(rank)
         if top is not None:
             self.top_logprobs.append(top)
 
@@ -115,6 +119,7 @@ class Sequence:
         child.status = self.status
         child.logprobs = list(self.logprobs)
         child.top_logprobs = list(self.top_logprobs)
+        child.ranks = list(self.ranks)
         child.matcher = self.matcher.fork() if self.matcher is not None else None
         return child
 
@@ -142,7 +147,9 @@ class SequenceGroup:
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at admission (None: not yet)
     priority: int = 0  # vLLM's request priority (lower: more important): orders the eviction of its blocks
     max_seqs: int = 1  # sequences the group may run at once (n samples, beam width)
-    num_unforked: int = 0  # samples forked from the first sequence when it first samples (n - 1 at admission)
+    # indices of the samples forked from the first sequence when it first samples (1..n-1 at admission, then
+    # none). Invariant: these and the indices of ``seqs`` are 0..num_samples-1, each once
+    unforked: list[int] = field(default_factory=list)
     # after a recompute preemption: sequences holding no blocks until the first active one has computed the
     # ``fork_at`` tokens they all start with; then they are forked from it there (the shared prefix runs once)
     parked: list[Sequence] = field(default_factory=list)
@@ -150,16 +157,23 @@ class SequenceGroup:
     # with params.prompt_logprobs: entry i scores prompt token i (entry 0 is None: the first token has no
     # context); written by the engine after each step that computed prompt positions, in order
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # beside it, entry for entry: prompt token i's rank in the vocabulary (None for the first)
+    prompt_ranks: list[int | None] | None = None
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
-            self.prompt_logprobs = [None]
+            self.prompt_logprobs, self.prompt_ranks = [None], [None]
 
     @property
     def prompt_token_ids(self) -> list[int]:
         """The request's prompt."""
         seq = self.seqs[0]
         return seq.token_ids[: seq.prompt_len]
+
+    @property
+    def num_samples(self) -> int:
+        """Samples of the request: its sequences and the samples not forked yet."""
+        return len(self.seqs) + len(self.unforked)
 
     @property
     def reads_prefix_cache(self) -> bool:

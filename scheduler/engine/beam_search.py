@@ -45,6 +45,7 @@ from scheduler.core.params import MAX_SAMPLES, SamplingParams, per_prompt
 from scheduler.core.scheduler_output import SampledToken, SchedulerOutput
 from scheduler.core.sequence import Sequence, SequenceGroup
 from scheduler.engine.llm_engine import LLMEngine
+from scheduler.engine.request_checks import check_within_context
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -267,6 +268,7 @@ class BeamSearch:
         for prompt, p, stops in zip(prompts, each, eos):
             request_id = f"beam-search-{next(self._ids)}"
             checked.append((request_id, *engine.check_request(request_id, prompt, p.engine_params())))
+            check_within_context(len(checked[-1][1]), p.max_tokens, engine.model.config)  # every beam runs to it
             k = max(2, 1 + len(stops)) * p.width
             if k > engine.model.config.vocab_size:
                 raise InvalidArgumentError(describe("width", p.width, f"at most vocab_size / {k // p.width}"))

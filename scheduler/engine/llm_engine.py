@@ -109,7 +109,8 @@ class LLMEngine:
         self.runner = self._make_runner(spec, num_blocks, graphs)
         self.tiers = self._make_tiers(spec)
         prefetch = self.tiers.prefetch if self.tiers is not None else None
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, eos_ids, prefetch=prefetch)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, eos_ids, prefetch=prefetch,
+                                   max_model_len=model.config.max_position_embeddings)  # fmt: skip
         self.pins = PinnedPrefixes(self.block_manager, self._warm_up)
         disk = self.tiers.disk if self.tiers is not None else None
         self.cache_events = None if events is None else CacheEvents(events, self.block_manager, disk)
@@ -277,13 +278,16 @@ class LLMEngine:
         return dataclasses.replace(RequestOutput.from_group(group), error=error)
 
     def stop_samples(self, request_id: str, indices: Iterable[int], reason: str = "stop") -> None:
-        """End some samples of a live request now and free their blocks (a text layer matched a stop string)."""
+        """End some samples of a live request now and free their blocks (a text layer matched a stop string).
+
+        ``indices`` are sample indices, in ``[0, n)``; a sample already finished stays as it ended. A sample
+        not forked yet (the request has not sampled) ends with no token and is never forked.
+        """
         group = self._live(request_id)
-        indices = set(as_id_list("indices", list(indices) if isinstance(indices, (set, frozenset)) else indices,
-                                 "sample indices"))  # fmt: skip
+        chosen = _sample_indices(indices, group.num_samples)
         if not (isinstance(reason, str) and reason):
             raise InvalidArgumentError(describe("reason", reason, "a non-empty str"))
-        self.scheduler.stop_samples(group, [s for s in group.unfinished() if s.index in indices], reason)
+        self.scheduler.stop_samples(group, chosen, reason)
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request is waiting, running or swapped out."""
@@ -406,9 +410,10 @@ class LLMEngine:
                              [g.params.prompt_logprobs for _, g, _, _ in prompts])  # fmt: skip
         with restoring([r.generator for r in sample_rows]):
             result = self.sampler(picked, sample_rows, prompt_logits, targets)
-        for (_, group, _, _), scored in zip(prompts, result.prompt_logprobs):
+        for (_, group, _, _), scored, rank in zip(prompts, result.prompt_logprobs, result.prompt_ranks):
             group.prompt_logprobs.append(scored)  # in position order: a group's rows come in order
-        chosen = zip(result.token_ids, result.logprobs, result.top_logprobs)
+            group.prompt_ranks.append(rank)
+        chosen = zip(result.token_ids, result.logprobs, result.top_logprobs, result.ranks)
         return [SampledToken(g, s, *c) for (g, s, _), c in zip(samples, chosen)]
 
     def _select(self, select: Selector, out: SchedulerOutput, logits: torch.Tensor) -> list[SampledToken]:
@@ -501,6 +506,15 @@ def _rows(logits: torch.Tensor, rows: list[int], start: int, end: int) -> torch.
     if rows == list(range(start, end)):
         return logits[start:end]
     return logits[torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)]
+
+
+def _sample_indices(indices: Iterable[int], num_samples: int) -> set[int]:
+    """Sample indices as a set: a sequence (or set) of ints in ``[0, num_samples)``; OutOfRangeError past either end."""
+    items = list(indices) if isinstance(indices, (set, frozenset)) else indices
+    items = items.tolist() if hasattr(items, "tolist") else items  # numpy arrays, torch tensors
+    if isinstance(items, (str, bytes)) or not isinstance(items, Seq):
+        raise InvalidArgumentError(describe("indices", type(indices).__name__, "a sequence of sample indices"))
+    return {check_int(f"indices[{i}]", v, low=0, high=num_samples - 1) for i, v in enumerate(items)}
 
 
 def _as_id_set(ids: int | Iterable[int] | None) -> frozenset[int]:

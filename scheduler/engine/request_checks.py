@@ -24,22 +24,39 @@ def check_prompt(prompt_token_ids: Sequence[int], vocab_size: int) -> list[int]:
     return tokens
 
 
+def capped_length(prompt_len: int, max_tokens: int, context: int) -> int:
+    """The most tokens a sample of a prompt reaches: ``max_tokens`` outputs, stopped once the sample holds
+    ``context`` tokens (at least one output: a prompt of exactly ``context`` tokens gets one), as vLLM's
+    scheduler stops a request at max_model_len."""
+    return prompt_len + min(max_tokens, max(context - prompt_len, 1))
+
+
+def check_within_context(prompt_len: int, max_tokens: int, model: ModelConfig) -> None:
+    """Refuse ``prompt_len + max_tokens`` past the model context: for a search that runs every sequence to
+    ``max_tokens`` rather than stopping at the context."""
+    total, context = prompt_len + max_tokens, model.max_position_embeddings
+    if total > context:
+        expected = f"at most {context} (model context)"
+        raise InvalidArgumentError(describe("len(prompt_token_ids) + max_tokens", total, expected))
+
+
 def check_request_fits(
     prompt_len: int, params: SamplingParams, model: ModelConfig, sched: SchedulerConfig, pool: BlockManagerConfig,
     *, pinned_blocks: int = 0,
 ) -> None:
-    """Reject a request that could never finish: too long for the model, the step budget or the pool.
+    """Reject a request that could never finish: a prompt longer than the model context, or a sample too long
+    for the step budget or the pool.
 
-    The pool check is the worst case: every one of the ``n`` samples at full
-    length, alone in the pool beside the ``pinned_blocks`` pinned prefixes hold
-    that it does not share (never freed), sharing nothing else (so a request
-    that passes can always run once the others are done or preempted).
+    A sample is as long as ``max_tokens`` makes it within the model context (:func:`capped_length`: the
+    engine stops it there with "length", as vLLM does). The pool check is the worst case: every one of the
+    ``n`` samples at that length, alone in the pool beside the ``pinned_blocks`` pinned prefixes hold that
+    it does not share (never freed), sharing nothing else (so a request that passes can always run once
+    the others are done or preempted).
     """
-    total = prompt_len + params.max_tokens
-    if total > model.max_position_embeddings:
-        raise InvalidArgumentError(describe(
-            "len(prompt_token_ids) + max_tokens", total, f"at most {model.max_position_embeddings} (model context)"
-        ))  # fmt: skip
+    context = model.max_position_embeddings
+    if prompt_len > context:
+        raise InvalidArgumentError(describe("len(prompt_token_ids)", prompt_len, f"at most {context} (model context)"))
+    total = capped_length(prompt_len, params.max_tokens, context)
     if not sched.enable_chunked_prefill and total > sched.max_num_batched_tokens:
         raise InvalidArgumentError(describe(
             "len(prompt_token_ids) + max_tokens", total,

@@ -41,6 +41,7 @@ class SampleDelta:
     top_logprobs: list[dict[int, float]]
     finish_reason: str | None  # set on the sample's last delta only
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it (None for EOS)
+    ranks: list[int | None] = field(default_factory=list)  # as CompletionOutput.ranks
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,6 +55,7 @@ class TextCompletion:
     top_logprobs: list[dict[int, float]]
     finish_reason: str | None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it (None for EOS)
+    ranks: list[int | None] = field(default_factory=list)  # as CompletionOutput.ranks
 
     @property
     def cumulative_logprob(self) -> float:
@@ -75,6 +77,7 @@ class TextRequestOutput:
     error: str | None = None  # why the request failed alone (its unfinished samples end with "error")
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at admission
     prompt_logprobs: list[dict[int, float] | None] | None = None  # as RequestOutput.prompt_logprobs
+    prompt_ranks: list[int | None] | None = None  # as RequestOutput.prompt_ranks
 
 
 def with_bad_word_ids(params: SamplingParams, tokenizer) -> SamplingParams:
@@ -107,6 +110,7 @@ class _Sample:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    ranks: list[int | None] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 
@@ -148,10 +152,11 @@ class TextRequest:
     def _advance(self, index: int, s: _Sample, o: CompletionOutput) -> SampleDelta:
         new = slice(s.num_tokens, len(o.token_ids))
         s.num_tokens = len(o.token_ids)
-        ids, lps, tops = o.token_ids[new], o.logprobs[new], o.top_logprobs[new]
+        ids, lps, tops, ranks = o.token_ids[new], o.logprobs[new], o.top_logprobs[new], o.ranks[new]
         s.token_ids += ids
         s.logprobs += lps
         s.top_logprobs += tops
+        s.ranks += ranks
         # the engine says "stop" only for a stop token or EOS, the sample's last token: it adds no text
         # unless the stop is to be kept in the output
         stop_token = ids[-1] if o.finish_reason == "stop" and ids else None
@@ -175,7 +180,7 @@ class TextRequest:
         text, s.sent = s.text[s.sent : release], max(s.sent, release)
         return SampleDelta(
             index=index, text=text, token_ids=ids, logprobs=lps, top_logprobs=tops,
-            finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+            finish_reason=s.finish_reason, stop_reason=s.stop_reason, ranks=ranks,
         )  # fmt: skip
 
     def fail(self, error: str) -> None:
@@ -195,7 +200,7 @@ class TextRequest:
         outputs = [
             TextCompletion(
                 index=i, text=s.text, token_ids=s.token_ids, logprobs=s.logprobs, top_logprobs=s.top_logprobs,
-                finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+                finish_reason=s.finish_reason, stop_reason=s.stop_reason, ranks=s.ranks,
             )  # fmt: skip
             for i, s in sorted(self.samples.items())
         ]
@@ -206,6 +211,7 @@ class TextRequest:
             error=self.error,
             num_cached_tokens=last.num_cached_tokens if last else None,
             prompt_logprobs=last.prompt_logprobs if last else None,
+            prompt_ranks=last.prompt_ranks if last else None,
         )  # fmt: skip
 
 

@@ -9,13 +9,15 @@ Every step is vectorized over the batch; only the noise of seeded rows is drawn 
 from each row's own ``torch.Generator``, so a seeded sample's tokens do not depend on the
 other rows. Reported log-probabilities (the sampled token's, the top ones, the prompt's) are
 those of the model's raw distribution, before any control or temperature: vLLM's default
-``logprobs_mode="raw_logprobs"``.
+``logprobs_mode="raw_logprobs"``. So are the ranks of the sampled and the prompt tokens: as
+vLLM's, a token's rank is the number of vocabulary tokens whose raw logit is at least its own
+(1 for the most likely; a tie counts against it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -51,12 +53,14 @@ class PromptRows:
 
 @dataclass(frozen=True)
 class SampleResult:
-    """Chosen tokens, their log-probabilities, the top ones asked for, and each prompt row's log-probabilities."""
+    """Chosen tokens, their log-probabilities, ranks and the top ones asked for; each prompt row's likewise."""
 
     token_ids: list[int]
     logprobs: list[float]
     top_logprobs: list[dict[int, float] | None]
     prompt_logprobs: list[dict[int, float]] = field(default_factory=list)  # {next prompt token: lp, top...}
+    ranks: list[int] = field(default_factory=list)  # each chosen token's rank in the vocabulary (1: the most likely)
+    prompt_ranks: list[int] = field(default_factory=list)  # each prompt row's next prompt token's rank
 
 
 class Sampler:
@@ -72,8 +76,8 @@ class Sampler:
     ) -> SampleResult:  # fmt: skip
         """Pick one token per row of ``logits [R, V]``; score ``prompt_logits [P, V]`` against ``prompt``.
 
-        Everything runs on the logits' device; the chosen tokens, their log-probabilities, the
-        top ones and the prompt rows' come back in one device->host transfer.
+        Everything runs on the logits' device; the chosen tokens, their log-probabilities and
+        ranks, the top ones and the prompt rows' come back in one device->host transfer.
         """
         logits = logits.float()  # a no-op for the model's float32 logits
         params = [r.params for r in rows]
@@ -161,9 +165,12 @@ def apply_top_k_top_p(
 
 
 def _logprob_parts(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> list[torch.Tensor]:
-    """Device tensors to transfer: ``tokens [R]``, their raw log-probabilities [R], and the top-k values and ids."""
+    """Device tensors to transfer: ``tokens [R]``, their raw log-probabilities [R] and ranks [R], the top-k values
+    and ids."""
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [R, 1]
-    parts = [tokens, logits.gather(1, tokens[:, None])[:, 0] - lse[:, 0]]
+    picked = logits.gather(1, tokens[:, None])  # [R, 1]
+    ranks = (logits >= picked).sum(dim=-1)  # [R]: the token itself and every one at least as likely (vLLM's rank)
+    parts = [tokens, picked[:, 0] - lse[:, 0], ranks]
     if k:
         top_values, top_ids = logits.topk(k, dim=-1)  # [R, k], k <= V
         parts += [top_values - lse, top_ids]  # ids < 2**53 are exact as doubles
@@ -183,15 +190,16 @@ def _unpack(
         return host[at - n : at]
 
     r = len(params)
-    tokens, chosen, values, ids = take(r), take(r), take(r * k), take(r * k)
+    tokens, chosen, ranks, values, ids = take(r), take(r), take(r), take(r * k), take(r * k)
     top = [_top(ids, values, i, k, p.logprobs) if p.logprobs else None for i, p in enumerate(params)]
+    sampled = SampleResult([int(t) for t in tokens], chosen, top, ranks=[int(x) for x in ranks])
     if prompt is None or not prompt.targets:
-        return SampleResult([int(t) for t in tokens], chosen, top)
+        return sampled
     n = len(prompt.targets)
-    target_lp, p_values, p_ids = take(n), take(n * kp), take(n * kp)
+    target_lp, target_ranks, p_values, p_ids = take(n), take(n), take(n * kp), take(n * kp)
     scored = [{t: target_lp[i], **_top(p_ids, p_values, i, kp, want)}
               for i, (t, want) in enumerate(zip(prompt.targets, prompt.num_top))]  # fmt: skip
-    return SampleResult([int(t) for t in tokens], chosen, top, scored)
+    return replace(sampled, prompt_logprobs=scored, prompt_ranks=[int(x) for x in target_ranks])
 
 
 def _top(ids: list[float], values: list[float], row: int, k: int, want: int) -> dict[int, float]:

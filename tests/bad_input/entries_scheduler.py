@@ -249,7 +249,7 @@ def _rows() -> list[Entry]:
                                       bad={WRONG_TYPE: [{"regex": "a+"}, "a+", 3, None]})}, text_engine),
         Entry("scheduler.LLMEngine.stop_samples", "stop_samples", {
             "request_id": Arg("obj", "r0", bad={WRONG_TYPE: [None, 7, ["x"]], BAD_ID: ["zz"]}),
-            "indices": Arg("ids", [0]),
+            "indices": Arg("ids", [0], bad={OUT_OF_RANGE: [[-1], [1], [0, 5]]}),  # "r0" has one sample
             "reason": Arg("obj", "stop", bad={WRONG_TYPE: [None, 3, ""]})}, engine),
         Entry("scheduler.LLMEngine.check_request", "check_request", {
             "request_id": Arg("obj", "x", bad={WRONG_TYPE: [None, 7], BAD_ID: ["r0"]}),

@@ -2,7 +2,8 @@
 
 A request with ``P`` prompts and ``n`` samples each has ``P * n`` choices;
 choice ``key * n + index`` is sample ``index`` of prompt ``key``. With ``best_of > n`` each
-prompt's ``best_of`` samples are ranked by cumulative log-probability and the ``n`` best kept.
+prompt's ``best_of`` samples are ranked by cumulative log-probability and the ``n`` best kept
+(``usage`` counts the kept samples' tokens, as vLLM does).
 A completion's ``echo`` puts the prompt before each choice's text (and, with ``logprobs``, its
 tokens before the choice's, the first with no log-probability); streamed, in a first chunk of
 each choice of its own. With ``max_tokens=0`` (``echo_only``) the engine generates one token that
@@ -93,22 +94,25 @@ class ResponseContext:
     # -- whole responses ---------------------------------------------------
     def response(self, results: list[TextRequestOutput]) -> dict:
         """The non-streamed body of a finished request."""
-        choices = [self._choice(key * self.n + i, c, r) for key, r in enumerate(results) for i, c in self._best(r)]
-        body = {**self.head(chunk=False), "choices": choices, "usage": usage(results, generated=not self.echo_only)}
+        returned = [self._best(r) for r in results]
+        choices = [self._choice(key * self.n + i, c, r)
+                   for key, (r, kept) in enumerate(zip(results, returned)) for i, c in enumerate(kept)]  # fmt: skip
+        body = {**self.head(chunk=False), "choices": choices,
+                "usage": usage(results, returned, generated=not self.echo_only)}  # fmt: skip
         if self.kind == "chat" and self.prompt_logprobs is not None:  # vLLM: one prompt, on the response
             body["prompt_logprobs"] = self._prompt_logprobs(results[0])
         return body
 
-    def _best(self, result: TextRequestOutput) -> enumerate[TextCompletion]:
+    def _best(self, result: TextRequestOutput) -> list[TextCompletion]:
         """The ``n`` samples returned, in index order, or, of ``best_of > n``, the ``n`` most likely."""
         outputs = result.outputs
         if len(outputs) > self.n:
             outputs = sorted(outputs, key=lambda c: -c.cumulative_logprob)[: self.n]
-        return enumerate(outputs)
+        return outputs
 
     def _choice(self, index: int, c: TextCompletion, r: TextRequestOutput) -> dict:
         if self.echo_only:  # the prompt alone: its generated token is not shown
-            c = replace(c, text="", token_ids=[], logprobs=[], top_logprobs=[], finish_reason="length",
+            c = replace(c, text="", token_ids=[], logprobs=[], top_logprobs=[], ranks=[], finish_reason="length",
                         stop_reason=None)  # fmt: skip
         ids, lps, tops, text = c.token_ids, c.logprobs, c.top_logprobs, c.text
         if self.echo:  # the prompt's tokens first: the first has no log-probability
@@ -134,14 +138,14 @@ class ResponseContext:
     def _prompt_logprobs(self, r: TextRequestOutput) -> list[dict | None]:
         """vLLM's prompt_logprobs: per prompt token, None for the first, else its and the top ones' entries."""
         out: list[dict | None] = []
-        for token, scored in zip(r.prompt_token_ids, r.prompt_logprobs or []):
+        for token, scored, rank in zip(r.prompt_token_ids, r.prompt_logprobs or [], r.prompt_ranks or []):
             if scored is None:
                 out.append(None)
                 continue
             # the first k scored are the true top k (a prompt token outside them is below them all)
             top = sorted(scored.items(), key=lambda kv: -kv[1])[: self.prompt_logprobs]
             entries = {t: (lp, i + 1) for i, (t, lp) in enumerate(top)}
-            entries.setdefault(token, (scored[token], None))  # a rank past the top ones is not computed
+            entries.setdefault(token, (scored[token], rank))  # as vLLM: a top one keeps its place as its rank
             out.append({str(t): {"logprob": _finite(lp), "rank": rank, "decoded_token": self.token_text(t)}
                         for t, (lp, rank) in entries.items()})  # fmt: skip
         return out
@@ -151,7 +155,7 @@ class ResponseContext:
         """A sample's delta as the client sees it: with ``echo_only``, no generated token, and "length" at its end."""
         if not self.echo_only:
             return d
-        return replace(d, text="", token_ids=[], logprobs=[], top_logprobs=[],
+        return replace(d, text="", token_ids=[], logprobs=[], top_logprobs=[], ranks=[],
                        finish_reason=d.finish_reason and "length", stop_reason=None)  # fmt: skip
 
     def chunk(self, key: int, d: SampleDelta, include_usage: bool) -> dict:
@@ -182,7 +186,8 @@ class ResponseContext:
 
     def usage_chunk(self, results: list[TextRequestOutput]) -> dict:
         """The last chunk of a stream with ``stream_options.include_usage``."""
-        return {**self.head(chunk=True), "choices": [], "usage": usage(results, generated=not self.echo_only)}
+        returned = [self._best(r) for r in results]
+        return {**self.head(chunk=True), "choices": [], "usage": usage(results, returned, generated=not self.echo_only)}
 
     @staticmethod
     def _with_usage(body: dict, include_usage: bool) -> dict:
@@ -196,11 +201,14 @@ def wants_chunk(d: SampleDelta, with_logprobs: bool) -> bool:
     return bool(d.text or d.finish_reason or (with_logprobs and d.token_ids))
 
 
-def usage(results: list[TextRequestOutput], *, generated: bool = True) -> dict:
-    """OpenAI's usage block: prompt tokens once per prompt (and their prefix-cache hits), every sample's tokens
-    (none unless ``generated``: an echo of the prompt alone)."""
+def usage(results: list[TextRequestOutput], returned: list[list[TextCompletion]] | None = None, *,
+          generated: bool = True) -> dict:  # fmt: skip
+    """OpenAI's usage block: prompt tokens once per prompt (and their prefix-cache hits), the tokens of the samples
+    returned (``returned``, per result: with ``best_of > n`` the ``n`` kept, as vLLM counts them; default every
+    sample), none unless ``generated`` (an echo of the prompt alone)."""
     prompt = sum(len(r.prompt_token_ids) for r in results)
-    completion = sum(len(c.token_ids) for r in results for c in r.outputs) if generated else 0
+    returned = returned if returned is not None else [r.outputs for r in results]
+    completion = sum(len(c.token_ids) for kept in returned for c in kept) if generated else 0
     cached = sum(r.num_cached_tokens or 0 for r in results)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip

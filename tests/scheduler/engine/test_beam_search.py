@@ -258,6 +258,15 @@ def test_bad_requests_leave_the_engine_unchanged(tiny_hf, beam_prompts):
     assert [s.request_id for s in engine.scheduler.waiting] == ["other"]
 
 
+def test_a_search_past_the_model_context_is_refused(tiny_hf, beam_prompts):
+    """Every beam runs to max_tokens: prompt + max_tokens past the 512-token context is refused before anything
+    is queued (the engine's sampled requests stop at the context instead; the pool holds 512 tokens here)."""
+    engine = make_engine(tiny_hf, num_blocks=200)
+    with pytest.raises(InvalidArgumentError, match="model context"):
+        BeamSearch(engine).generate(beam_prompts[1:2], BeamSearchParams(width=1, max_tokens=510))
+    assert not engine.has_unfinished_requests()
+
+
 def test_error_mid_search_leaves_engine_clean(tiny_hf, beam_prompts):
     """An error raised during a step aborts every search: no request left, every block freed."""
     engine = make_engine(tiny_hf)

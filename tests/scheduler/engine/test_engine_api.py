@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from sched_helpers import NUM_NEW, make_engine
+from sched_helpers import NUM_NEW, assert_all_freed, make_engine
 
 from paged_kv.errors import (
     DuplicateSequenceError,
@@ -47,9 +47,7 @@ BAD_REQUESTS = {
     "longer than the pool": (lambda e: e.add_request("x", [1] * 150, None), InvalidArgumentError),
     "n samples past the pool": (lambda e: e.add_request("x", [1] * 40, SamplingParams(n=4)), InvalidArgumentError),
     "n past max_num_seqs": (lambda e: e.add_request("x", [1], SamplingParams(n=5)), InvalidArgumentError),
-    "longer than the model": (
-        lambda e: e.add_request("x", [1] * 10, SamplingParams(max_tokens=510)), InvalidArgumentError
-    ),
+    "prompt longer than the model": (lambda e: e.add_request("x", [1] * 513, None), InvalidArgumentError),
     "abort unknown": (lambda e: e.abort("nope"), UnknownSequenceError),
     "abort non-str": (lambda e: e.abort(["r0"]), UnknownSequenceError),
     "generate with one bad prompt": (lambda e: e.generate([[1, 2], [300]], use_tqdm=False), OutOfRangeError),
@@ -109,6 +107,90 @@ def test_abort_twice_and_after_finish_raise(busy):
         busy.step()
     with pytest.raises(UnknownSequenceError):
         busy.abort("r0")
+
+
+def _samples(out) -> list[tuple]:
+    return [(c.index, c.finish_reason, c.token_ids) for c in out.outputs]
+
+
+@pytest.mark.parametrize("when", ["queued", "mid-prefill"])
+def test_a_request_ended_before_its_samples_fork_reports_every_sample(tiny_hf, prompts, when):
+    """n = 3 before the first sample (queued, or part of its prompt computed): a snapshot, an abort and a failure
+    each give three outputs, indices 0..2, no tokens (an abort or a failure used to give sample 0 alone)."""
+    engine = make_engine(tiny_hf, max_num_batched_tokens=16, max_num_seqs=8)
+    params = SamplingParams(n=3, max_tokens=4, temperature=1.0, seed=0)
+    engine.add_request("a", prompts[6], params)  # 64 tokens: four steps of 16 before it samples
+    engine.add_request("b", prompts[3], params)
+    if when == "mid-prefill":
+        engine.step()
+        assert engine.scheduler.requests["a"].seqs[0].num_computed == 16
+    assert _samples(engine.request_output("a")) == [(i, None, []) for i in range(3)]
+    assert _samples(engine.abort("a")) == [(i, "abort", []) for i in range(3)]
+    failed = engine.fail("b", "its text layer failed")
+    assert _samples(failed) == [(i, "error", []) for i in range(3)] and failed.finished
+    assert_all_freed(engine)
+
+
+@pytest.mark.parametrize("bad", [[1], [0, 1], [-1], {0, 7}])
+def test_stop_samples_refuses_an_index_the_request_does_not_have(busy, bad):
+    """Each request of ``busy`` has one sample: any other index is out of range (it used to be ignored)."""
+    before = _state(busy)
+    with pytest.raises(OutOfRangeError, match="indices"):
+        busy.stop_samples("r0", bad)
+    assert _state(busy) == before
+
+
+@pytest.mark.parametrize("when", ["queued", "mid-prefill"])
+@pytest.mark.parametrize("stopped", [[2], [0], [1, 0], [0, 1, 2]])
+def test_a_sample_stopped_before_it_is_forked_ends_with_no_token_and_is_never_forked(tiny_hf, prompts, when,
+                                                                                       stopped):  # fmt: skip
+    """n = 3 stopped by index before the first sample: each stopped sample ends with no token, the others run
+    to the end with the tokens they have alone (sample 0, computing the prompt, hands it on to one of them);
+    stopped samples used to be forked and run on, and stopping sample 0 ended the whole request."""
+    params = SamplingParams(n=3, max_tokens=5, temperature=1.0, seed=3, ignore_eos=True)
+    (free,) = make_engine(tiny_hf).generate([prompts[2]], params, use_tqdm=False)
+    engine = make_engine(tiny_hf, max_num_batched_tokens=16, max_num_seqs=8)
+    engine.add_request("r", prompts[2], params)  # 33 tokens: three steps before it samples
+    if when == "mid-prefill":
+        engine.step()
+    engine.stop_samples("r", stopped)
+    assert [c.finish_reason for c in engine.request_output("r").outputs] == [
+        "stop" if i in stopped else None for i in range(3)]  # fmt: skip
+    done = {}
+    while engine.has_unfinished_requests():
+        done |= {o.request_id: o for o in engine.step()}
+    assert _samples(done["r"]) == [(i, "stop", []) if i in stopped else (i, "length", free.outputs[i].token_ids)
+                                   for i in range(3)]  # fmt: skip
+    assert_all_freed(engine)
+
+
+def _trace_position_ends(engine) -> list[int]:
+    """Records, for every sequence each step runs, the end of the positions it computes."""
+    ends, schedule = [], engine.scheduler.schedule
+
+    def traced():
+        out = schedule()
+        ends.extend(s.start + s.num_tokens for s in out.scheduled)
+        return out
+
+    engine.scheduler.schedule = traced
+    return ends
+
+
+def test_a_request_past_the_model_context_stops_there_with_length(tiny_hf):
+    """As vLLM's offline engine: prompt + max_tokens past the context (512) is served and stops once the sample
+    holds 512 tokens ("length"; a prompt of exactly 512 gets one token), no position reaches 512, and the pool
+    need is counted at that length (130 blocks of 4 hold 512 tokens, not 500 + 100); it used to be refused."""
+    engine = make_engine(tiny_hf, num_blocks=130)
+    ends = _trace_position_ends(engine)
+    params = SamplingParams(max_tokens=100, ignore_eos=True)
+    for prompt_len, expected in ((500, 12), (512, 1)):
+        (out,) = engine.generate([[7] * prompt_len], params, use_tqdm=False)
+        assert (len(out.outputs[0].token_ids), out.outputs[0].finish_reason) == (expected, "length")
+    assert max(ends) == 512  # positions 0..511: the 512-token prompt's, never one past
+    with pytest.raises(InvalidArgumentError, match="model context"):
+        engine.add_request("long", [7] * 513, params)
+    assert_all_freed(engine)
 
 
 def test_stop_tokens_and_eos_end_a_sample_and_are_kept(tiny_hf, prompts, hf_greedy):

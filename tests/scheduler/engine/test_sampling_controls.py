@@ -147,6 +147,26 @@ def test_prompt_logprobs_survive_preemption_in_the_middle_of_a_prompt(tiny_hf, p
     _assert_scored_like(done["long"].prompt_logprobs, _prompt_logprobs_reference(tiny_hf, prompts[6], 1))
 
 
+def test_prompt_and_sampled_tokens_carry_their_rank_in_the_vocabulary(tiny_hf, prompts):
+    """Every prompt token's and every sampled token's rank under the model's raw logits, as vLLM counts it (the
+    tokens with a logit at least its own), past the top ones asked for too (they used to have none)."""
+    engine = make_engine(tiny_hf)
+    params = SamplingParams(max_tokens=6, temperature=1.5, seed=4, n=2, prompt_logprobs=1, ignore_eos=True)
+    (out,) = engine.generate([prompts[2]], params, use_tqdm=False)
+    prompt = prompts[2]
+    with torch.no_grad():
+        logits = tiny_hf(torch.tensor([prompt])).logits[0].float()  # [P, V]
+    want = [None] + [int((logits[i - 1] >= logits[i - 1, prompt[i]]).sum()) for i in range(1, len(prompt))]
+    assert out.prompt_ranks == want and max(want[1:]) > 2  # most prompt tokens are far from the top two
+    for sample in out.outputs:
+        ids = prompt + sample.token_ids
+        with torch.no_grad():
+            logits = tiny_hf(torch.tensor([ids])).logits[0].float()
+        rows = range(len(prompt) - 1, len(ids) - 1)
+        assert sample.ranks == [int((logits[i] >= logits[i, ids[i + 1]]).sum()) for i in rows]
+    assert max(r for s in out.outputs for r in s.ranks) > 1  # sampled, not greedy
+
+
 def test_parallel_samples_each_keep_their_own_penalty_counts(tiny_hf, prompts):
     penalties = dict(repetition_penalty=1.4, frequency_penalty=0.8, presence_penalty=0.5, temperature=1.0)
     engine = make_engine(tiny_hf)

@@ -113,6 +113,26 @@ def test_a_sample_ended_by_a_stop_string_stops_generating_while_its_siblings_run
     assert generated == len(first.token_ids) + len(second.token_ids) < 40  # the stopped sample took no more steps
 
 
+def test_a_request_aborted_before_its_first_sample_reports_each_of_its_samples(llm):
+    llm.processor.add("early", llm.tokenizer.encode("hello world"), SamplingParams(n=3, max_tokens=4))
+    out = llm.processor.abort("early").result()
+    assert [(s.index, s.finish_reason, s.text, s.token_ids) for s in out.outputs] == [
+        (i, "abort", "", []) for i in range(3)]  # fmt: skip
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_prompt_near_the_context_is_answered_up_to_it(llm):
+    """As vLLM's LLM: max_tokens past the model context (the default 16 too) stops at the context with "length";
+    only a prompt longer than the context is refused (it used to refuse prompt + max_tokens > context)."""
+    context = llm.engine.model.config.max_position_embeddings
+    ids = llm.tokenizer.encode("hello world") * context
+    outs = llm.generate([ids[: context - 3], ids[:context]], SamplingParams(ignore_eos=True))
+    assert [(len(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outs] == [(3, "length"), (1, "length")]
+    with pytest.raises(InvalidArgumentError, match="model context"):
+        llm.generate([ids[: context + 1]], SamplingParams(max_tokens=1))
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_a_stop_token_ends_the_text_before_it_and_is_the_stop_reason(llm):
     tokens = llm.generate("hello world", GREEDY)[0].outputs[0].token_ids
     k = first_text_token(llm.tokenizer, tokens)

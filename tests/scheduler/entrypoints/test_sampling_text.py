@@ -67,6 +67,8 @@ def test_prompt_logprobs_reach_the_text_output(llm):
     (ref,) = llm.engine.generate([out.prompt_token_ids], SamplingParams(max_tokens=2, prompt_logprobs=2),
                                  use_tqdm=False)  # fmt: skip
     assert out.prompt_logprobs == ref.prompt_logprobs
+    assert out.prompt_ranks == ref.prompt_ranks and out.outputs[0].ranks == ref.outputs[0].ranks
+    assert out.prompt_ranks[0] is None and all(r >= 1 for r in out.prompt_ranks[1:] + out.outputs[0].ranks)
     assert len(out.prompt_logprobs) == len(out.prompt_token_ids) and out.prompt_logprobs[0] is None
     assert [next(iter(d)) for d in out.prompt_logprobs[1:]] == out.prompt_token_ids[1:]
     assert llm.generate("the quick", SamplingParams(max_tokens=1))[0].prompt_logprobs is None

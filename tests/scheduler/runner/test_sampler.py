@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from scheduler import SamplingParams
-from scheduler.runner.sampler import apply_top_k_top_p, sample
+from scheduler.runner.logits_processors import empty_histories
+from scheduler.runner.sampler import PromptRows, Sampler, SampleRow, apply_top_k_top_p, sample
 
 PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
 
@@ -94,3 +95,29 @@ def test_top_logprobs_report_the_raw_distribution():
     lp = torch.log_softmax(logits, -1)[0]
     assert result.top_logprobs[0] == pytest.approx({0: lp[0].item(), 2: lp[2].item()})
     assert result.token_ids == [0] and result.logprobs[0] == pytest.approx(lp[0].item())
+
+
+def _vocab_rank(logits: torch.Tensor, tokens: list[int]) -> list[int]:
+    """vLLM's rank of each row's token: how many tokens of the row have a logit at least its own."""
+    picked = logits.gather(1, torch.tensor(tokens)[:, None])
+    return (logits >= picked).sum(-1).tolist()
+
+
+def test_sampled_and_prompt_tokens_carry_their_rank_in_the_whole_vocabulary():
+    """Ranks past the top k too, for any logprobs asked (0 included), on the raw logits; a tie counts against."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 50, generator=g)
+    logits[1, 7] = logits[1].max()  # a tie at the top
+    params = [SamplingParams(temperature=1.0, seed=1, logprobs=k % 3) for k in range(6)]
+    params[1] = SamplingParams(logprobs=1)  # greedy over the tie
+    gens = [torch.Generator().manual_seed(i) for i in range(6)]
+    prompt_logits = torch.randn(5, 50, generator=g)
+    targets = torch.randint(0, 50, (5,), generator=g).tolist()
+    result = Sampler(50, torch.device("cpu"))(
+        logits, [SampleRow(p, gen, h) for p, gen, h in zip(params, gens, empty_histories(6))], prompt_logits,
+        PromptRows(targets, [0, 1, 2, 0, 3]),
+    )  # fmt: skip
+    assert result.ranks == _vocab_rank(logits, result.token_ids)
+    assert result.ranks[1] == 2 and max(result.ranks) > 3  # ranks well past the top ones were drawn
+    assert result.prompt_ranks == _vocab_rank(prompt_logits, targets)
+    assert max(result.prompt_ranks) > 3

@@ -51,6 +51,28 @@ def test_max_model_len_is_the_kv_pool_or_the_cap_and_a_longer_request_is_refused
         assert s.post("chat/completions", chat).json()["usage"]["total_tokens"] == longest
 
 
+def test_the_model_context_bounds_max_tokens_as_vllm_serves_it(served):
+    """The served max_model_len is the model's context here (the pool holds more). As vLLM's server: a chat's
+    omitted max_tokens is clamped to it (the answer stops there with "length"), an explicit one past it is a
+    400 (a completion's omitted max_tokens is OpenAI's 16), and a prompt that leaves no room is a 400."""
+    context = served.llm.engine.model.config.max_position_embeddings
+    words = next(m for m in range(8, context, 8) if len(served.llm.chat_prompt(_long_chat(m))) > context - 24)
+    room = context - len(served.llm.chat_prompt(_long_chat(words)))
+    chat = {"model": served.model, "messages": _long_chat(words), "ignore_eos": True, "temperature": 0}
+    r = served.post("chat/completions", chat).json()
+    assert (r["choices"][0]["finish_reason"], r["usage"]["completion_tokens"]) == ("length", room)
+    refused(served.post("chat/completions", chat | {"max_tokens": room + 1}), "max_tokens")
+    body = {"model": served.model, "prompt": [5] * (context - 6), "ignore_eos": True, "temperature": 0}
+    r = served.post("completions", body | {"max_tokens": 6}).json()
+    assert (r["choices"][0]["finish_reason"], r["usage"]["completion_tokens"]) == ("length", 6)
+    refused(served.post("completions", body), "max_tokens")  # the default 16 does not fit
+    refused(served.post("completions", body | {"prompt": [5] * context, "max_tokens": 1}), "prompt")
+
+
+def _long_chat(words: int) -> list[dict]:
+    return [{"role": "user", "content": "hello " * words}]
+
+
 def test_completion_logprobs_hold_the_sampled_token_and_streamed_offsets_continue(served):
     body = {"model": served.model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
     for k in (0, 2):
@@ -122,7 +144,8 @@ def test_best_of_returns_the_most_likely_of_its_samples(served):
     best = max(samples["choices"], key=lambda c: sum(c["logprobs"]["token_logprobs"]))
     r = served.post("completions", {**body, "best_of": 3}).json()
     assert [c["text"] for c in r["choices"]] == [best["text"]]
-    assert r["usage"]["completion_tokens"] == samples["usage"]["completion_tokens"] == 18
+    assert samples["usage"]["completion_tokens"] == 18  # n = 3: every sample is returned
+    assert r["usage"]["completion_tokens"] == 6  # as vLLM: the returned sample's tokens, not the 18 generated
     refused(served.post("completions", {**body, "best_of": 3, "stream": True}), "best_of")
     refused(served.post("completions", {**body, "n": 3, "best_of": 2}), "best_of")
 
@@ -204,8 +227,10 @@ def test_echo_and_prompt_logprobs_show_the_prompt_as_the_offline_engine_scores_i
     assert shown[0] is None and len(shown) == len(ids)
     for i, t in enumerate(ids[1:], start=1):
         assert shown[i][str(t)]["logprob"] == pytest.approx(scored[i][t], abs=1e-5)
-        ranks = sorted(e["rank"] for e in shown[i].values() if e["rank"] is not None)
-        assert ranks[:2] == [1, 2]  # the two most likely, ranked
+        top = sorted(scored[i].items(), key=lambda kv: -kv[1])[:2]
+        assert {int(k): e["rank"] for k, e in shown[i].items()} == {t: ref.prompt_ranks[i]} | {
+            k: rank for rank, (k, _) in enumerate(top, start=1)}  # the top two by place, the token by its rank
+    assert max(ref.prompt_ranks[1:]) > 2  # a token past the top two has its rank too (it used to be null)
     chat = served.post("chat/completions", {"model": served.model, "messages": CHAT, "max_tokens": 2,
                                             "prompt_logprobs": 0})  # fmt: skip
     assert chat.status_code == 200 and chat.json()["prompt_logprobs"][0] is None
