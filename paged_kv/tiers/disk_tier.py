@@ -10,11 +10,12 @@ all match the request, as in the device pool. The file format is in
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,13 +111,14 @@ class DiskTier:
             start += len(slots)
         got: list[DiskBlock] = []
         kv_parts, scale_parts = [], []
-        for (_, slots), loaded in zip(runs, self._load_all(jobs)):
-            if loaded is None:
-                break
-            _, kv, scales = loaded
-            kv_parts.append(rows(kv, slots))
-            scale_parts += [] if scales is None else [rows(scales, slots)]
-            got += wanted[len(got) : len(got) + len(slots)]
+        with contextlib.closing(self._load_all(jobs)) as loads:  # closing it ends every load before read returns
+            for (_, slots), loaded in zip(runs, loads):
+                if loaded is None:
+                    break
+                _, kv, scales = loaded
+                kv_parts.append(rows(kv, slots))
+                scale_parts += [] if scales is None else [rows(scales, slots)]
+                got += wanted[len(got) : len(got) + len(slots)]
         with self._cond:
             self._store.counts["hits"] += len(got)
         if not got:
@@ -124,12 +126,23 @@ class DiskTier:
         return got, joined(kv_parts), joined(scale_parts) if scale_parts else None
 
     def _load_all(self, jobs: list[tuple[str, dict[int, DiskBlock]]]) -> Iterator[Loaded | None]:
-        """Each file loaded and verified, in order: on the reader threads when there are several."""
+        """Each file loaded and verified, in order: on the reader threads when there are several.
+
+        Closed early (the read stopped at a miss), it cancels the loads not started and waits for the
+        running ones, so no load outlives the read: none deletes a corrupt file or marks one used later.
+        """
         with self._cond:  # close() shuts the pool down only after it set _closed under this lock
-            if len(jobs) > 1 and not self._closed:
-                futures = [self._readers.submit(self._store.load, *job) for job in jobs]
-                return (future.result() for future in futures)
-        return (self._store.load(*job) for job in jobs)
+            parallel = len(jobs) > 1 and not self._closed
+            futures = [self._readers.submit(self._store.load, *job) for job in jobs] if parallel else []
+        if not parallel:
+            yield from (self._store.load(*job) for job in jobs)
+            return
+        try:
+            yield from (future.result() for future in futures)
+        finally:
+            for future in futures:
+                future.cancel()
+            wait(futures)
 
     # -- writes -----------------------------------------------------------------------------------------
     def put(self, blocks: Sequence[DiskBlock], kv: torch.Tensor, scales: torch.Tensor | None) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from disk_helpers import (
@@ -168,3 +169,24 @@ def test_a_failed_write_is_counted_and_leaves_no_file(tmp_path, monkeypatch):
         store(tier, chain(range(2 * BS))[3])
         assert tier.stats.writes_dropped == 2 and tier.stats.num_blocks == 0
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_read_that_stops_at_a_miss_leaves_no_load_running(tmp_path, monkeypatch):
+    # a miss in the first file ends the read; the later files' loads must not outlive it (one of
+    # them could delete a corrupt file, or mark a file used, after the caller got its answer)
+    root, hashes, contents, blocks = chain(range(4 * BS))
+    real_load, running = disk_store.DiskStore.load, []
+
+    def load(self, name, expect):
+        if any(b.hash == hashes[0] for b in expect.values()):
+            return None  # the first file: unreadable now
+        running.append(name)
+        time.sleep(0.3)  # a later file: still loading when the first one has missed
+        running.remove(name)
+        return real_load(self, name, expect)
+
+    with DiskTier(tmp_path, capacity_bytes=BIG, fingerprint=FP16, blocks_per_file=1) as tier:
+        store(tier, blocks)
+        monkeypatch.setattr(disk_store.DiskStore, "load", load)
+        assert tier.read(root, hashes, contents, limit=4) == ([], None, None)
+        assert running == []
