@@ -181,9 +181,11 @@ def test_long_random_walks_of_the_machine(seed):
     try:
         for _ in range(400):
             name = rng.choices(names, weights)[0]
-            result = getattr(machine, name)(**WALK[name][1](rng))
-            hits += name == "do_read" and bool(result)
+            args = WALK[name][1](rng)
+            result = getattr(machine, name)(**args)
+            hits += name == "do_read" and args["settle"] and bool(result)
         machine.do_flush_and_check()
     finally:
         machine.teardown()
-    assert hits >= 40  # the walk reaches the interesting states
+    # the walk reaches the interesting states; only settled reads count, as the others race the writer thread
+    assert hits >= 15
