@@ -19,8 +19,9 @@ PROMPT = "the quick brown fox"
 
 
 def _usable_tokens(engine) -> int:
+    """The longest sample the pool holds: a KV slot per token but the last (never fed back)."""
     pool = engine.block_manager.config
-    return (pool.num_blocks - pool.watermark_blocks) * pool.block_size
+    return (pool.num_blocks - pool.watermark_blocks) * pool.block_size + 1
 
 
 def test_models_advertise_what_one_request_can_get_and_each_model_has_its_card(served, client):
