@@ -112,9 +112,17 @@ class PagedKVCache:
     def grow(self, num_blocks: int) -> None:
         """Append ``num_blocks`` zeroed blocks to every tensor (existing block ids keep their data)."""
         check_int("num_blocks", num_blocks, low=0, high=MAX_BLOCKS - self.num_blocks)
-        grown = lambda t: torch.cat([t, t.new_zeros((num_blocks, *t.shape[1:]))])  # noqa: E731
-        self.layers = [LayerKV(*(None if t is None else grown(t) for t in layer)) for layer in self.layers]
+        grown = lambda t: None if t is None else self._grown(t, num_blocks)  # noqa: E731
+        self.layers = [LayerKV(*map(grown, layer)) for layer in self.layers]
         self.num_blocks += num_blocks
+
+    def _grown(self, t: torch.Tensor, num_blocks: int) -> torch.Tensor:
+        """``t`` with ``num_blocks`` zeroed blocks appended, in new storage pinned as the cache was built."""
+        # torch.cat allocates pageable memory whatever its inputs are: allocate with the cache's pinning and copy.
+        shape = (t.shape[0] + num_blocks, *t.shape[1:])
+        out = torch.zeros(shape, dtype=t.dtype, device=t.device, pin_memory=self.pin_memory)
+        out[: t.shape[0]].copy_(t)
+        return out
 
     def add_layers(self, num_layers: int) -> None:
         """Append ``num_layers`` zeroed layers; every block id gains slots in them, existing layers untouched."""

@@ -85,6 +85,15 @@ def _check_norms(names: list[tuple[str, str]], x: torch.Tensor, records: torch.T
         ))
 
 
+def _scores_f32(products: torch.Tensor, head_dim: int) -> np.ndarray:
+    """float64 estimates of ``q . k`` as float32 scores ``q . k / sqrt(head_dim)``.
+
+    Scaled before the cast, so a score float32 holds is finite; one past float32's range (a key and
+    query both near its limit) rounds to +-inf as IEEE overflow does, never NaN.
+    """
+    return to_numpy((products / math.sqrt(head_dim)).float())
+
+
 # -- paged storage -------------------------------------------------------------
 def _store(pool: KVPool, heads: list[KvCacheCompressor], records: torch.Tensor) -> None:
     """Append one token's records ``[H, 2, R]`` (key, value) to each of ``H`` heads: all of them or none."""
@@ -165,8 +174,8 @@ class KvCacheCompressor:
         q = _vector("query", query, self.config.head_dim, self.device)
         if self.is_empty():
             return np.zeros(0, dtype=np.float32)
-        scores = self.quantizer.inner_products(self._records(0).unsqueeze(0), q.unsqueeze(0))[0]
-        return to_numpy(scores / math.sqrt(self.config.head_dim))
+        scores = self.quantizer.inner_products(self._records(0).unsqueeze(0), q.unsqueeze(0))[0]  # float64
+        return _scores_f32(scores, self.config.head_dim)
 
     def decode_keys(self, *, with_residual: bool = False) -> np.ndarray:
         """Approximate keys ``[len, head_dim]`` float32; ``with_residual`` adds the unbiased residual estimate."""
@@ -280,8 +289,8 @@ class MultiHeadKvCache:
         if len({head.len() for head in self._heads}) > 1:  # heads evicted separately: one at a time
             return [head.attention_scores(q[i]) for i, head in enumerate(self._heads)]
         keys = torch.stack([head._records(0) for head in self._heads])  # [H, T, R]
-        scores = self.quantizer.inner_products(keys, q) / math.sqrt(self.config.head_dim)  # [H, T]
-        return list(to_numpy(scores))
+        scores = self.quantizer.inner_products(keys, q)  # [H, T] float64
+        return list(_scores_f32(scores, self.config.head_dim))
 
     def len(self) -> int:
         """Number of tokens stored (in head 0)."""

@@ -208,17 +208,19 @@ class TurboQuantizer:
         return levels, signs, self.norms(rec)
 
     def inner_products(self, records: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
-        """Unbiased estimates ``[H, T]`` of ``<k, q>`` from key records ``[H, T, R]``, queries ``[H, d]``."""
+        """Unbiased estimates ``[H, T]`` float64 of ``<k, q>`` from key records ``[H, T, R]``, queries ``[H, d]``."""
         # Row-wise sums, not matmuls: a score does not depend on how many keys or heads share the call.
-        q_rot = (self.rotation * queries.unsqueeze(1)).sum(-1)  # [H, d]: rotate the query, not every key back
-        s_q = (self.sketch * q_rot.unsqueeze(1)).sum(-1)  # [H, m]
+        # float64 throughout: a float32 query's rotation, sketch and products with a key's float32 norms
+        # cannot overflow, so finite inputs give finite estimates (float32 overflowed to inf, then NaN).
+        q_rot = (self.rotation.double() * queries.double().unsqueeze(1)).sum(-1)  # [H, d]: rotate q, not every key
+        s_q = (self.sketch.double() * q_rot.unsqueeze(1)).sum(-1)  # [H, m]
         out = []
         for rec in self._chunks(records):
             levels, signs, norms = self._fields(rec)
-            main = (levels * q_rot.unsqueeze(1)).sum(-1)  # [H, t]
-            qjl = (signs * s_q.unsqueeze(1)).sum(-1)  # [H, t]
-            out.append(norms[..., 0] * main + norms[..., 1] * self.qjl_scale * qjl)
-        return torch.cat(out, dim=1) if out else queries.new_zeros(queries.shape[0], 0)
+            main = (levels.double() * q_rot.unsqueeze(1)).sum(-1)  # [H, t]
+            qjl = (signs.double() * s_q.unsqueeze(1)).sum(-1)  # [H, t]
+            out.append(norms[..., 0].double() * main + norms[..., 1].double() * self.qjl_scale * qjl)
+        return torch.cat(out, dim=1) if out else queries.new_zeros(queries.shape[0], 0, dtype=torch.float64)
 
     def decode(self, records: torch.Tensor, *, with_residual: bool = False) -> torch.Tensor:
         """Vectors ``[H, T, d]`` from records ``[H, T, R]``; ``with_residual`` adds the sketch's residual estimate."""

@@ -20,6 +20,18 @@ Every live beam of every request runs in the same engine step: the search drives
 engine's own :meth:`~scheduler.engine.llm_engine.LLMEngine.step` with a selection hook in place
 of sampling (it forks, prunes and picks every beam's token), so scheduling, preemption,
 stop bookkeeping and metrics are the engine's.
+
+Where vLLM's ``LLM.beam_search`` differs (deliberately: transformers is the oracle here). vLLM
+scores ``cum_logprob / len ** length_penalty`` with ``len`` the prompt plus output tokens less a
+final EOS, keeps every EOS candidate of every beam's top ``2W`` as finished, never stops early
+and returns the best ``W`` of finished and running beams; here ``len`` counts output tokens
+(EOS included), only EOS candidates among the best ``W`` finish, and ``early_stopping`` applies.
+vLLM's ``beam_width`` is ``width`` here; there is no ``temperature`` (scores are the model's
+log-probabilities, as vLLM's raw logprobs); ``stop_token_ids`` end hypotheses as EOS does (vLLM
+knows only the tokenizer's EOS); a hypothesis holds its output tokens and per-token
+log-probabilities (vLLM: prompt + output tokens, top-``2W`` dicts), its text (from
+:meth:`~scheduler.entrypoints.llm.LLM.beam_search`) is the output's, its stop token left out;
+and ``prompt + max_tokens`` past the model context is refused up front.
 """
 
 from __future__ import annotations
@@ -87,6 +99,7 @@ class BeamHypothesis:
     cumulative_logprob: float  # float32 running sum, as ranked
     score: float  # cumulative_logprob / len(token_ids) ** length_penalty
     finish_reason: str  # "stop" or "length"
+    text: str | None = None  # the output as text, its stop token left out: LLM.beam_search fills it (no tokenizer here)
 
 
 @dataclass(frozen=True, kw_only=True)

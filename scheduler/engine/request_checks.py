@@ -31,6 +31,12 @@ def capped_length(prompt_len: int, max_tokens: int, context: int) -> int:
     return prompt_len + min(max_tokens, max(context - prompt_len, 1))
 
 
+def kv_length(total: int) -> int:
+    """KV slots a sample of ``total`` tokens ever holds: all but its last, which ends it when sampled and is never
+    fed back (the scheduler appends a token's slot only in the step that computes it)."""
+    return total - 1
+
+
 def check_within_context(prompt_len: int, max_tokens: int, model: ModelConfig) -> None:
     """Refuse ``prompt_len + max_tokens`` past the model context: for a search that runs every sequence to
     ``max_tokens`` rather than stopping at the context."""
@@ -48,24 +54,27 @@ def check_request_fits(
     for the step budget or the pool.
 
     A sample is as long as ``max_tokens`` makes it within the model context (:func:`capped_length`: the
-    engine stops it there with "length", as vLLM does). The pool check is the worst case: every one of the
-    ``n`` samples at that length, alone in the pool beside the ``pinned_blocks`` pinned prefixes hold that
-    it does not share (never freed), sharing nothing else (so a request that passes can always run once
-    the others are done or preempted).
+    engine stops it there with "length", as vLLM does); it computes, and holds KV for, all but its last token
+    (:func:`kv_length`), in one step when recomputed after a preemption without chunked prefill. The pool
+    check is the worst case: every one of the ``n`` samples at that length, alone in the pool beside the
+    ``pinned_blocks`` pinned prefixes hold that it does not share (never freed), sharing nothing else (so a
+    request that passes can always run once the others are done or preempted).
     """
     context = model.max_position_embeddings
     if prompt_len > context:
         raise InvalidArgumentError(describe("len(prompt_token_ids)", prompt_len, f"at most {context} (model context)"))
     total = capped_length(prompt_len, params.max_tokens, context)
-    if not sched.enable_chunked_prefill and total > sched.max_num_batched_tokens:
+    computed = kv_length(total)  # >= prompt_len: a sample has at least one output
+    if not sched.enable_chunked_prefill and computed > sched.max_num_batched_tokens:
         raise InvalidArgumentError(describe(
             "len(prompt_token_ids) + max_tokens", total,
-            f"at most max_num_batched_tokens={sched.max_num_batched_tokens} without chunked prefill",
+            f"at most max_num_batched_tokens + 1 = {sched.max_num_batched_tokens + 1} without chunked prefill"
+            " (all but the last token are computed)",
         ))  # fmt: skip
     if params.n > sched.max_num_seqs:
         raise InvalidArgumentError(describe("n", params.n, f"at most max_num_seqs={sched.max_num_seqs}"))
     usable = pool.num_blocks - pool.watermark_blocks - pinned_blocks
-    need = params.n * -(-total // pool.block_size)
+    need = params.n * -(-computed // pool.block_size)
     if need > usable:
         pins = f" ({pinned_blocks} held by pinned prefixes)" if pinned_blocks else ""
         raise InvalidArgumentError(describe(

@@ -8,6 +8,7 @@ template, stop strings end samples, and every output carries its text
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 from collections.abc import Mapping, Sequence
@@ -19,7 +20,9 @@ from paged_kv.errors import InvalidArgumentError, check_bool, check_int, check_t
 from paged_kv.tokens import as_id_list
 from scheduler.core.config import EngineConfig
 from scheduler.core.params import SamplingParams, per_prompt
+from scheduler.engine.beam_search import BeamHypothesis, BeamSearch, BeamSearchOutput, BeamSearchParams
 from scheduler.engine.llm_engine import LLMEngine
+from scheduler.entrypoints.detokenizer import IncrementalDetokenizer
 from scheduler.entrypoints.output_processor import OutputProcessor, TextRequestOutput, with_bad_word_ids
 from scheduler.model.loader import LoadedModel, load_model
 
@@ -89,6 +92,33 @@ class LLM:
         encoded = [self.encode(p) for p in prompts]
         ids, texts = [ids for ids, _ in encoded], [text for _, text in encoded]
         return self._run(ids, texts, sampling_params, use_tqdm, priorities)
+
+    def beam_search(
+        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams | Sequence[BeamSearchParams] | None = None,
+        *, use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:  # fmt: skip
+        """Beam-search every prompt (strings or token id lists), as vLLM's ``LLM.beam_search``; outputs in prompt
+        order, each with up to ``width`` hypotheses best first, every one with its ``.text``.
+
+        The search is :class:`~scheduler.engine.beam_search.BeamSearch`'s (transformers' semantics); a
+        hypothesis's text is its output, decoded as ``generate`` decodes a sample: special tokens skipped,
+        the stop token (EOS or a stop id) that ended it adds no text.
+        """
+        check_bool("use_tqdm", use_tqdm)
+        if isinstance(prompts, bytes) or not isinstance(prompts, (str, Sequence)) or not prompts:
+            raise InvalidArgumentError(describe("prompts", type(prompts).__name__, "a prompt or a non-empty list"))
+        if isinstance(prompts, str) or isinstance(prompts[0], int):
+            prompts = [prompts]
+        ids = [self.encode(p)[0] for p in prompts]
+        outs = BeamSearch(self.engine).generate(ids, params, use_tqdm=use_tqdm)
+        texts = lambda out: [self._beam_text(out.prompt_token_ids, h) for h in out.hypotheses]  # noqa: E731
+        return [dataclasses.replace(out, hypotheses=texts(out)) for out in outs]
+
+    def _beam_text(self, prompt_token_ids: list[int], hyp: BeamHypothesis) -> BeamHypothesis:
+        """``hyp`` with its text: its tokens after the prompt, less the stop token that ended it."""
+        ids = hyp.token_ids[:-1] if hyp.finish_reason == "stop" else hyp.token_ids
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids)
+        return dataclasses.replace(hyp, text=detok.add(ids) + detok.flush())
 
     def chat(
         self, messages: Messages | Sequence[Messages], sampling_params: Params = None, *, use_tqdm: bool = False

@@ -277,6 +277,13 @@ def _rows() -> list[Entry]:
             "priority": Arg("int", 0, bad={WRONG_TYPE: ["3", None, [1, 2]],  # one int, or one per prompt
                                            OUT_OF_RANGE: [1 << 63, -(1 << 63) - 1, [1 << 63]]})},  # any int64
               tiny_llm, named={"prompts": ("prompt", "prompts")}),
+        Entry("scheduler.LLM.beam_search", "beam_search", {
+            "prompts": Arg("obj", lambda: ["hello"], bad={WRONG_TYPE: [None, 3, [3.5], [None], []],
+                BOOL_FOR_INT: [[[True]]], NONINTEGRAL: [[[1.5]]], OUT_OF_RANGE: [[[-1]], [[10**6]]]}),
+            "params": Arg("obj", lambda: scheduler.BeamSearchParams(width=2, max_tokens=2),
+                          bad={WRONG_TYPE: ["x", 3, {"width": 2}]}),
+            "use_tqdm": Arg("bool", False)}, tiny_llm,
+              named={"prompts": ("prompt", "prompts", "prompt_token_ids")}),
         Entry("scheduler.LLM.pin_prefix", "pin_prefix", {
             "prompt": Arg("obj", "hello world, hello there", bad={WRONG_TYPE: [None, 3, b"hi", [1]],
                 BOOL_FOR_INT: [[True] * 4], NONINTEGRAL: [[1.5] * 4], OUT_OF_RANGE: [[-1] * 4, [10**6] * 4]}),

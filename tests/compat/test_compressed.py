@@ -191,6 +191,26 @@ def test_attention_scores_errors():
         c.attention_scores(np.r_[np.nan, np.ones(D - 1)])
 
 
+def test_a_query_of_any_finite_float32_scores_finite():
+    # Queries are not stored, so their norm has no float32 limit: a query of norm 6.8e38 (past float32's
+    # maximum, every element finite) scored -inf or NaN when the estimate ran in float32. Its scores are
+    # the unit query's, scaled (a power of two: exact); a score past float32's range is +-inf, never NaN.
+    c = KvCacheCompressor(CFG)
+    for k, v in zip(randn(5, D, seed=1) / 64, randn(5, D, seed=2)):
+        c.push(k, v)
+    c.push(np.full(D, 2.0**120), np.ones(D))  # a key whose score with the big query is ~2^241
+    big, unit = c.attention_scores(np.full(D, 2.0**127)), c.attention_scores(np.ones(D))
+    assert big.dtype == np.float32 and np.isfinite(big[:5]).all() and np.isposinf(big[5])
+    assert np.allclose(big[:5].astype(np.float64) / 2.0**127, unit[:5], rtol=1e-5, atol=0)
+    m = MultiHeadKvCache(2, CFG)
+    for t in range(4):
+        m.push_token(randn(2, D, seed=t) / 64, randn(2, D, seed=t + 10))
+    scaled, plain = m.attention_scores(np.full((2, D), 2.0**127)), m.attention_scores(np.ones((2, D)))
+    for h in range(2):
+        assert np.isfinite(scaled[h]).all() and np.allclose(scaled[h] / 2.0**127, plain[h], rtol=1e-5, atol=0)
+        assert np.array_equal(scaled[h], m.head(h).attention_scores(np.full(D, 2.0**127)))
+
+
 def test_compression_ratio_counts_the_pages_held():
     cfg = KvCacheConfig(64, 4, 32, 0)
     c, _, _ = filled(1, cfg, block_size=4)

@@ -130,6 +130,48 @@ def test_grow_keeps_data_and_ids():
     assert torch.equal(cache.gather(0, [0, 1], 0, 8)[0], k)
 
 
+@pytest.mark.parametrize("dtype", (torch.float16, torch.int8), ids=str)
+def test_grow_allocates_with_the_pinning_the_cache_was_built_with(monkeypatch, dtype):
+    # torch.cat returns pageable pages: a pinned host cache that grew lost its pinning. Without an
+    # accelerator torch cannot pin, so a stand-in allocator records which storages were asked pinned.
+    pinned: set[int] = set()
+    real_zeros = torch.zeros
+
+    def zeros(*args, pin_memory=False, **kwargs):
+        out = real_zeros(*args, **kwargs)
+        if pin_memory:
+            pinned.add(out.data_ptr())
+        return out
+
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch, "zeros", zeros)
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype=dtype)
+    cache = PagedKVCache(spec, 2, "cpu", pin_memory=True)
+    assert cache.pin_memory and all(t.data_ptr() in pinned for t in cache.tensors())
+    k = torch.randn(8, 2, 8, generator=torch.Generator().manual_seed(0))
+    cache.write(1, k, k, cache.slots([0, 1], 0, 8))
+    before = [t.clone() for t in cache.tensors()]
+    cache.grow(3)
+    assert all(t.shape[0] == 5 and t.data_ptr() in pinned for t in cache.tensors())
+    assert all(torch.equal(t[:2], b) and not t[2:].view(torch.uint8).any() for t, b in zip(cache.tensors(), before))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_pinned_host_cache_stays_pinned_when_it_grows():
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.int8)
+    cache = PagedKVCache(spec, 2, "cpu", pin_memory=True)
+    k = torch.randn(8, 2, 8, generator=torch.Generator().manual_seed(0))
+    cache.write(0, k, k, cache.slots([0, 1], 0, 8))
+    before = cache.gather(0, [0, 1], 0, 8)[0]
+    cache.grow(3)
+    assert cache.num_blocks == 5 and all(t.is_pinned() for t in cache.tensors())
+    assert torch.equal(cache.gather(0, [0, 1], 0, 8)[0], before)
+    unpinned = PagedKVCache(spec, 2, "cpu")
+    unpinned.grow(1)
+    assert not any(t.is_pinned() for t in unpinned.tensors())
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [dict(num_layers=0), dict(head_dim=-1), dict(block_size=0), dict(dtype=torch.int32)],

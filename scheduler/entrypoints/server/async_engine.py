@@ -111,8 +111,8 @@ class AsyncEngine:
         ``pinned`` blocks pinned prefixes hold that it does not share)."""
         pool = self.engine.block_manager.config
         usable = pool.num_blocks - pool.watermark_blocks - pinned
-        fits = (usable // n) * pool.block_size
-        return min(self.engine.model.config.max_position_embeddings, fits) - prompt_len
+        fits = (usable // n) * pool.block_size  # KV slots per sample: a sample's last token takes none (kv_length)
+        return min(self.engine.model.config.max_position_embeddings, fits + 1) - prompt_len
 
     def pinned_apart(self, prompt_token_ids: list[int], cache_salt: str | None) -> int:
         """Blocks the start-up pins hold that a prompt would not share (their blocks and index never change while

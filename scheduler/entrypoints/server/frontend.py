@@ -36,13 +36,14 @@ Prompts = list[tuple[list[int], str | None]]  # each prompt's token ids and its 
 
 def max_model_len(engine: LLMEngine, cap: int | None) -> int:
     """The longest prompt + output one request can get: the model's context, ``cap``, the KV pool above its
-    watermark for one sample, and without chunked prefill the step's token budget."""
+    watermark for one sample, and without chunked prefill the step's token budget (the last two hold all but
+    the last token, which is never fed back: see ``request_checks.kv_length``)."""
     context = engine.model.config.max_position_embeddings
     if cap is not None and cap > context:
         raise InvalidArgumentError(describe("max_model_len", cap, f"at most the model's context, {context}"))
     pool, sched = engine.block_manager.config, engine.config.scheduler
     step = context if sched.enable_chunked_prefill else sched.max_num_batched_tokens
-    return min(context, cap or context, (pool.num_blocks - pool.watermark_blocks) * pool.block_size, step)
+    return min(context, cap or context, (pool.num_blocks - pool.watermark_blocks) * pool.block_size + 1, step + 1)
 
 
 def authorize(keys: tuple[str, ...]) -> Callable:

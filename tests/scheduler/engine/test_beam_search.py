@@ -188,6 +188,22 @@ def test_same_beams_under_constant_preemption(tiny_hf, mode, monkeypatch):
     assert_all_freed(engine)
 
 
+@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_searches_that_exactly_fit_the_pool_finish_under_preemption(tiny_hf, mode, chunked):
+    """4 beams of 6 + 7 tokens hold KV for 12 each (a hypothesis's last token is never fed back): 4 x 3 blocks
+    of 4 and 12 tokens a step are exactly enough (it was refused, needing 16 blocks and 13 tokens). Two such
+    searches contend for the 12 blocks, are preempted, and give the beams of a roomy pool."""
+    params, prompts = BeamSearchParams(width=4, max_tokens=7), [[5, 9, 13, 200, 31, 7], [8, 1, 2, 3, 4, 99]]
+    tight = make_engine(tiny_hf, num_blocks=12, num_cpu_blocks=32, prefix=False, preemption_mode=mode,
+                        max_num_batched_tokens=8 if chunked else 12, enable_chunked_prefill=chunked, max_num_seqs=8)
+    tokens = lambda outputs: [[h.token_ids for h in o.hypotheses] for o in outputs]  # noqa: E731
+    reference = tokens(BeamSearch(make_engine(tiny_hf, prefix=False)).generate(prompts, params))
+    assert tokens(BeamSearch(tight).generate(prompts, params)) == reference
+    assert tight.scheduler.num_preemptions[mode] > 0
+    assert_all_freed(tight)
+
+
 def test_a_group_recomputed_after_preemption_computes_its_shared_prefix_once(tiny_hf):
     """Without prefix caching, a preempted beam group is recomputed as a group: the prompt once, then the forks.
 

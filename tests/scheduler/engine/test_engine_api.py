@@ -193,6 +193,38 @@ def test_a_request_past_the_model_context_stops_there_with_length(tiny_hf):
     assert_all_freed(engine)
 
 
+def test_a_prompt_of_exactly_the_context_fits_the_blocks_it_fills(tiny_hf):
+    """A sample's last token is never computed (its KV never written): a 512-token prompt (512 = context, a
+    multiple of the block size) gets its one token in the 128 blocks it fills; it was refused, needing 129."""
+    engine = make_engine(tiny_hf, num_blocks=128)
+    (out,) = engine.generate([[7] * 512], SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)
+    assert (len(out.outputs[0].token_ids), out.outputs[0].finish_reason) == (1, "length")
+    assert_all_freed(engine)
+
+
+@pytest.mark.parametrize(("chunked", "mode"), [(False, "recompute"), (True, "recompute"), (False, "swap"),
+                                               (True, "swap")])  # fmt: skip
+def test_a_request_that_exactly_fits_the_pool_and_step_budget_completes_under_preemption(tiny_hf, chunked, mode):
+    """n=2 samples of 10 + 7 tokens hold KV for 16 each (the 7th output is never fed back): 2 x 4 blocks of 4
+    and 16 tokens a step are exactly enough (they were refused as needing 10 blocks, 17 tokens). Two such
+    requests contend for the 8 blocks, so one is preempted, and both still finish as in a roomy pool."""
+    budget = 8 if chunked else 16
+    tight = make_engine(tiny_hf, num_blocks=8, num_cpu_blocks=16, prefix=False, max_num_batched_tokens=budget,
+                        enable_chunked_prefill=chunked, preemption_mode=mode, max_num_seqs=4)  # fmt: skip
+    roomy = make_engine(tiny_hf, num_blocks=64, prefix=False, max_num_batched_tokens=budget,
+                        enable_chunked_prefill=chunked, max_num_seqs=4)  # fmt: skip
+    prompts = [list(range(1, 11)), list(range(50, 60))]
+    params = SamplingParams(n=2, max_tokens=7, temperature=1.0, seed=3, ignore_eos=True)
+    runs = [{o.request_id: [c.token_ids for c in o.outputs] for o in e.generate(prompts, params, use_tqdm=False)}
+            for e in (tight, roomy)]  # fmt: skip
+    assert tight.scheduler.num_preemptions[mode] > 0
+    assert runs[0] == runs[1] and all(len(t) == 7 for samples in runs[0].values() for t in samples)
+    assert_all_freed(tight)
+    one_more = "needs 10 blocks, 8 usable" if chunked else "max_num_batched_tokens \\+ 1 = 17"
+    with pytest.raises(InvalidArgumentError, match=one_more):  # one token more than fits is still refused
+        tight.add_request("long", prompts[0], SamplingParams(n=2, max_tokens=8))
+
+
 def test_stop_tokens_and_eos_end_a_sample_and_are_kept(tiny_hf, prompts, hf_greedy):
     ref = hf_greedy[2]
     eos = ref[4]

@@ -124,7 +124,7 @@ def test_the_pinned_system_prompt_is_what_a_chat_request_starts_with_and_stays_c
     assert other[: len(prefix)] == prefix and other[len(prefix)] != chat[len(prefix)]  # the user's words start there
     (held,) = llm.engine.pins.held.values()
     assert held == len(prefix) // 4 * 4
-    assert app.state.frontend.max_model_len == 64 * 4  # a request sharing the pinned blocks may use them all
+    assert app.state.frontend.max_model_len == 64 * 4 + 1  # sharing the pinned blocks: all of them, +1 (last token)
     with serve_in_thread(app) as url:
         for i in range(4):  # prompts that need every block the pin leaves
             body = {"prompt": list(range(10 + i, 110 + i)), "max_tokens": 2}

@@ -8,6 +8,7 @@ from text_helpers import first_text_token
 from paged_kv.errors import InvalidArgumentError
 from scheduler.core.config import CacheConfig, EngineConfig
 from scheduler.core.params import SamplingParams
+from scheduler.engine.beam_search import BeamSearch, BeamSearchParams
 from scheduler.entrypoints.llm import LLM
 from scheduler.model import loader
 from scheduler.model.loader import load_model
@@ -152,3 +153,37 @@ def test_eos_ends_the_text_before_it_with_no_stop_reason(tiny_model_dir):
     assert (eos.outputs[0].text, eos.outputs[0].stop_reason) == (llm.tokenizer.decode(tokens[:k]), None)
     ignored = SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=[tokens[k]])
     assert llm.generate("hello world", ignored)[0].outputs[0].stop_reason == tokens[k]  # a stop token, not EOS
+
+
+def test_beam_search_takes_text_prompts_and_gives_each_hypothesis_its_text(llm):
+    """vLLM's LLM.beam_search: text or token prompts in, every hypothesis with its text; the beams are the engine's
+    BeamSearch's (transformers' semantics, tested against generate(num_beams=...) in test_beam_search)."""
+    ids = llm.tokenizer.encode("the quick brown fox")
+    params = BeamSearchParams(width=3, max_tokens=8, ignore_eos=True)
+    text_out, ids_out = llm.beam_search(["the quick brown fox", ids], params)
+    (ref,) = BeamSearch(llm.engine).generate([ids], params)
+    for out in (text_out, ids_out):
+        assert out.prompt_token_ids == ids and len(out.hypotheses) == 3
+        assert [h.token_ids for h in out.hypotheses] == [h.token_ids for h in ref.hypotheses]
+        assert [h.text for h in out.hypotheses] == [
+            llm.tokenizer.decode(h.token_ids, skip_special_tokens=True) for h in ref.hypotheses
+        ]
+    assert all(h.text is None for h in ref.hypotheses)  # the token-level search has no tokenizer
+    (single,) = llm.beam_search(ids, params)  # one prompt, as a token id list
+    assert [(h.token_ids, h.text) for h in single.hypotheses] == [(h.token_ids, h.text) for h in ids_out.hypotheses]
+    assert llm.engine.block_manager.seq_ids() == []
+
+
+def test_beam_search_text_leaves_out_the_stop_token_as_generate_does(llm):
+    """Width 1 is greedy: with a stop token id, the hypothesis ends on it ("stop") and its text is generate's."""
+    prompt = "hello world"
+    (greedy,) = llm.generate([prompt], GREEDY)
+    stop = greedy.outputs[0].token_ids[4]
+    (req,) = llm.generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=[stop]))
+    sample = req.outputs[0]
+    (out,) = llm.beam_search(prompt, BeamSearchParams(width=1, max_tokens=24, ignore_eos=True, stop_token_ids=(stop,)))
+    (best,) = out.hypotheses
+    assert (best.token_ids, best.finish_reason) == (sample.token_ids, "stop") and best.token_ids[-1] == stop
+    assert best.text == sample.text and sample.text  # the stop token's text left out of both
+    with pytest.raises(InvalidArgumentError, match="prompts"):
+        llm.beam_search([], BeamSearchParams())

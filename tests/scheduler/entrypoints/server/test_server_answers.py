@@ -19,8 +19,9 @@ PROMPT = "the quick brown fox"
 
 
 def _usable_tokens(engine) -> int:
+    """The longest sample the pool holds: a KV slot per token but the last (never fed back)."""
     pool = engine.block_manager.config
-    return (pool.num_blocks - pool.watermark_blocks) * pool.block_size
+    return (pool.num_blocks - pool.watermark_blocks) * pool.block_size + 1
 
 
 def test_models_advertise_what_one_request_can_get_and_each_model_has_its_card(served, client):
@@ -49,6 +50,24 @@ def test_max_model_len_is_the_kv_pool_or_the_cap_and_a_longer_request_is_refused
         refused(s.post("completions", {"prompt": [5] * longest, "max_tokens": 1}), "prompt")
         chat = {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}
         assert s.post("chat/completions", chat).json()["usage"]["total_tokens"] == longest
+
+
+def test_samples_get_every_token_their_share_of_the_pool_holds(tiny_model_dir):
+    """n=2 samples on 24 blocks of 4: 12 blocks, 48 KV slots each; a sample's last token is never fed back, so
+    each gets prompt + max_tokens = 49 tokens (it was held to 48). An omitted max_tokens is that much, an explicit
+    one that much is served, and one more is refused."""
+    engine = EngineConfig(cache=CacheConfig(block_size=4, num_gpu_blocks=24, watermark=0.0), device="cpu")
+    with serving(tiny_model_dir, ServerConfig(), engine) as s:
+        ids = s.llm.tokenizer.encode(PROMPT)
+        most = 49 - len(ids)
+        body = {"prompt": ids, "n": 2, "temperature": 1.0, "seed": 1, "ignore_eos": True}
+        r = s.post("completions", {**body, "max_tokens": most})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2 * most
+        error = refused(s.post("completions", {**body, "max_tokens": most + 1}), "max_tokens")
+        assert f"at most {most}: 2 samples must fit" in error["message"]
+        chat = {"messages": [{"role": "user", "content": "hi"}], "n": 2, "ignore_eos": True, "temperature": 1.0}
+        prompt_len = len(s.llm.chat_prompt(chat["messages"]))
+        assert s.post("chat/completions", chat).json()["usage"]["completion_tokens"] == 2 * (49 - prompt_len)
 
 
 def test_the_model_context_bounds_max_tokens_as_vllm_serves_it(served):
