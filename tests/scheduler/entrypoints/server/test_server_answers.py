@@ -7,7 +7,7 @@ import threading
 import httpx
 import openai
 import pytest
-from server_helpers import CHAT, refused, serving, sse_events, wait_idle
+from server_helpers import CHAT, hold_steps, refused, serving, sse_events, wait_idle
 from text_helpers import first_text_token
 
 from scheduler.core.config import CacheConfig, EngineConfig
@@ -119,8 +119,9 @@ def test_cached_tokens_count_the_prompt_tokens_found_in_the_prefix_cache(served,
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == (n - 1) // 4 * 4
 
 
-def test_a_batch_larger_than_max_in_flight_is_a_400_and_one_that_fits_later_a_503(served, client):
+def test_a_batch_larger_than_max_in_flight_is_a_400_and_one_that_fits_later_a_503(served, client, monkeypatch):
     engine, limit = served.engine, served.engine.max_in_flight
+    hold_steps(served, monkeypatch)  # the stream is in flight until it is closed
     engine.max_in_flight = 2
     try:
         error = refused(served.post("completions", {"model": served.model, "prompt": ["a", "b", "c"]}), "prompt")
