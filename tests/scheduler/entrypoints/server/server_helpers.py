@@ -66,6 +66,29 @@ def wait_idle(served: Served, timeout: float = 20.0) -> None:
         time.sleep(0.01)
 
 
+def hold_steps(served: Served, monkeypatch, *, after_texts: int = 1, timeout: float = 30.0) -> None:
+    """Hold the engine step after the one that released the ``after_texts``-th piece of text (a stream's chunk)
+    until no request is in flight; once, the steps after it run freely.
+
+    A long request then takes no step between its client leaving and the server letting go of it (its handler
+    queues the abort as it lets go), however fast or slow the machine: it is aborted, never run out. Past
+    ``timeout`` the step runs anyway (the test then fails on what it checks, not by hanging).
+    """
+    processor, step, released, held_once = served.engine.processor, served.engine.processor.step, [0], [False]
+
+    def held():
+        if released[0] >= after_texts and not held_once[0]:
+            held_once[0] = True
+            deadline = time.monotonic() + timeout
+            while served.engine.num_in_flight and time.monotonic() < deadline:
+                time.sleep(0.005)
+        changed = step()
+        released[0] += sum(bool(d.text) for _, deltas, _ in changed for d in deltas)
+        return changed
+
+    monkeypatch.setattr(processor, "step", held)
+
+
 def scrape(served: Served) -> dict[tuple[str, tuple], float]:
     """Every sample of /metrics: (name, its labels sorted) -> value."""
     from prometheus_client.parser import text_string_to_metric_families

@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_helpers import CHAT, refused, wait_idle
+from server_helpers import CHAT, hold_steps, refused, wait_idle
 
 from scheduler.core.params import SamplingParams
 
@@ -139,8 +139,9 @@ def test_32_concurrent_streams_equal_their_offline_answers(served, offline):
     wait_idle(served)
 
 
-def test_a_client_that_disconnects_mid_stream_frees_its_blocks(served, client):
+def test_a_client_that_disconnects_mid_stream_frees_its_blocks(served, client, monkeypatch):
     before = served.engine.num_aborted
+    hold_steps(served, monkeypatch, after_texts=2)  # it is still running when the client leaves
     stream = client.completions.create(model=_model(served), prompt="hello", max_tokens=480, temperature=0,
                                        stream=True, extra_body={"ignore_eos": True})  # fmt: skip
     chunks = iter(stream)
@@ -151,8 +152,9 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(served, client):
     assert served.engine.num_aborted == before + 1  # aborted, not run to its 480 tokens
 
 
-def test_an_overloaded_server_answers_503_with_retry_after(served, client):
+def test_an_overloaded_server_answers_503_with_retry_after(served, client, monkeypatch):
     engine, limit = served.engine, served.engine.max_in_flight
+    hold_steps(served, monkeypatch)  # the stream is in flight until it is closed
     engine.max_in_flight = 1
     try:
         stream = client.completions.create(model=_model(served), prompt="hello", max_tokens=480, stream=True,
@@ -251,8 +253,9 @@ def test_metrics_parse_and_count_the_requests(served, client):
     assert samples["vllm:num_requests_running"] == 0
 
 
-def test_a_client_that_gives_up_on_a_whole_response_aborts_it(served):
+def test_a_client_that_gives_up_on_a_whole_response_aborts_it(served, monkeypatch):
     before = served.engine.num_aborted
+    hold_steps(served, monkeypatch)  # no answer before the timeout, and aborted rather than run out
     body = {"model": _model(served), "prompt": "hello", "max_tokens": 480, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(served.url + "/v1/completions", json=body, timeout=0.3)

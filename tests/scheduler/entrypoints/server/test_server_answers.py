@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import httpx
 import openai
 import pytest
-from server_helpers import CHAT, refused, serving, sse_events, wait_idle
+from server_helpers import CHAT, hold_steps, refused, serving, sse_events, wait_idle
 from text_helpers import first_text_token
 
 from scheduler.core.config import CacheConfig, EngineConfig
@@ -139,8 +138,9 @@ def test_cached_tokens_count_the_prompt_tokens_found_in_the_prefix_cache(served,
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == (n - 1) // 4 * 4
 
 
-def test_a_batch_larger_than_max_in_flight_is_a_400_and_one_that_fits_later_a_503(served, client):
+def test_a_batch_larger_than_max_in_flight_is_a_400_and_one_that_fits_later_a_503(served, client, monkeypatch):
     engine, limit = served.engine, served.engine.max_in_flight
+    hold_steps(served, monkeypatch)  # the stream is in flight until it is closed
     engine.max_in_flight = 2
     try:
         error = refused(served.post("completions", {"model": served.model, "prompt": ["a", "b", "c"]}), "prompt")
@@ -180,27 +180,33 @@ def test_a_body_over_the_limit_is_a_413_before_it_is_parsed(tiny_model_dir):
         assert s.post("completions", {"model": s.model, "prompt": "hi", "max_tokens": 2}).status_code == 200
 
 
-def test_health_answers_promptly_while_a_huge_prompt_is_tokenized(served):
-    prompt = "the quick brown fox jumps over the lazy dog " * 30_000  # 1.3 MB: about a second of tokenizing
+def test_health_answers_while_a_huge_prompt_is_tokenized(served, monkeypatch):
+    # the tokenizer is held mid-request until the probes are done: the same interleaving whether tokenizing
+    # takes a second or a millisecond and the machine is idle or loaded (if it ran on the event loop, the
+    # probes would hang until their timeout)
+    prompt = "the quick brown fox jumps over the lazy dog " * 30_000  # 1.3 MB, far past max_model_len
+    entered, release, encode = threading.Event(), threading.Event(), served.llm.encode
     done = {}
+
+    def held(*args, **kw):
+        entered.set()
+        assert release.wait(60)
+        return encode(*args, **kw)
 
     def post() -> None:
         done["response"] = served.post("completions", {"model": served.model, "prompt": prompt, "max_tokens": 1})
-        done["at"] = time.monotonic()
 
+    monkeypatch.setattr(served.llm, "encode", held)
     thread = threading.Thread(target=post)
     thread.start()
-    time.sleep(0.3)  # the body is in; the tokenizer's thread is busy
-    waits = []
-    for _ in range(5):
-        start = time.monotonic()
-        assert httpx.get(f"{served.url}/health", timeout=10).status_code == 200
-        waits.append(time.monotonic() - start)
-        time.sleep(0.05)
-    probed = time.monotonic()
-    thread.join(60)
-    assert max(waits) < 1.0, waits
-    assert done["at"] > probed  # every probe was answered while the big request was still being worked on
+    try:
+        assert entered.wait(30), "the request never reached the tokenizer"
+        for _ in range(5):
+            assert httpx.get(f"{served.url}/health", timeout=10).status_code == 200
+        assert not done  # every probe was answered while the request was still being tokenized
+    finally:
+        release.set()
+        thread.join(60)
     refused(done["response"], "prompt")  # far past max_model_len
 
 

@@ -137,7 +137,7 @@ def test_a_model_step_failure_fails_every_request_in_flight_and_the_server_serve
 
     def failing(out):
         # once every request is in and has its first token out (its stream has begun): not at a fixed step, as
-        # they arrive over HTTP and on a loaded machine the last came after the fault, or the first had ended
+        # they arrive over HTTP and on a loaded machine the last came after the fault
         if len(live) == len(GOOD) and all(g.seqs[0].num_outputs for g in live.values()) and not fired:
             fired.append(1)
             raise RuntimeError("planted forward fault")
@@ -145,9 +145,11 @@ def test_a_model_step_failure_fails_every_request_in_flight_and_the_server_serve
         return run(out)
 
     runner.run = failing
+    # none can end before the last arrives (400 steps of 0.02 s at least); the fault fires as soon as it has
+    long = [_body(served, p, f | {"max_tokens": 400}) for p, f in GOOD]
     try:
         with caplog.at_level(logging.ERROR):
-            answers = _run(served, [_body(served, p, f) for p, f in GOOD])
+            answers = _run(served, long)
     finally:
         runner.run = run
     assert fired

@@ -9,7 +9,7 @@ import time
 import uuid
 
 import openai
-from server_helpers import scrape
+from server_helpers import hold_steps, scrape
 
 from scheduler.core.params import SamplingParams
 
@@ -104,8 +104,9 @@ def test_a_known_workload_gives_exact_counts(served_chunked, offline):
     assert after[("paged_kv:prefix_cache_hit_rate", ())] == hits / queries
 
 
-def test_a_client_that_leaves_counts_its_samples_as_aborted(served_chunked):
+def test_a_client_that_leaves_counts_its_samples_as_aborted(served_chunked, monkeypatch):
     served = served_chunked
+    hold_steps(served, monkeypatch)  # its samples are still running when the client leaves
     before = scrape(served)
     with openai.OpenAI(base_url=served.url + "/v1", api_key="-", max_retries=0) as client:
         stream = client.completions.create(model=served.llm.model_name, prompt="hello", max_tokens=400, n=2,
