@@ -196,14 +196,14 @@ class PagedSlidingLayer(PagedLayer):
     @property
     def keys(self) -> torch.Tensor | None:
         """The keys the next query sees ``[batch, heads, min(seq, sliding_window - 1), head_dim]``, or None."""
-        entry = self.store.get(self.layer_idx)
-        return None if entry is None else self._last(entry.key, self._visible())
+        keys = super().keys  # the positions still held
+        return None if keys is None else self._last(keys, self._visible())
 
     @property
     def values(self) -> torch.Tensor | None:
         """The values the next query sees ``[batch, heads, min(seq, sliding_window - 1), head_dim]``, or None."""
-        entry = self.store.get(self.layer_idx)
-        return None if entry is None else self._last(entry.value, self._visible())
+        values = super().values  # the positions still held
+        return None if values is None else self._last(values, self._visible())
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append ``[batch, heads, new, head_dim]`` states; return what the new queries see (window plus new)."""
@@ -235,7 +235,7 @@ class PagedSlidingLayer(PagedLayer):
     def _check_crop(self, max_length: object, target: int) -> int:
         """``target`` capped at the length, if cropping to it keeps every position the window needs; else raise."""
         target = min(target, self.cumulative_length)  # a crop never extends
-        released = self.cumulative_length - self._held()
+        released = self._released()
         if released > max(target - self.rows.visible, 0):
             raise SequenceStateError(describe(
                 "max_length", max_length,
@@ -246,7 +246,7 @@ class PagedSlidingLayer(PagedLayer):
 
     def _crop_to(self, target: int) -> None:
         """Keep the first ``target`` positions (checked by :meth:`_check_crop`); no page is released here."""
-        self.store.truncate(target - (self.cumulative_length - self._held()), layer_idx=self.layer_idx)
+        self.store.truncate(target - self._released(), layer_idx=self.layer_idx)
         self.cumulative_length = target
 
     def reset(self) -> None:
@@ -254,10 +254,9 @@ class PagedSlidingLayer(PagedLayer):
         super().reset()
         self.cumulative_length = 0
 
-    def _held(self) -> int:
-        """Positions of this layer still in the rows (the last ones)."""
-        entry = self.store.get(self.layer_idx)
-        return 0 if entry is None else entry.seq_len()
+    def _released(self) -> int:
+        """Leading positions of this layer whose pages went back to the pool (the rows hold the rest)."""
+        return self.cumulative_length - super().get_seq_length()
 
     def _visible(self) -> int:
         """Cached positions the next query sees besides itself."""
