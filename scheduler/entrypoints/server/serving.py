@@ -24,10 +24,12 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 from scheduler.entrypoints.detokenizer import REPLACEMENT
 from scheduler.entrypoints.output_processor import SampleDelta, TextCompletion, TextRequestOutput
 
+Shown = TypeVar("Shown", TextCompletion, SampleDelta)  # a whole sample, or one step's delta of it
 LOGPROB_FLOOR = -9999.0  # what JSON shows of a log-probability of -inf (or NaN), as vLLM's
 
 
@@ -112,8 +114,7 @@ class ResponseContext:
 
     def _choice(self, index: int, c: TextCompletion, r: TextRequestOutput) -> dict:
         if self.echo_only:  # the prompt alone: its generated token is not shown
-            c = replace(c, text="", token_ids=[], logprobs=[], top_logprobs=[], ranks=[], finish_reason="length",
-                        stop_reason=None)  # fmt: skip
+            c = _prompt_alone(c, "length")
         ids, lps, tops, text = c.token_ids, c.logprobs, c.top_logprobs, c.text
         if self.echo:  # the prompt's tokens first: the first has no log-probability
             p_text, p_lps, p_tops = self._echoed(r.prompt_token_ids, r.prompt, r.prompt_logprobs)
@@ -153,10 +154,7 @@ class ResponseContext:
     # -- streamed responses ------------------------------------------------
     def shown(self, d: SampleDelta) -> SampleDelta:
         """A sample's delta as the client sees it: with ``echo_only``, no generated token, and "length" at its end."""
-        if not self.echo_only:
-            return d
-        return replace(d, text="", token_ids=[], logprobs=[], top_logprobs=[], ranks=[],
-                       finish_reason=d.finish_reason and "length", stop_reason=None)  # fmt: skip
+        return _prompt_alone(d, d.finish_reason and "length") if self.echo_only else d
 
     def chunk(self, key: int, d: SampleDelta, include_usage: bool) -> dict:
         """A streamed chunk carrying one sample's delta."""
@@ -246,6 +244,13 @@ def token_bytes(tokenizer, token_id: int, text: str | None = None) -> list[int]:
     if all(ch in alphabet for ch in piece):
         return [alphabet[ch] for ch in piece]
     return list(text.encode())
+
+
+def _prompt_alone(sample: Shown, finish_reason: str | None) -> Shown:
+    """``sample`` (a whole sample or its delta) showing no generated token, ended by ``finish_reason``: the echo
+    of a prompt alone (``max_tokens=0``)."""
+    return replace(sample, text="", token_ids=[], logprobs=[], top_logprobs=[], ranks=[],
+                   finish_reason=finish_reason, stop_reason=None)  # fmt: skip
 
 
 def _finite(logprob: float) -> float:
