@@ -37,6 +37,11 @@ def kv_length(total: int) -> int:
     return total - 1
 
 
+def longest_sample(kv_slots: int) -> int:
+    """The most tokens a sample reaches holding at most ``kv_slots`` KV slots: the inverse of :func:`kv_length`."""
+    return kv_slots + 1
+
+
 def check_within_context(prompt_len: int, max_tokens: int, model: ModelConfig) -> None:
     """Refuse ``prompt_len + max_tokens`` past the model context: for a search that runs every sequence to
     ``max_tokens`` rather than stopping at the context."""

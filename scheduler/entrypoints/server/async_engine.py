@@ -27,7 +27,7 @@ from scheduler.core.params import SamplingParams
 from scheduler.core.sequence import SequenceGroup
 from scheduler.engine.llm_engine import LLMEngine
 from scheduler.engine.metrics import RequestTimes
-from scheduler.engine.request_checks import check_prompt, check_request_fits
+from scheduler.engine.request_checks import check_prompt, check_request_fits, longest_sample
 from scheduler.entrypoints.output_processor import (
     OutputProcessor,
     SampleDelta,
@@ -111,8 +111,8 @@ class AsyncEngine:
         ``pinned`` blocks pinned prefixes hold that it does not share)."""
         pool = self.engine.block_manager.config
         usable = pool.num_blocks - pool.watermark_blocks - pinned
-        fits = (usable // n) * pool.block_size  # KV slots per sample: a sample's last token takes none (kv_length)
-        return min(self.engine.model.config.max_position_embeddings, fits + 1) - prompt_len
+        fits = longest_sample((usable // n) * pool.block_size)  # each sample's share of the KV slots
+        return min(self.engine.model.config.max_position_embeddings, fits) - prompt_len
 
     def pinned_apart(self, prompt_token_ids: list[int], cache_salt: str | None) -> int:
         """Blocks the start-up pins hold that a prompt would not share (their blocks and index never change while

@@ -22,6 +22,7 @@ from paged_kv.errors import InvalidArgumentError, describe
 from scheduler.core.params import SamplingParams
 from scheduler.core.structured_params import StructuredOutputsParams
 from scheduler.engine.llm_engine import LLMEngine
+from scheduler.engine.request_checks import longest_sample
 from scheduler.entrypoints.llm import LLM
 from scheduler.entrypoints.server.async_engine import AsyncEngine
 from scheduler.entrypoints.server.config import ServerConfig
@@ -37,13 +38,14 @@ Prompts = list[tuple[list[int], str | None]]  # each prompt's token ids and its 
 def max_model_len(engine: LLMEngine, cap: int | None) -> int:
     """The longest prompt + output one request can get: the model's context, ``cap``, the KV pool above its
     watermark for one sample, and without chunked prefill the step's token budget (the last two hold all but
-    the last token, which is never fed back: see ``request_checks.kv_length``)."""
+    the last token, which is never fed back: ``longest_sample``)."""
     context = engine.model.config.max_position_embeddings
     if cap is not None and cap > context:
         raise InvalidArgumentError(describe("max_model_len", cap, f"at most the model's context, {context}"))
     pool, sched = engine.block_manager.config, engine.config.scheduler
     step = context if sched.enable_chunked_prefill else sched.max_num_batched_tokens
-    return min(context, cap or context, (pool.num_blocks - pool.watermark_blocks) * pool.block_size + 1, step + 1)
+    pool_slots = (pool.num_blocks - pool.watermark_blocks) * pool.block_size
+    return min(context, cap or context, longest_sample(pool_slots), longest_sample(step))
 
 
 def authorize(keys: tuple[str, ...]) -> Callable:
