@@ -11,6 +11,11 @@ Multi-engine rules (several processes may share the directory):
   is deleted; a file of another model is never read, deleted or counted in the budget;
 - a file of our model that cannot be read now (an I/O error, or a header that no longer lists the
   blocks indexed) leaves the index but stays, and every later scan tries it again.
+
+Within one engine, scans (``refresh``) may run on one thread while the writer writes and evicts on
+another and readers load: ``lock`` guards the index and is never held across I/O; two more locks,
+held across I/O, serialize the scans with each other and the evictions with each other (a scan
+takes ``_scanning`` then, to evict, ``_evicting``; nothing takes them the other way round).
 """
 
 from __future__ import annotations
@@ -47,6 +52,9 @@ class DiskStore:
     def __init__(self, directory: Path, fingerprint: ModelFingerprint, capacity_bytes: int) -> None:
         self.directory, self.fingerprint, self.capacity_bytes = directory, fingerprint, capacity_bytes
         self.lock = threading.RLock()  # guards the index, the counters and the skipped files
+        # held across I/O, never by lookups or reads: one scan at a time, one eviction at a time (two evictions
+        # at once could both pick the oldest file, and one delete it after the other saw it used again)
+        self._scanning, self._evicting = threading.Lock(), threading.Lock()
         self.index = DiskIndex()
         self.counts = dict.fromkeys(COUNTERS, 0)
         # files skipped and still there (counted and logged once) -> whether a scan tries them again
@@ -54,6 +62,16 @@ class DiskStore:
 
     def refresh(self) -> None:
         """Rescan: index our model's files written since, forget vanished ones, keep the budget."""
+        with self._scanning:
+            self._rescan()
+
+    def _rescan(self) -> None:
+        """One scan: the listing and the new files' headers without ``lock``, each index change under it.
+
+        A name listed but indexed meanwhile (our writer's file) only gets its size and mtime again;
+        a name indexed but not listed stays if it exists (written after the listing); a file that
+        vanishes before its header is read is skipped, as a miss.
+        """
         ours: set[str] = set()
         try:
             with os.scandir(self.directory) as entries:
@@ -156,6 +174,11 @@ class DiskStore:
 
         A candidate's mtime is read again first: another engine may have used the file since.
         """
+        with self._evicting:
+            self._evict()
+
+    def _evict(self) -> None:
+        """The eviction loop (``_evicting`` held)."""
         rechecked: set[str] = set()
         while True:
             with self.lock:
