@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+import threading
 from dataclasses import dataclass
 
 from paged_kv.errors import InvalidArgumentError, check_bool, check_int, check_real, describe
@@ -10,6 +13,25 @@ MAX_BLOCKS = 1 << 26  # 64M blocks: any larger count is a unit mistake, not a re
 MAX_BLOCK_SIZE = 1 << 12
 HOST_STORE_POLICIES = ("evict", "write")
 PRIORITY_MIN, PRIORITY_MAX = -(1 << 63), (1 << 63) - 1  # vLLM's request priority: any int64
+# Seconds between an engine's rescans of a shared disk-tier directory: another engine's blocks are found
+# this long after they are written at worst, for one directory listing (and the headers of new files)
+# per interval on a background thread. Blocks reach disk when the host tier receives them, seconds to
+# minutes after their prefill, so rescanning much more often would find little sooner.
+DISK_REFRESH_INTERVAL_S = 5.0
+
+
+def check_refresh_interval(name: str, value: object) -> float | None:
+    """Seconds between disk rescans as a float, or None for never (None or 0); else InvalidArgumentError.
+
+    The bound is the longest wait a ``threading.Condition`` accepts.
+    """
+    if value is None:
+        return None
+    finite = not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
+    if not (finite and 0 <= value <= threading.TIMEOUT_MAX):
+        expected = f"None or 0 (never rescan) or a finite number of seconds in (0, {threading.TIMEOUT_MAX:g}]"
+        raise InvalidArgumentError(describe(name, value, expected))
+    return float(value) or None
 
 
 @dataclass(frozen=True, kw_only=True)

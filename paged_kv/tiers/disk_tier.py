@@ -3,7 +3,9 @@
 The host tier writes blocks through with :meth:`DiskTier.put` (queued, written by one background
 thread); a prefix lookup asks :meth:`DiskTier.find` (the index only, no I/O) and loads the hit
 with :meth:`DiskTier.read`. A block is a hit only if its hash, its parent hash and its token ids
-all match the request, as in the device pool. The file format is in
+all match the request, as in the device pool. The directory is scanned at construction and, with
+``refresh_interval_s``, rescanned on a background thread, so the files other engines write into a
+shared directory are found while this one runs (:meth:`DiskTier.refresh` rescans at once). The file format is in
 :mod:`paged_kv.tiers.disk_format`, the rules for engines sharing a directory in
 :mod:`paged_kv.tiers.disk_store`.
 """
@@ -21,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from paged_kv.config import check_refresh_interval
 from paged_kv.errors import ClosedError, check_int, check_type, describe
 from paged_kv.tiers.disk_checks import check_capacity, check_chain, check_put, prepare_directory
 from paged_kv.tiers.disk_format import DiskBlock, file_bytes
@@ -56,14 +59,17 @@ class DiskTier:
     """KV blocks of one model in a directory of safetensors files, within a byte budget.
 
     Writes queued at exit without :meth:`close` (or :meth:`flush`) are lost; at worst they leave
-    temporary files, which later scans delete once stale.
+    temporary files, which later scans delete once stale. ``refresh_interval_s``: seconds between
+    background rescans of the directory (None or 0: only at construction and on :meth:`refresh`).
     """
 
     def __init__(self, directory: str | os.PathLike, *, capacity_bytes: int, fingerprint: ModelFingerprint,
-                 blocks_per_file: int = 8, max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES) -> None:  # fmt: skip
+                 blocks_per_file: int = 8, max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
+                 refresh_interval_s: float | None = None) -> None:  # fmt: skip
         check_type("fingerprint", fingerprint, ModelFingerprint, "a ModelFingerprint")
         check_int("blocks_per_file", blocks_per_file, low=1, high=MAX_BLOCKS_PER_FILE)
         check_int("max_pending_bytes", max_pending_bytes, low=1)
+        interval = check_refresh_interval("refresh_interval_s", refresh_interval_s)
         one_block_file = file_bytes(fingerprint, 1)
         capacity = check_capacity(capacity_bytes, one_block_file)
         self.fingerprint = fingerprint
@@ -76,6 +82,11 @@ class DiskTier:
         self._writer = threading.Thread(target=self._write_loop, name="paged-kv-disk-writer", daemon=True)
         self._writer.start()
         self._readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="paged-kv-disk-reader")
+        self._rescanner: threading.Thread | None = None
+        if interval is not None:
+            self._rescanner = threading.Thread(target=self._rescan_loop, args=(interval,), name="paged-kv-disk-rescan",
+                                               daemon=True)  # fmt: skip
+            self._rescanner.start()
 
     @property
     def directory(self) -> Path:
@@ -200,12 +211,26 @@ class DiskTier:
         """Rescan the directory: index files other engines wrote since, forget vanished ones, keep the budget."""
         self._store.refresh()
 
+    def _rescan_loop(self, interval: float) -> None:
+        """The rescan thread: a refresh every ``interval`` seconds until :meth:`close` begins (which wakes it)."""
+        while True:
+            with self._cond:  # the wait releases the lock: lookups, puts and the writer go on meanwhile
+                if self._cond.wait_for(lambda: self._closed, timeout=interval):
+                    return
+            try:
+                self._store.refresh()  # takes the index lock only between its I/O
+            except Exception:  # noqa: BLE001 -- no caller to raise to: log it, and the next rescan tries again
+                logger.exception("disk tier: rescanning %s failed", self.directory)
+
     def close(self) -> None:
-        """Flush, then stop the writer thread; later calls do nothing."""
+        """Stop the rescans, flush, then stop the writer thread; later calls do nothing."""
         with self._cond:
             if self._closed:
                 return
             self._closed = True
+            self._cond.notify_all()  # wakes the rescan thread out of its wait
+        if self._rescanner is not None:
+            self._rescanner.join()  # at most the scan it is running
         self.flush()
         with self._cond:
             self._stopping = True

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -124,3 +125,35 @@ def write_in_child(directory: str, tokens: list[int], salt: str | None) -> None:
     """Run in a spawned process: store a chain's blocks in the directory and close."""
     with DiskTier(directory, capacity_bytes=BIG, fingerprint=FP16) as tier:
         store(tier, chain(tokens, salt)[3])
+
+
+class Scans:
+    """Counts a tier's scans as they end (its store's ``refresh`` wrapped), so a test waits for one, not the clock.
+
+    ``fail``: how many of the next scans raise OSError instead of scanning (a failing file system).
+    """
+
+    def __init__(self, tier: DiskTier, fail: int = 0) -> None:
+        self._cond = threading.Condition()
+        self.done, self.fail = 0, fail
+        store = tier._store
+        scan = store.refresh
+
+        def counted() -> None:
+            try:
+                if self.fail:
+                    self.fail -= 1
+                    raise OSError("the disk is gone for a moment")
+                scan()
+            finally:
+                with self._cond:
+                    self.done += 1
+                    self._cond.notify_all()
+
+        store.refresh = counted
+
+    def wait_fresh(self, timeout: float = 60.0) -> None:
+        """Wait until a scan begun after this call has ended (the second to end: one may be under way now)."""
+        with self._cond:
+            target = self.done + 2
+            assert self._cond.wait_for(lambda: self.done >= target, timeout), "no rescan came"
