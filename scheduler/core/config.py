@@ -7,7 +7,13 @@ from typing import Literal
 
 import torch
 
-from paged_kv.config import HOST_STORE_POLICIES, MAX_BLOCK_SIZE, MAX_BLOCKS
+from paged_kv.config import (
+    DISK_REFRESH_INTERVAL_S,
+    HOST_STORE_POLICIES,
+    MAX_BLOCK_SIZE,
+    MAX_BLOCKS,
+    check_refresh_interval,
+)
 from paged_kv.errors import InvalidArgumentError, check_bool, check_int, check_real, describe
 from paged_kv.kv_cache import KERNEL_DTYPES
 from paged_kv.tensor_checks import check_device, check_dtype
@@ -63,6 +69,9 @@ class CacheConfig:
     kv_disk_dir: str | None = None
     kv_disk_bytes: int = 0
     kv_disk_blocks_per_file: int = 8
+    # seconds between rescans of kv_disk_dir on a background thread, to find the files other engines sharing
+    # the directory write while this one runs (None or 0: only at start-up)
+    kv_disk_refresh_interval_s: float | None = DISK_REFRESH_INTERVAL_S
 
     def __post_init__(self) -> None:
         check_int("block_size", self.block_size, low=1, high=MAX_BLOCK_SIZE)
@@ -95,6 +104,7 @@ class CacheConfig:
                                                 "0 when enable_prefix_caching=False (the tiers hold cached blocks)"))
         check_int("kv_disk_blocks_per_file", self.kv_disk_blocks_per_file, low=1, high=1 << 16)
         check_int("kv_disk_bytes", self.kv_disk_bytes, low=0, high=1 << 56)
+        check_refresh_interval("kv_disk_refresh_interval_s", self.kv_disk_refresh_interval_s)
         if self.kv_disk_dir is None:
             if self.kv_disk_bytes:
                 raise InvalidArgumentError(describe("kv_disk_bytes", self.kv_disk_bytes, "0 without kv_disk_dir"))

@@ -3,7 +3,8 @@
 The block manager indexes the host tier (``paged_kv.host_tier``) and owes, each step, the
 copies the runner makes (``scheduler.runner.tier_transfers``). This module owns the rest:
 the host pool's storage, the disk tier (``paged_kv.tiers.disk_tier``), the write-through of
-every block stored on the host to disk, the background read of a waiting prompt's blocks from
+every block stored on the host to disk (whose directory the disk tier rescans in the background, for
+the files of other engines sharing it), the background read of a waiting prompt's blocks from
 disk into the host tier before its admission (``scheduler.engine.disk_prefetch``), and, at shutdown, the
 spill of the device's cached blocks to disk so a restarted engine finds them.
 """
@@ -75,7 +76,8 @@ class TieredCache:
         if config.kv_disk_dir is not None:
             fingerprint = ModelFingerprint.from_spec(spec, architecture)
             self.disk = DiskTier(config.kv_disk_dir, capacity_bytes=config.kv_disk_bytes, fingerprint=fingerprint,
-                                 blocks_per_file=config.kv_disk_blocks_per_file)  # fmt: skip
+                                 blocks_per_file=config.kv_disk_blocks_per_file,
+                                 refresh_interval_s=config.kv_disk_refresh_interval_s)  # fmt: skip
         self.prefetch = DiskPrefetch(bm, self.disk) if self.disk is not None else None  # reads for waiting prompts
         self.transfers = TierTransfers(device_cache, self.host_cache, self._write_through if self.disk else None)
 

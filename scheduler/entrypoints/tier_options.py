@@ -3,7 +3,8 @@ and the tiers' lines of the main job's summary.
 
 ``--kv-offloading-size`` (GiB, vLLM's) sizes the host tier under the device pool and
 ``--kv-offloading-policy`` says what it stores; ``--kv-disk-dir`` / ``--kv-disk-size`` add the disk
-tier under it (kept across restarts); ``--kv-events-config`` (vLLM's: a JSON object of
+tier under it (kept across restarts), whose directory ``--kv-disk-refresh-interval`` rescans for the
+files of other engines sharing it; ``--kv-events-config`` (vLLM's: a JSON object of
 :class:`KVEventsConfig` fields) or its short form ``--kv-events-endpoint`` publish KV cache events.
 A bad value is an argparse error naming the flag.
 """
@@ -15,7 +16,7 @@ import dataclasses
 import json
 import math
 
-from paged_kv.config import HOST_STORE_POLICIES
+from paged_kv.config import DISK_REFRESH_INTERVAL_S, HOST_STORE_POLICIES, check_refresh_interval
 from paged_kv.errors import InvalidArgumentError, PagedKVError, describe
 from scheduler.core.kv_events_config import KVEventsConfig
 from scheduler.engine.llm_engine import LLMEngine
@@ -37,6 +38,9 @@ def add_tier_options(p: argparse.ArgumentParser) -> None:
                         "(needs --kv-offloading-size and --kv-disk-size)")
     g.add_argument("--kv-disk-size", type=gib, default=0, metavar="GiB",
                    help="the disk tier's budget in GiB (default 0; > 0 with --kv-disk-dir)")
+    g.add_argument("--kv-disk-refresh-interval", type=seconds, default=DISK_REFRESH_INTERVAL_S, metavar="SECONDS",
+                   help="rescan --kv-disk-dir every SECONDS in the background, to find the blocks other engines "
+                        f"sharing it write (default {DISK_REFRESH_INTERVAL_S}; 0: only at start-up)")
     g.add_argument("--kv-events-config", type=kv_events_json, default=None, metavar="JSON",
                    help='KV cache events, vLLM\'s KVEventsConfig as JSON, e.g. '
                         '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}\'')
@@ -54,6 +58,18 @@ def gib(text: str) -> int:
     if not (math.isfinite(value) and value >= 0):
         raise argparse.ArgumentTypeError(f"{text!r}: expected a size in GiB >= 0 (a number, 0.5 is 512 MiB)")
     return round(value * GIB)
+
+
+def seconds(text: str) -> float:
+    """``--kv-disk-refresh-interval``: seconds (a finite number >= 0); argparse's error otherwise."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    try:
+        return check_refresh_interval("--kv-disk-refresh-interval", value) or 0.0
+    except PagedKVError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def kv_events_json(text: str) -> KVEventsConfig:
@@ -96,7 +112,7 @@ def tier_fields(args: argparse.Namespace) -> dict[str, object]:
         raise InvalidArgumentError(describe("--kv-offloading-size", host / GIB, "0 with --no-prefix-caching "
                                             "(the tiers hold cached blocks)"))  # fmt: skip
     return dict(kv_offloading_bytes=host, host_store=args.kv_offloading_policy, kv_disk_dir=disk_dir,
-                kv_disk_bytes=disk)  # fmt: skip
+                kv_disk_bytes=disk, kv_disk_refresh_interval_s=args.kv_disk_refresh_interval)  # fmt: skip
 
 
 def kv_events(args: argparse.Namespace) -> KVEventsConfig | None:

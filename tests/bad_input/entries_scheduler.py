@@ -184,7 +184,10 @@ def _rows() -> list[Entry]:
             "kv_offloading_bytes": Arg("int", 0), "host_store": Arg("obj", "evict", bad={WRONG_TYPE: [None, 3, "lru"]}),
             "kv_disk_dir": Arg("obj", None, bad={WRONG_TYPE: [3, b"x", ""]}),  # without a host tier: refused
             "kv_disk_bytes": Arg("int", 0, bad={OUT_OF_RANGE: [-1, 1]}),  # > 0 only with a disk directory
-            "kv_disk_blocks_per_file": Arg("int", 8, bad={OUT_OF_RANGE: [0, 1 << 62]})}),
+            "kv_disk_blocks_per_file": Arg("int", 8, bad={OUT_OF_RANGE: [0, 1 << 62]}),
+            # None (never rescan) is valid: the wrong types are the family's others
+            "kv_disk_refresh_interval_s": Arg("real", 5.0, skip=(WRONG_TYPE,),
+                                              bad={OUT_OF_RANGE: [-1.0, 1e300], WRONG_TYPE: ["5", [5.0]]})}),
         Entry("scheduler.EngineConfig", scheduler.EngineConfig, {
             "cache": Arg("obj", lambda: scheduler.CacheConfig(num_cpu_blocks=1), bad={WRONG_TYPE: [None, {}]}),
             "scheduler": Arg("obj", lambda: scheduler.SchedulerConfig(), bad={WRONG_TYPE: [None, {}]}),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from collections.abc import Callable
 
 import msgspec
 import pytest
@@ -201,13 +202,14 @@ def _probe():
 
 # -- the disk tier ---------------------------------------------------------------------------------
 def disk_engine(hf_model, directory, *, host_blocks: int = 1024, blocks: int = 20,
-                kv_events: KVEventsConfig | None = None) -> LLMEngine:  # fmt: skip
-    """An engine with a host tier of ``host_blocks`` and a disk tier in ``directory``."""
+                kv_events: KVEventsConfig | None = None, store: str = "evict", rescan: float | None = None
+                ) -> LLMEngine:  # fmt: skip
+    """An engine with a host tier of ``host_blocks`` and a disk tier in ``directory`` (rescanned every ``rescan`` s)."""
     probe = engine(hf_model, blocks=blocks)
     per_block = probe.runner.gpu_cache.spec.bytes_per_block
-    cache = CacheConfig(block_size=BS, num_gpu_blocks=blocks, watermark=0.0,
+    cache = CacheConfig(block_size=BS, num_gpu_blocks=blocks, watermark=0.0, host_store=store,
                         kv_offloading_bytes=host_blocks * per_block, kv_disk_dir=str(directory), kv_disk_bytes=1 << 30,
-                        kv_disk_blocks_per_file=4)  # fmt: skip
+                        kv_disk_blocks_per_file=4, kv_disk_refresh_interval_s=rescan)  # fmt: skip
     sched = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4)
     return LLMEngine.from_hf(hf_model, EngineConfig(cache=cache, scheduler=sched, device="cpu", kv_events=kv_events))
 
@@ -264,6 +266,74 @@ def test_a_restarted_engine_finds_its_prefixes_on_disk(hf_model, tmp_path):
     assert all(c >= 36 for _, c in warm)  # the whole history but its last partial block... from disk
     assert again.block_manager.stats().num_lower_hit_tokens >= 36  # (the shared start: once from disk, then device)
     again.shutdown()
+
+
+def next_rescan(eng: LLMEngine) -> Callable[[], None]:
+    """A function that waits until a rescan of the engine's disk tier begun after its call has ended."""
+    cond, store, done = threading.Condition(), eng.tiers.disk._store, [0]
+    scan = store.refresh
+
+    def counted() -> None:
+        scan()
+        with cond:
+            done[0] += 1
+            cond.notify_all()
+
+    def wait() -> None:
+        with cond:
+            target = done[0] + 2  # the scan under way now, if any, may have listed the directory before the call
+            assert cond.wait_for(lambda: done[0] >= target, timeout=60), "no rescan came"
+
+    store.refresh = counted
+    return wait
+
+
+def test_a_running_engine_reads_the_prefixes_another_engine_writes_to_a_shared_directory(hf_model, tmp_path):
+    cold = returning_users(engine(hf_model), HISTORIES)
+    second = disk_engine(hf_model, tmp_path, rescan=0.02)  # started first: its start-up scan finds nothing
+    rescanned = next_rescan(second)
+    first = disk_engine(hf_model, tmp_path, store="write")  # every full block it computes goes to host and disk
+    assert [t for t, _ in returning_users(first, HISTORIES)] == [t for t, _ in cold]
+    first.tiers.disk.flush()  # on disk, while both engines run
+    rescanned()
+    assert second.tiers.disk.stats.num_blocks == first.tiers.disk.stats.num_blocks > 0
+    warm = returning_users(second, HISTORIES)
+    assert [t for t, _ in warm] == [t for t, _ in cold]
+    assert all(c >= 36 for _, c in warm)  # the whole history but its last partial block...
+    assert second.block_manager.stats().num_lower_hit_tokens >= 36  # ...read from the other engine's files
+    assert second.tiers.stats().disk_bytes_read > 0 and second.tiers.stats().disk_bytes_written == 0
+    first.shutdown()
+    second.shutdown()
+
+
+def test_kv_events_announce_the_blocks_a_rescan_finds_at_the_next_step(hf_model, tmp_path):
+    config = KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:*", event_encoding="map")
+    second = disk_engine(hf_model, tmp_path, kv_events=config, rescan=0.02)
+    rescanned = next_rescan(second)
+    ctx = zmq.Context()
+    try:
+        sub = subscribed(ctx, second)
+        first = disk_engine(hf_model, tmp_path, store="write")
+        returning_users(first, HISTORIES)
+        first.tiers.disk.flush()
+        rescanned()
+        second.step()  # nothing to run: publishes what the rescan indexed
+        on_disk = {b.hash for b in first.tiers.disk.indexed_blocks()}
+        second.cache_events.shutdown()
+        assert on_disk and rebuilt(sub)["STORAGE"] == on_disk
+        first.shutdown()
+    finally:
+        ctx.destroy(linger=0)
+        second.shutdown()
+
+
+@pytest.mark.parametrize("bad", [-5.0, float("nan"), float("inf"), "5", True])
+def test_a_bad_rescan_interval_is_refused_before_any_directory_is_made(tmp_path, bad):
+    target = tmp_path / "cache"
+    with pytest.raises(InvalidArgumentError, match=r"^kv_disk_refresh_interval_s=.*expected .*seconds"):
+        CacheConfig(kv_offloading_bytes=1 << 20, kv_disk_dir=str(target), kv_disk_bytes=1 << 30,
+                    kv_disk_refresh_interval_s=bad)  # fmt: skip
+    assert not target.exists()
 
 
 def test_another_salt_never_reads_a_prefix_from_any_tier(hf_model, tmp_path):

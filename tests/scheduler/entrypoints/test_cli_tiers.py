@@ -5,6 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from paged_kv.config import DISK_REFRESH_INTERVAL_S
 from scheduler.core.kv_events_config import KVEventsConfig
 from scheduler.core.params import SamplingParams
 from scheduler.entrypoints.cli import build_server, serve_args
@@ -20,11 +21,14 @@ SYSTEM = "the quick brown fox jumps over the lazy dog. " * 4
 
 def test_tier_flags_set_the_cache_config_alike_for_serve_and_run(tmp_path):
     argv = ["--kv-offloading-size", "0.5", "--kv-offloading-policy", "write", "--kv-disk-dir", str(tmp_path),
-            "--kv-disk-size", "2"]  # fmt: skip
+            "--kv-disk-size", "2", "--kv-disk-refresh-interval", "0.5"]  # fmt: skip
     cache = engine_config(serve_args(argv)).cache
     assert (cache.kv_offloading_bytes, cache.host_store) == (GIB // 2, "write")
-    assert (cache.kv_disk_dir, cache.kv_disk_bytes) == (str(tmp_path), 2 * GIB)
+    assert (cache.kv_disk_dir, cache.kv_disk_bytes, cache.kv_disk_refresh_interval_s) == (str(tmp_path), 2 * GIB, 0.5)
     assert engine_config(parse_args(argv)) == engine_config(serve_args(argv))
+    never = engine_config(parse_args([*argv[:-1], "0"])).cache
+    assert never.kv_disk_refresh_interval_s == 0.0  # only at start-up
+    assert engine_config(parse_args(argv[:-2])).cache.kv_disk_refresh_interval_s == DISK_REFRESH_INTERVAL_S
 
 
 def test_without_tier_flags_the_engine_config_is_unchanged():
@@ -62,10 +66,13 @@ def _bad(tmp_path):
         (["--kv-events-config", '{"hwm": -1}'], "hwm"),
         (["--kv-events-endpoint", "localhost:5557"], "--kv-events-endpoint"),
         (["--pin-prompt", str(tmp_path / "missing.txt")], "--pin-prompt"), (["--pin-prompt", str(empty)], "empty"),
+        (["--kv-disk-refresh-interval", "-1"], "--kv-disk-refresh-interval"),
+        (["--kv-disk-refresh-interval", "inf"], "--kv-disk-refresh-interval"),
+        (["--kv-disk-refresh-interval", "often"], "--kv-disk-refresh-interval"),
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize("case", range(18))
+@pytest.mark.parametrize("case", range(21))
 def test_bad_tier_values_are_usage_errors_naming_the_flag(tmp_path, capsys, case):
     argv, named = _bad(tmp_path)[case]
     parsers = [serve_args] if argv[0] == "--pin-prompt" else [serve_args, parse_args]
