@@ -41,24 +41,33 @@ class RequestOutput:
     prompt_ranks: list[int | None] | None = None  # beside prompt_logprobs: each prompt token's rank (None: the first)
 
     @classmethod
-    def from_group(cls, group: SequenceGroup) -> RequestOutput:
-        """Snapshot a sequence group: one output per sample, a sample not forked yet with no token."""
-        outputs = [
-            CompletionOutput(
-                index=s.index, token_ids=s.output_token_ids, finish_reason=s.finish_reason,
-                cumulative_logprob=s.cumulative_logprob, logprobs=list(s.logprobs), top_logprobs=list(s.top_logprobs),
-                ranks=list(s.ranks),
-            )  # fmt: skip
-            for s in group.seqs
-        ]
-        outputs += [CompletionOutput(index=i, token_ids=[], finish_reason=None, cumulative_logprob=0.0, logprobs=[],
-                                     top_logprobs=[]) for i in group.unforked]  # fmt: skip
-        outputs.sort(key=lambda c: c.index)
+    def from_group(cls, group: SequenceGroup, *, outputs: list[CompletionOutput] | None = None,
+                   error: str | None = None) -> RequestOutput:  # fmt: skip
+        """Snapshot a sequence group: one output per sample, a sample not forked yet with no token (or ``outputs``:
+        what a beam search made of its sequences), with ``error`` if it failed."""
+        if outputs is None:
+            outputs = _samples(group)
         return cls(
             request_id=group.request_id, prompt_token_ids=group.prompt_token_ids, outputs=outputs,
             finished=group.is_finished(), arrival_time=group.arrival_time, first_token_time=group.first_token_time,
             finish_time=group.finish_time, num_preemptions=group.num_preemptions,
             num_cached_tokens=group.num_cached_tokens,
             prompt_logprobs=None if group.prompt_logprobs is None else list(group.prompt_logprobs),
-            prompt_ranks=None if group.prompt_ranks is None else list(group.prompt_ranks),
+            prompt_ranks=None if group.prompt_ranks is None else list(group.prompt_ranks), error=error,
         )  # fmt: skip
+
+
+def _samples(group: SequenceGroup) -> list[CompletionOutput]:
+    """One output per sample of a group, in index order; a sample not forked yet has no token."""
+    outputs = [
+        CompletionOutput(
+            index=s.index, token_ids=s.output_token_ids, finish_reason=s.finish_reason,
+            cumulative_logprob=s.cumulative_logprob, logprobs=list(s.logprobs), top_logprobs=list(s.top_logprobs),
+            ranks=list(s.ranks),
+        )  # fmt: skip
+        for s in group.seqs
+    ]
+    outputs += [CompletionOutput(index=i, token_ids=[], finish_reason=None, cumulative_logprob=0.0, logprobs=[],
+                                 top_logprobs=[]) for i in group.unforked]  # fmt: skip
+    outputs.sort(key=lambda c: c.index)
+    return outputs

@@ -4,16 +4,21 @@ One step is four calls, each owned by one module::
 
     out = scheduler.schedule()                          # core/scheduler.py: which tokens run, blocks recorded
     logits = runner.run(out)                            # runner/model_runner.py: inputs, block moves, forward
-    sampled = select(out, logits)                       # runner/sampler.py (or a beam search's own selection)
+    sampled = select(out, logits)                       # runner/sampler.py, and beam searches' selection
     finished = scheduler.update_from_output(out, sampled)  # append, stop, free, retire
+
+Beam searches (:meth:`add_beam_search`) are requests like the others: their rows of a step are
+selected by :mod:`scheduler.engine.beam_requests` (fork, prune, hypotheses), the other rows are
+sampled, and a finished search is returned by :meth:`step` with its hypotheses as its outputs.
 
 A request's own failure (its sampling, its token's bookkeeping) fails it alone; a failure of
 the step itself aborts every live request (:mod:`scheduler.engine.faults`).
 
 The scheduler and the block manager live here, in the driver; the runner gets the step's
 decisions, builds device inputs on the host, and the only device->host transfer of a step is
-the sampled tokens. On CUDA, decode steps replay captured graphs
-(:mod:`scheduler.runner.cuda_graphs`) unless ``EngineConfig.enforce_eager``.
+the sampled tokens (and the beam searches' candidates: a second one in a step that has both).
+On CUDA, decode steps replay captured graphs (:mod:`scheduler.runner.cuda_graphs`) unless
+``EngineConfig.enforce_eager``.
 
 With ``EngineConfig.tensor_parallel_size = N > 1`` the engine is rank 0 of a tensor-parallel
 group (:mod:`scheduler.runner.tp_executor`): it keeps the scheduler, the block manager and the
@@ -24,7 +29,6 @@ each step's payload to the workers before running its forward with them. Call
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
@@ -56,6 +60,8 @@ from scheduler.core.scheduler_output import SampledToken, SchedulerOutput
 from scheduler.core.sequence import Sequence, SequenceGroup
 from scheduler.core.structured_params import StructuredOutputsParams
 from scheduler.distributed.parallel_state import TPShard
+from scheduler.engine.beam_requests import BeamRequests
+from scheduler.engine.beam_selection import BeamRequest, BeamSearchParams, check_beam_fits
 from scheduler.engine.cache_events import CacheEvents
 from scheduler.engine.faults import Failure, isolate, restoring
 from scheduler.engine.metrics import EngineMetrics, MetricsSummary
@@ -116,6 +122,7 @@ class LLMEngine:
         self.cache_events = None if events is None else CacheEvents(events, self.block_manager, disk)
         self.sampler = Sampler(model.config.vocab_size, self.device, eos_ids)  # keeps penalty counts per sequence
         self.metrics = EngineMetrics()
+        self.beams = BeamRequests(self.scheduler, self.block_manager)  # the live beam searches
         self.structured: StructuredOutputs | None = None  # set by enable_structured_outputs
         self._auto_ids = itertools.count()
 
@@ -212,6 +219,26 @@ class LLMEngine:
             raise InvalidArgumentError(describe("fork_samples", False, "True with structured_outputs (no beam search)"))
         return self.scheduler.add_request(request_id, prompt, params, fork_samples=fork_samples, priority=priority)
 
+    def add_beam_search(
+        self, request_id: str, prompt_token_ids: Seq[int], params: BeamSearchParams, *, priority: int = 0
+    ) -> BeamRequest:  # fmt: skip
+        """Queue a beam search (transformers' semantics: :mod:`scheduler.engine.beam_selection`); raises, engine
+        unchanged, on a bad one. It runs in the same steps as the sampled requests; :meth:`step` returns it once
+        done, its outputs the hypotheses best first. The returned state holds its scores and memory figures."""
+        prompt, sampling = self.check_beam_search(request_id, prompt_token_ids, params)
+        group = self.scheduler.add_request(request_id, prompt, sampling, fork_samples=False, priority=priority)
+        return self.beams.add(group, params)
+
+    def check_beam_search(
+        self, request_id: str, prompt_token_ids: Seq[int], params: BeamSearchParams
+    ) -> tuple[list[int], SamplingParams]:  # fmt: skip
+        """Validate a beam search without queueing it: a request's checks, every beam within the model context,
+        ``K`` candidates within the vocabulary; return the prompt and the engine's parameters."""
+        check_type("params", params, BeamSearchParams, "a BeamSearchParams")
+        prompt, sampling = self.check_request(request_id, prompt_token_ids, params.engine_params())
+        check_beam_fits(len(prompt), params, self.scheduler.eos_token_ids, self.model.config)
+        return prompt, sampling
+
     def pin_prefix(self, token_ids: Seq[int], *, cache_salt: str | None = None) -> str:
         """Keep a prompt's full blocks on the device, never evicted, until :meth:`unpin`; returns the pin's id.
 
@@ -260,8 +287,8 @@ class LLMEngine:
         self.structured.grammar(spec)
 
     def abort(self, request_id: str) -> RequestOutput:
-        """Stop a request now and free its blocks; returns what it had generated."""
-        return RequestOutput.from_group(self.scheduler.abort(request_id))
+        """Stop a request now and free its blocks (every live beam of a beam search); returns what it had."""
+        return self._output(self.scheduler.abort(request_id))
 
     def fail(self, request_id: str, error: str) -> RequestOutput:
         """Abort a request that failed outside the engine (its text layer): unfinished samples end with "error",
@@ -275,7 +302,13 @@ class LLMEngine:
         """Abort ``group`` (if still live) with reason "error"; its output with ``error``."""
         if group.request_id in self.scheduler.requests:
             self.scheduler.abort(group.request_id, reason="error")
-        return dataclasses.replace(RequestOutput.from_group(group), error=error)
+        return self._output(group, error)
+
+    def _output(self, group: SequenceGroup, error: str | None = None) -> RequestOutput:
+        """A request's output: a beam search's hypotheses (forgotten once finished), else its samples."""
+        if group in self.beams:
+            return self.beams.output(group, error)
+        return RequestOutput.from_group(group, error=error)
 
     def stop_samples(self, request_id: str, indices: Iterable[int], reason: str = "stop") -> None:
         """End some samples of a live request now and free their blocks (a text layer matched a stop string).
@@ -284,6 +317,8 @@ class LLMEngine:
         not forked yet (the request has not sampled) ends with no token and is never forked.
         """
         group = self._live(request_id)
+        if group in self.beams:
+            raise InvalidArgumentError(describe("request_id", request_id, "a sampled request, not a beam search"))
         chosen = _sample_indices(indices, group.num_samples)
         if not (isinstance(reason, str) and reason):
             raise InvalidArgumentError(describe("reason", reason, "a non-empty str"))
@@ -299,9 +334,10 @@ class LLMEngine:
 
         ``select`` replaces sampling: given the step and its logits (``out.num_sample_rows`` rows,
         indexed by ``out.samples``) it returns the chosen tokens, and may fork and finish
-        sequences through the scheduler first (a beam search does).
+        sequences through the scheduler first. It is refused while a beam search or a constrained
+        request is live (it would choose their tokens).
 
-        A request whose sampling or token bookkeeping raises is aborted alone (blocks freed) and
+        A request whose sampling, beam selection or token bookkeeping raises is aborted alone (blocks freed) and
         returned with ``error`` set and its unfinished samples' finish reason "error"; the others
         get the tokens they would have had without it. Anything else that raises (scheduling, the
         model step, a ``select`` hook) aborts every live request first, logs the cause and propagates.
@@ -313,7 +349,7 @@ class LLMEngine:
             out = self.scheduler.schedule()
             logits = self.runner.run(out)  # [R + P, vocab]: sampled rows, then prompt positions scored
             if select is None:
-                sampled = self._sample_each(out, logits, failures)
+                sampled = self._choose(out, logits, failures)
             else:
                 sampled = self._select(select, out, logits)
             finished = self._update_each(out, sampled, failures)
@@ -328,11 +364,24 @@ class LLMEngine:
         failed += [self._failed(g, why) for g, why in out.refused]
         return self.pins.settle([self._retire(group) for group in finished if group not in failures] + failed)
 
-    def _sample_each(self, out: SchedulerOutput, logits: torch.Tensor,
-                     failures: dict[SequenceGroup, Failure]) -> list[SampledToken]:  # fmt: skip
-        """:meth:`sample`; if it raises, the requests whose rows fail (found by halving the batch, sampled rows
-        and prompt rows apart) go into ``failures`` and the others keep what they would have had."""
-        samples, prompts = out.samples, _indexed(out.prompt_rows)
+    def _choose(self, out: SchedulerOutput, logits: torch.Tensor,
+                failures: dict[SequenceGroup, Failure]) -> list[SampledToken]:  # fmt: skip
+        """Every token of the step: the beam searches select theirs (one transfer for all), the others' rows are
+        sampled (one more); a request whose selection or sampling raises goes into ``failures``."""
+        beam_rows, rows = self.beams.split(out.samples)
+        self.beams.measure()
+        sampled = self._sample_each(out, logits, failures, rows)
+        errors: dict[SequenceGroup, BaseException] = {}
+        sampled += self.beams.select(beam_rows, logits, errors)
+        self._note_failures(failures, "beam selection", errors)
+        return sampled
+
+    def _sample_each(self, out: SchedulerOutput, logits: torch.Tensor, failures: dict[SequenceGroup, Failure],
+                     samples: list[tuple[SequenceGroup, Sequence, int]]) -> list[SampledToken]:  # fmt: skip
+        """:meth:`sample` of these rows of ``out.samples`` and every prompt row; if it raises, the requests whose
+        rows fail (found by halving the batch, sampled rows and prompt rows apart) go into ``failures`` and the
+        others keep what they would have had."""
+        prompts = _indexed(out.prompt_rows)
         try:
             return self._draw(samples, prompts, logits, out)
         except Exception:  # some request's rows fail: find whose below
@@ -369,6 +418,7 @@ class LLMEngine:
                 self.scheduler.abort(request_id, reason="error")
             except Exception:  # the request is gone from the scheduler; keep freeing the others
                 logger.exception("freeing %s after the failed step failed", request_id)
+        self.beams.clear(f"engine step failed: {type(cause).__name__}: {cause}")
         # the step registered blocks (device, host) whose K/V it may never have written: forget them all
         self.block_manager.reset_prefix_cache()
         try:
@@ -377,9 +427,12 @@ class LLMEngine:
             logger.exception("pinning the prefixes again after the failed step failed")
 
     def _check_select(self, select: Selector | None) -> None:
-        """A selection hook must be callable, and cannot run while a request is constrained (it skips the mask)."""
+        """A selection hook must be callable, and cannot run while a request is constrained (it skips the mask) or
+        a beam search is live (it would choose the beams' tokens)."""
         if select is not None and not callable(select):
             raise InvalidArgumentError(describe("select", select, "None or a callable (out, logits) -> tokens"))
+        if select is not None and self.beams:
+            raise InvalidArgumentError(describe("select", select, "None while a beam search is live"))
         constrained = (g.params.structured_outputs is not None for g in self.scheduler.requests.values())
         if select is not None and any(constrained):
             raise InvalidArgumentError(describe("select", select, "None while a request has structured_outputs"))
@@ -437,7 +490,7 @@ class LLMEngine:
     def _retire(self, group: SequenceGroup) -> RequestOutput:
         """Count a finished request in the metrics; return its output."""
         self.metrics.record_finished(group)
-        return RequestOutput.from_group(group)
+        return self._output(group)
 
     # -- blocking API -----------------------------------------------------
     def generate(
@@ -482,8 +535,9 @@ class LLMEngine:
         return self.metrics.summary(self.block_manager.stats(), self.scheduler.num_preemptions)
 
     def request_output(self, request_id: str) -> RequestOutput:
-        """A snapshot of an unfinished request's samples so far (streaming front ends read it after each step)."""
-        return RequestOutput.from_group(self._live(request_id))
+        """A snapshot of an unfinished request's samples so far (streaming front ends read it after each step); a
+        beam search's: its hypotheses so far, then its live beams."""
+        return self._output(self._live(request_id))
 
     def _live(self, request_id: str) -> SequenceGroup:
         """The unfinished request ``request_id``, else UnknownSequenceError."""

@@ -215,7 +215,9 @@ def _rows() -> list[Entry]:
             "max_tokens": Arg("int", 4, bad={OUT_OF_RANGE: [0]}),
             "length_penalty": Arg("real", 1.0),
             "early_stopping": Arg("bool", False, bad={WRONG_TYPE: [1, "always", None]}),
-            "stop_token_ids": Arg("ids", (5,), bad={WRONG_TYPE: ["12", 5, None]}), "ignore_eos": Arg("bool", False)}),
+            "stop_token_ids": Arg("ids", (5,), bad={WRONG_TYPE: ["12", 5, None]}), "ignore_eos": Arg("bool", False),
+            "include_stop_str_in_output": Arg("bool", False), "skip_special_tokens": Arg("bool", True),
+            "cache_salt": Arg("opt_str", None)}),
         Entry("scheduler.LlamaModel", scheduler.LlamaModel, {"cfg": Arg("obj", lambda: tiny_model().config,
             bad={WRONG_TYPE: [None, {}, "x"], OUT_OF_RANGE: BAD_ROPE}),
             "shard": Arg("obj", None, bad={WRONG_TYPE: ["x", 3, (0, 2)]})},  # scalings the model cannot build
@@ -237,6 +239,14 @@ def _rows() -> list[Entry]:
             "sampling_params": Arg("obj", None, bad={WRONG_TYPE: [{"max_tokens": 3}, "x"]}),
             "fork_samples": Arg("bool", True),
             "priority": Arg("int", 0, bad={OUT_OF_RANGE: [1 << 63, -(1 << 63) - 1]})}, engine),
+        *[Entry(f"scheduler.LLMEngine.{name}", name, {
+            "request_id": Arg("obj", "x", bad={WRONG_TYPE: [None, 7, ["x"]], BAD_ID: ["r0"]}),
+            "prompt_token_ids": Arg("ids", [1, 2], bad={**TOKENS, WRONG_TYPE: ["ab", 5, None, []]}),
+            "params": Arg("obj", lambda: scheduler.BeamSearchParams(width=2, max_tokens=2),
+                          bad={WRONG_TYPE: [None, "x", scheduler.SamplingParams()]}),
+            **({"priority": Arg("int", 0, bad={OUT_OF_RANGE: [1 << 63, -(1 << 63) - 1]})}
+               if name == "add_beam_search" else {})}, engine)
+          for name in ("add_beam_search", "check_beam_search")],
         Entry("scheduler.LLMEngine.pin_prefix", "pin_prefix", {
             "token_ids": Arg("ids", [1, 2, 3, 4, 5], bad={**TOKENS, WRONG_TYPE: ["ab", 5, None, []]}),
             "cache_salt": Arg("opt_str", None)}, engine),

@@ -11,8 +11,8 @@ from sched_helpers import VOCAB, assert_all_freed, make_engine
 from torch.overrides import TorchFunctionMode
 
 import scheduler.engine.beam_search as beam_search
-from paged_kv.errors import InvalidArgumentError, OutOfRangeError, PagedKVError, SequenceStateError
-from scheduler import SamplingParams
+import scheduler.engine.beam_selection as beam_selection
+from paged_kv.errors import InvalidArgumentError, OutOfRangeError, PagedKVError
 from scheduler.engine.beam_search import BeamSearch, BeamSearchParams
 
 
@@ -171,13 +171,13 @@ def test_same_beams_under_constant_preemption(tiny_hf, mode, monkeypatch):
     params = BeamSearchParams(width=WIDTH, max_tokens=NEW, ignore_eos=True)
     reference = BeamSearch(make_engine(tiny_hf)).generate(prompts, params)
     waits = []  # per check: some beams of a group have their logits, others not yet
-    all_ready = beam_search._Request.all_ready
+    all_ready = beam_selection.BeamRequest.all_ready
 
     def traced(req):
         waits.append(bool(req.ready) and not all_ready(req))
         return all_ready(req)
 
-    monkeypatch.setattr(beam_search._Request, "all_ready", traced)
+    monkeypatch.setattr(beam_selection.BeamRequest, "all_ready", traced)
     engine = make_engine(tiny_hf, **PREEMPTION[mode])
     outs = BeamSearch(engine).generate(prompts, params)
     tokens = lambda outputs: [[h.token_ids for h in o.hypotheses] for o in outputs]  # noqa: E731
@@ -268,10 +268,6 @@ def test_bad_requests_leave_the_engine_unchanged(tiny_hf, beam_prompts):
         with pytest.raises(error):
             search.generate(prompts, params)
         assert not engine.has_unfinished_requests() and engine.block_manager.stats().num_sequences == 0
-    engine.add_request("other", beam_prompts[0], SamplingParams(max_tokens=2))
-    with pytest.raises(SequenceStateError):  # the search drives the engine alone
-        search.generate(beam_prompts[:1], good)
-    assert [s.request_id for s in engine.scheduler.waiting] == ["other"]
 
 
 def test_a_search_past_the_model_context_is_refused(tiny_hf, beam_prompts):
@@ -381,8 +377,8 @@ def test_top_candidates_are_the_best_continuations():
 def test_one_candidate_selection_per_step_for_all_requests(tiny_hf, beam_prompts, monkeypatch):
     """Every step selects the candidates of all its ready requests together (one device->host copy per step)."""
     calls = []
-    batch = beam_search.top_candidates_batch
-    monkeypatch.setattr(beam_search, "top_candidates_batch", lambda reqs: calls.append(len(reqs)) or batch(reqs))
+    batch = beam_selection.top_candidates_batch
+    monkeypatch.setattr(beam_selection, "top_candidates_batch", lambda reqs: calls.append(len(reqs)) or batch(reqs))
     outs = BeamSearch(make_engine(tiny_hf)).generate(beam_prompts, BeamSearchParams(width=WIDTH, max_tokens=NEW))
     assert calls[0] == len(beam_prompts)  # the first selection of every request, in one call
     assert len(calls) == max(o.num_steps for o in outs) and sum(calls) == sum(o.num_steps for o in outs)
