@@ -101,8 +101,9 @@ class LLM:
         order, each with up to ``width`` hypotheses best first, every one with its ``.text``.
 
         The search is :class:`~scheduler.engine.beam_search.BeamSearch`'s (transformers' semantics); a
-        hypothesis's text is its output, decoded as ``generate`` decodes a sample: special tokens skipped,
-        the stop token (EOS or a stop id) that ended it adds no text.
+        hypothesis's text is its output, decoded as ``generate`` decodes a sample: special tokens skipped
+        (unless ``params.skip_special_tokens`` is False), the stop token (EOS or a stop id) that ended it adds
+        no text (unless ``params.include_stop_str_in_output``, vLLM's).
         """
         check_bool("use_tqdm", use_tqdm)
         if isinstance(prompts, bytes) or not isinstance(prompts, (str, Sequence)) or not prompts:
@@ -110,14 +111,16 @@ class LLM:
         if isinstance(prompts, str) or isinstance(prompts[0], int):
             prompts = [prompts]
         ids = [self.encode(p)[0] for p in prompts]
-        outs = BeamSearch(self.engine).generate(ids, params, use_tqdm=use_tqdm)
-        texts = lambda out: [self._beam_text(out.prompt_token_ids, h) for h in out.hypotheses]  # noqa: E731
-        return [dataclasses.replace(out, hypotheses=texts(out)) for out in outs]
+        each = per_prompt(params, len(ids), BeamSearchParams, "params")
+        outs = BeamSearch(self.engine).generate(ids, each, use_tqdm=use_tqdm)
+        texts = lambda out, p: [self._beam_text(out.prompt_token_ids, h, p) for h in out.hypotheses]  # noqa: E731
+        return [dataclasses.replace(out, hypotheses=texts(out, p)) for out, p in zip(outs, each)]
 
-    def _beam_text(self, prompt_token_ids: list[int], hyp: BeamHypothesis) -> BeamHypothesis:
-        """``hyp`` with its text: its tokens after the prompt, less the stop token that ended it."""
-        ids = hyp.token_ids[:-1] if hyp.finish_reason == "stop" else hyp.token_ids
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids)
+    def _beam_text(self, prompt_token_ids: list[int], hyp: BeamHypothesis, params: BeamSearchParams) -> BeamHypothesis:
+        """``hyp`` with its text: its tokens after the prompt, less the stop token that ended it unless kept."""
+        cut = hyp.finish_reason == "stop" and not params.include_stop_str_in_output
+        ids = hyp.token_ids[:-1] if cut else hyp.token_ids
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens)
         return dataclasses.replace(hyp, text=detok.add(ids) + detok.flush())
 
     def chat(

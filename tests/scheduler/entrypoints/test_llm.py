@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from text_helpers import first_text_token
 
@@ -187,3 +189,19 @@ def test_beam_search_text_leaves_out_the_stop_token_as_generate_does(llm):
     assert best.text == sample.text and sample.text  # the stop token's text left out of both
     with pytest.raises(InvalidArgumentError, match="prompts"):
         llm.beam_search([], BeamSearchParams())
+
+
+def test_beam_search_keeps_the_stop_token_text_when_asked(llm):
+    """include_stop_str_in_output (vLLM's BeamSearchParams field): the stop token's text ends the hypothesis' text,
+    as it ends generate's sample's with the same flag."""
+    prompt = "hello world"
+    (greedy,) = llm.generate([prompt], GREEDY)
+    stop = greedy.outputs[0].token_ids[4]
+    kept = SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=[stop], include_stop_str_in_output=True)
+    (req,) = llm.generate([prompt], kept)
+    params = BeamSearchParams(width=1, max_tokens=24, ignore_eos=True, stop_token_ids=(stop,))
+    (cut,) = llm.beam_search(prompt, params)
+    (out,) = llm.beam_search(prompt, dataclasses.replace(params, include_stop_str_in_output=True))
+    best = out.hypotheses[0]
+    assert best.token_ids == cut.hypotheses[0].token_ids and best.finish_reason == "stop"
+    assert best.text == req.outputs[0].text == cut.hypotheses[0].text + llm.tokenizer.decode([stop])
