@@ -13,6 +13,10 @@ then). A stop token (a stop token id, or EOS) stays the sample's last token but 
 A request whose own failure the engine reports (``RequestOutput.error``), or whose
 detokenization or stop-string check raises here, ends alone with ``error`` set (blocks freed);
 a failed engine step propagates, and every request is dropped (the engine aborted them all).
+
+A beam search (:meth:`OutputProcessor.add_beam_search`) has no delta until it is done: its
+beams are not final until then (as in vLLM). Its hypotheses then come as its samples, best
+first, each with its whole text (a stop token's text left out unless ``include_stop_str_in_output``).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from dataclasses import dataclass, field, replace
 from paged_kv.errors import InvalidArgumentError, UnknownSequenceError, describe
 from scheduler.core.outputs import CompletionOutput, RequestOutput
 from scheduler.core.params import SamplingParams
+from scheduler.engine.beam_selection import BeamSearchParams
 from scheduler.engine.llm_engine import LLMEngine
 from scheduler.entrypoints.detokenizer import IncrementalDetokenizer, find_stop, holdback
 
@@ -119,8 +124,10 @@ class TextRequest:
     """One request's text-level state across engine steps."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, tokenizer,
-                 prompt: str | None = None, eos_token_ids: frozenset[int] = frozenset()) -> None:  # fmt: skip
+                 prompt: str | None = None, eos_token_ids: frozenset[int] = frozenset(), *,
+                 beam: bool = False) -> None:  # fmt: skip
         self.request_id = request_id
+        self.beam = beam  # a beam search: only its final output is read
         self.eos_token_ids = eos_token_ids
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
@@ -228,9 +235,20 @@ class OutputProcessor:
         """Queue a request in the engine (raises, nothing queued, on a bad one) and track its text."""
         params = with_bad_word_ids(params, self.tokenizer)
         self.engine.add_request(request_id, prompt_token_ids, params, priority=priority)
+        return self._track(request_id, prompt_token_ids, params, prompt)
+
+    def add_beam_search(self, request_id: str, prompt_token_ids: Sequence[int], params: BeamSearchParams,
+                        prompt: str | None = None, *, priority: int = 0) -> TextRequest:  # fmt: skip
+        """Queue a beam search in the engine (raises, nothing queued, on a bad one); its hypotheses' text comes
+        when it is done."""
+        self.engine.add_beam_search(request_id, prompt_token_ids, params, priority=priority)
+        return self._track(request_id, prompt_token_ids, params.text_params(), prompt, beam=True)
+
+    def _track(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, prompt: str | None,
+               *, beam: bool = False) -> TextRequest:  # fmt: skip
         eos = self.engine.scheduler.eos_token_ids
         req = self.requests[request_id] = TextRequest(request_id, list(prompt_token_ids), params, self.tokenizer,
-                                                      prompt, eos)  # fmt: skip
+                                                      prompt, eos, beam=beam)  # fmt: skip
         return req
 
     def abort(self, request_id: str) -> TextRequest | None:
@@ -256,6 +274,8 @@ class OutputProcessor:
             raise
         changed = []
         for rid, req in list(self.requests.items()):
+            if req.beam and rid not in finished:  # its beams are not final until it is done
+                continue
             try:
                 deltas, done = self._update(req, finished.get(rid) or self.engine.request_output(rid))
             except Exception as e:

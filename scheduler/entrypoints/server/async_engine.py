@@ -10,6 +10,12 @@ A request that fails on its own (its sampling, its detokenization: see
 :mod:`scheduler.engine.faults`) gets an error event (:class:`RequestFailed`, a 500 or a stream's
 error event) while the others are served on; a failed engine step aborted every request, and
 each gets an error event naming the cause.
+
+A beam search (its parameters a :class:`BeamSearchParams`) runs in the same steps as the sampled
+requests. Its handler gets an empty event once it is admitted (so a client that leaves is noticed
+and the search aborted), then its hypotheses in one event when the search ends. Its metrics count
+it as a request whose first token (TTFT) is that final event and whose generation tokens are
+those of the hypotheses returned.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from dataclasses import dataclass, field
 
 from scheduler.core.params import SamplingParams
 from scheduler.core.sequence import SequenceGroup
+from scheduler.engine.beam_selection import BeamSearchParams, check_beam_fits
 from scheduler.engine.llm_engine import LLMEngine
 from scheduler.engine.metrics import RequestTimes
 from scheduler.engine.request_checks import check_prompt, check_request_fits, longest_sample
@@ -121,17 +128,23 @@ class AsyncEngine:
             return 0
         return self.engine.block_manager.num_pinned_blocks_apart(prompt_token_ids, cache_salt=cache_salt)
 
-    def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def check(self, prompt_token_ids: list[int], params: SamplingParams | BeamSearchParams) -> None:
         """Raise (a PagedKVError) if the engine could never serve the request; reads only what never changes
-        while serving (the config, the start-up pins)."""
+        while serving (the config, the EOS ids, the start-up pins)."""
         prompt = check_prompt(prompt_token_ids, self.engine.model.config.vocab_size)
         e = self.engine
-        check_request_fits(len(prompt), params, e.model.config, e.config.scheduler, e.block_manager.config,
+        beam = isinstance(params, BeamSearchParams)
+        sampling = params.engine_params() if beam else params
+        check_request_fits(len(prompt), sampling, e.model.config, e.config.scheduler, e.block_manager.config,
                            pinned_blocks=self.pinned_apart(prompt, params.cache_salt))  # fmt: skip
+        if beam:
+            check_beam_fits(len(prompt), params, e.scheduler.eos_token_ids, e.model.config)
 
-    async def generate(self, prompts: list[tuple[list[int], str | None]], params: list[SamplingParams], *,
-                       priority: int = 0) -> AsyncIterator[Event]:  # fmt: skip
-        """Run every prompt; yield events until each is done. Closing the iterator early aborts what is left.
+    async def generate(self, prompts: list[tuple[list[int], str | None]],
+                       params: list[SamplingParams | BeamSearchParams], *, priority: int = 0
+                       ) -> AsyncIterator[Event]:  # fmt: skip
+        """Run every prompt (a beam search for BeamSearchParams); yield events until each is done. Closing the
+        iterator early aborts what is left.
 
         ``priority`` (vLLM's: lower is more important) orders the eviction of the requests' cached blocks.
 
@@ -190,13 +203,17 @@ class AsyncEngine:
     def _apply(self, command: tuple) -> None:
         if command[0] == "add":
             _, rid, ids, text, params, priority, live = command
+            beam = isinstance(params, BeamSearchParams)
+            add = self.processor.add_beam_search if beam else self.processor.add
             try:
-                self.processor.add(rid, ids, params, text, priority=priority)
+                add(rid, ids, params, text, priority=priority)
             except Exception as e:  # PagedKVError: a bad request (400); anything else: a bug, still answered
                 _send(live, Event(live.key, [], error=e))
                 return
             live.group = self.engine.scheduler.requests[rid]  # its timestamps, for the metrics
             self._live[rid] = live
+            if beam:  # admitted: its handler may answer (and watch its client) before the search ends
+                _send(live, Event(live.key, []))
         elif command[1] in self._live:  # abort of a request still running
             live = self._live.pop(command[1])
             try:

@@ -2,7 +2,8 @@
 
 Preparing a request refuses what cannot be honoured (``sampling``), tokenizes or renders the
 chat template in a one-thread pool off the event loop, cuts the prompt if asked, checks the
-lengths against ``max_model_len`` and builds each prompt's SamplingParams.
+lengths against ``max_model_len`` and builds each prompt's SamplingParams (BeamSearchParams with
+``use_beam_search``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from paged_kv.errors import InvalidArgumentError, describe
 from scheduler.core.params import SamplingParams
 from scheduler.core.structured_params import StructuredOutputsParams
+from scheduler.engine.beam_selection import BeamSearchParams
 from scheduler.engine.llm_engine import LLMEngine
 from scheduler.engine.request_checks import longest_sample
 from scheduler.entrypoints.llm import LLM
@@ -28,7 +30,14 @@ from scheduler.entrypoints.server.async_engine import AsyncEngine
 from scheduler.entrypoints.server.config import ServerConfig
 from scheduler.entrypoints.server.errors import ModelNotFound, Unauthorized
 from scheduler.entrypoints.server.protocol import SamplingFields
-from scheduler.entrypoints.server.sampling import FieldError, check_request, sampling_params, structured_outputs
+from scheduler.entrypoints.server.sampling import (
+    FieldError,
+    beam_search_params,
+    check_beam_search,
+    check_request,
+    sampling_params,
+    structured_outputs,
+)
 from scheduler.entrypoints.server.serving import ResponseContext
 
 log = logging.getLogger("paged_kv.server")
@@ -99,7 +108,7 @@ class Frontend:
 
     async def prepare(self, body: SamplingFields, kind: str, encode: Callable[[], Prompts], num_prompts: int,
                       limit: tuple[str, int | None], logprobs: int | None
-                      ) -> tuple[ResponseContext, Prompts, list[SamplingParams]]:  # fmt: skip
+                      ) -> tuple[ResponseContext, Prompts, list[SamplingParams | BeamSearchParams]]:  # fmt: skip
         """A validated request's response context, prompts and parameters; refusals come before any tokenization.
 
         ``limit``: the output-length field and its value; ``logprobs``: top log-probabilities per token (None: none).
@@ -107,6 +116,8 @@ class Frontend:
         model = self.model_name(body.model)
         check_request(body, self.config.max_logprobs)
         constraints = structured_outputs(body)
+        if body.use_beam_search:
+            check_beam_search(body, constraints)
         if num_prompts > self.engine.max_in_flight:  # never admitted: a 400, not a 503 forever
             expected = f"at most {self.engine.max_in_flight} prompts per request (--max-in-flight)"
             raise FieldError("prompt", describe("prompt", f"{num_prompts} prompts", expected))
@@ -119,11 +130,8 @@ class Frontend:
         top = max(max(ids, default=0) for ids, _ in prompts)
         if top >= vocab:
             raise FieldError("prompt", describe("prompt", f"token id {top}", f"token ids in [0, {vocab})"))
-        params = [
-            sampling_params(body, max_tokens=self._max_tokens(kind, ids, limit, body), logprobs=logprobs or 0,
-                            vocab_size=vocab, constraints=constraints)
-            for ids, _ in prompts
-        ]  # fmt: skip
+        params = [self._params(body, self._max_tokens(kind, ids, limit, body), logprobs, constraints)
+                  for ids, _ in prompts]  # fmt: skip
         ctx = ResponseContext(kind, model, body.n, self.llm.tokenizer, logprobs, request_id=body.request_id,
                               tokens_as_ids=body.return_tokens_as_token_ids, echo=getattr(body, "echo", False),
                               prompt_logprobs=body.prompt_logprobs,
@@ -133,6 +141,17 @@ class Frontend:
             log.info("request %s: model %s, user %r, prompt tokens %s, %s", ctx.id, model, user,
                      [len(ids) for ids, _ in prompts], params[0])  # fmt: skip
         return ctx, prompts, params
+
+    def _params(self, body: SamplingFields, max_tokens: int, logprobs: int | None,
+                constraints: dict[str, object]) -> SamplingParams | BeamSearchParams:  # fmt: skip
+        """One prompt's engine parameters: a beam search's with ``use_beam_search``, else the sampling ones."""
+        engine = self.llm.engine
+        vocab = engine.model.config.vocab_size
+        if body.use_beam_search:
+            eos = engine.scheduler.eos_token_ids
+            return beam_search_params(body, max_tokens=max_tokens, eos_token_ids=eos, vocab_size=vocab)
+        return sampling_params(body, max_tokens=max_tokens, logprobs=logprobs or 0, vocab_size=vocab,
+                               constraints=constraints)  # fmt: skip
 
     def _truncate(self, body: SamplingFields, ids: list[int], text: str | None) -> tuple[list[int], str | None]:
         """The prompt cut to ``truncate_prompt_tokens`` (-1: max_model_len) from ``truncation_side``."""

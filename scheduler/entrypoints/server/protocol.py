@@ -10,6 +10,11 @@ field's default. A field is one of:
   penalties, ``logit_bias``, ...), honoured when the engine's SamplingParams has it, else refused;
 - a structured-output field (``sampling.STRUCTURED_FIELDS``): given to ``sampling.structured_outputs``;
 - ``Neutral``: a feature this server lacks, accepted only at the value that asks for nothing.
+
+With ``use_beam_search`` (vLLM's), ``n`` is the beam width and ``length_penalty`` ranks the
+hypotheses; a field that would not apply to a beam search is refused unless neutral
+(``sampling.BEAM_NEUTRAL``), and ``temperature`` is accepted and ignored (the beams are ranked
+by the model's raw log-probabilities, as vLLM's V1 engine ranks them).
 """
 
 from __future__ import annotations
@@ -105,9 +110,10 @@ class SamplingFields(OpenAIModel):
     guided_decoding_backend: Json = None
     guided_whitespace_pattern: Json = None
     structural_tag: Json = None
+    # vLLM's beam search: n beams, hypotheses ranked by cumulative logprob / len ** length_penalty
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     # vLLM's features this server lacks
-    use_beam_search: Neutral(False) = None
-    length_penalty: Neutral(1.0) = None
     spaces_between_special_tokens: Neutral(True) = None
     logprob_token_ids: Neutral() = None
     prompt_logprobs: int | None = Field(None, ge=0)  # vLLM: log-probabilities of the prompt tokens (not streamed)

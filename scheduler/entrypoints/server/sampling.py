@@ -4,6 +4,14 @@ The pass-through fields are vLLM's SamplingParams fields of the same name: each 
 when the engine's :class:`SamplingParams` has a field of that name (``dataclasses.fields``) and
 refused otherwise, unless it is at its neutral value. So a field the engine gains (the
 penalties, ``logit_bias``, ...) is honoured by the server with no edit here.
+
+``use_beam_search`` (vLLM's) gives the engine a :class:`BeamSearchParams` instead: width ``n``,
+``max_tokens``, ``length_penalty``, ``stop_token_ids``, ``ignore_eos``,
+``include_stop_str_in_output``, ``skip_special_tokens`` and ``cache_salt``; ``temperature`` is
+ignored (the beams are ranked by raw log-probabilities). A field that would not apply to the
+beams (sampling filters, penalties, stop strings, top log-probabilities, constraints) is refused
+unless neutral (``BEAM_NEUTRAL``); the chosen tokens' own log-probabilities (completions'
+``logprobs: 0``, chat's ``logprobs`` with ``top_logprobs: 0``) are served.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ import dataclasses
 
 from paged_kv.errors import InvalidArgumentError, describe
 from scheduler.core.params import SamplingParams
+from scheduler.engine.beam_selection import BeamSearchParams, candidates_per_beam, stop_ids
 from scheduler.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from scheduler.entrypoints.structured_request import structured_outputs_from_request
 
@@ -20,6 +29,12 @@ PASS_THROUGH: dict[str, tuple[object, ...]] = {
     "presence_penalty": (0.0,), "frequency_penalty": (0.0,), "repetition_penalty": (1.0,), "min_p": (0.0,),
     "min_tokens": (0,), "logit_bias": ({},), "allowed_token_ids": (), "bad_words": ([],),
     "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
+}  # fmt: skip
+# name -> the values at which it asks for nothing a beam search could not honour (anything else: a 400)
+BEAM_NEUTRAL: dict[str, tuple[object, ...]] = {
+    "top_p": (1.0,), "top_k": (-1, 0), "min_p": (0.0,), "seed": (None,), "presence_penalty": (0.0,),
+    "frequency_penalty": (0.0,), "repetition_penalty": (1.0,), "logit_bias": (None, {}), "stop": ([],),
+    "min_tokens": (0,), "bad_words": ([],), "allowed_token_ids": (None,), "prompt_logprobs": (None,),
 }  # fmt: skip
 STRUCTURED_FIELDS = (
     "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
@@ -96,6 +111,9 @@ def check_request(body: SamplingFields, max_logprobs: int) -> None:
         raise FieldError("max_tokens", describe("max_tokens", 0, ">= 1 (0 only with echo=true)"))
     if body.best_of is not None and body.best_of < body.n:
         raise FieldError("best_of", describe("best_of", body.best_of, f">= n={body.n}"))
+    if body.length_penalty != 1.0 and not body.use_beam_search:  # it ranks beam hypotheses, nothing else
+        expected = "1.0 unless use_beam_search"
+        raise FieldError("length_penalty", describe("length_penalty", body.length_penalty, expected))
     if body.truncate_prompt_tokens == 0:
         raise FieldError("truncate_prompt_tokens", describe("truncate_prompt_tokens", 0, "-1 or >= 1"))
     if body.stream and body.num_samples > body.n:
@@ -111,6 +129,44 @@ def check_request(body: SamplingFields, max_logprobs: int) -> None:
     k = getattr(body, name)
     if k is not None and k > max_logprobs:
         raise FieldError(name, describe(name, k, f"at most max_logprobs={max_logprobs} (--max-logprobs)"))
+
+
+def check_beam_search(body: SamplingFields, constraints: dict[str, object]) -> None:
+    """With ``use_beam_search``, refuse (FieldError naming it) every field that would not apply to the beams."""
+    for name, neutral in BEAM_NEUTRAL.items():
+        if getattr(body, name) not in neutral:
+            _beam_refuses(name, getattr(body, name), " or ".join(map(repr, neutral)))
+    if body.best_of not in (None, body.n):
+        _beam_refuses("best_of", body.best_of, f"null or n={body.n} (n is the beam width)")
+    name = "logprobs" if isinstance(body, CompletionRequest) else "top_logprobs"
+    if getattr(body, name):  # only the chosen tokens' own log-probabilities are known
+        _beam_refuses(name, getattr(body, name), "null or 0" if name == "logprobs" else "0")
+    if isinstance(body, CompletionRequest) and body.echo and body.logprobs is not None:
+        _beam_refuses("logprobs", body.logprobs, "null with echo (the prompt is not scored)")
+    if constraints:
+        name = "response_format" if body.response_format else "structured_outputs"
+        _beam_refuses(name, getattr(body, name), "null or a text format")
+
+
+def _beam_refuses(name: str, value: object, expected: str) -> None:
+    raise FieldError(name, describe(name, value, f"{expected} with use_beam_search (it would not apply to the beams)"))
+
+
+def beam_search_params(body: SamplingFields, *, max_tokens: int, eos_token_ids: frozenset[int],
+                       vocab_size: int) -> BeamSearchParams:  # fmt: skip
+    """The engine's beam-search parameters of one prompt of ``body`` (width ``n``); FieldError naming ``n`` if its
+    candidates per step exceed the vocabulary."""
+    params = BeamSearchParams(
+        width=body.n, max_tokens=max_tokens, length_penalty=body.length_penalty,
+        stop_token_ids=tuple(body.stop_token_ids), ignore_eos=body.ignore_eos,
+        include_stop_str_in_output=body.include_stop_str_in_output, skip_special_tokens=body.skip_special_tokens,
+        cache_salt=body.cache_salt,
+    )  # fmt: skip
+    per_beam = candidates_per_beam(len(stop_ids(params, eos_token_ids)))
+    if per_beam * body.n > vocab_size:
+        expected = f"at most {vocab_size // per_beam} with use_beam_search ({per_beam} * n candidates per step)"
+        raise FieldError("n", describe("n", body.n, expected))
+    return params
 
 
 def sampling_params(body: SamplingFields, *, max_tokens: int, logprobs: int, vocab_size: int,

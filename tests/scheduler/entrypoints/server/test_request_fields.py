@@ -24,6 +24,7 @@ from openai.types.chat import completion_create_params as chat_create_params
 from server_helpers import CHAT, refused, sse_events
 
 from scheduler.core.params import SamplingParams
+from scheduler.engine.beam_selection import BeamSearchParams
 from scheduler.entrypoints.server import sampling
 
 PROMPT = "hello world the quick"
@@ -133,9 +134,8 @@ SHARED: dict[str, tuple[object, Check, dict]] = {
     "logit_bias": ({"5": 10}, _pass_through({5: 10.0}), {}),
     "allowed_token_ids": ([1, 2, 3], _pass_through([1, 2, 3]), {}),
     "bad_words": (["hello"], _pass_through(["hello"]), {}),
-    "prompt_logprobs": (1, _ok(lambda s: s.params[0].prompt_logprobs == 1
-                               and (s.body.get("prompt_logprobs") or s.body["choices"][0]["prompt_logprobs"])[0] is None),
-                        {}),  # fmt: skip
+    "prompt_logprobs": (1, _ok(lambda s: s.params[0].prompt_logprobs == 1 and (
+        s.body.get("prompt_logprobs") or s.body["choices"][0]["prompt_logprobs"])[0] is None), {}),  # fmt: skip
     "top_k": (5, _param("top_k", 5), {}),
     "ignore_eos": (True, _param("ignore_eos", True), {}),
     "stop_token_ids": ([7], _param("stop_token_ids", (7,)), {}),
@@ -149,8 +149,9 @@ SHARED: dict[str, tuple[object, Check, dict]] = {
     **{name: ("a+", REFUSED, {}) for name in ("guided_json", "guided_regex", "guided_grammar", "structural_tag",
                                               "guided_decoding_backend", "guided_whitespace_pattern")},  # fmt: skip
     "guided_choice": (["a", "b"], REFUSED, {}),
-    "use_beam_search": (True, REFUSED, {}),
-    "length_penalty": (0.5, REFUSED, {}),
+    "use_beam_search": (True, _ok(lambda s: [(type(p), p.width, p.max_tokens) for p in s.params]
+                                  == [(BeamSearchParams, 1, 4)]), {}),  # fmt: skip
+    "length_penalty": (0.5, _param("length_penalty", 0.5), {"use_beam_search": True}),
     "include_stop_str_in_output": (True, _pass_through(True), {}),
     "skip_special_tokens": (False, _pass_through(False), {}),
     "spaces_between_special_tokens": (False, REFUSED, {}),
