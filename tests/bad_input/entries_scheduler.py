@@ -345,7 +345,7 @@ def _rows() -> list[Entry]:
 
 
 def _idle_engine() -> scheduler.LLMEngine:
-    """An engine with no request (beam search needs an idle one)."""
+    """An engine with no request."""
     return scheduler.LLMEngine(tiny_model(), engine_config(), eos_token_id=2)
 
 
