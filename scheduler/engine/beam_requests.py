@@ -52,9 +52,9 @@ class BeamRequests:
 
     def measure(self) -> None:
         """Record the GPU blocks each search's beams hold, shared and as if unshared (and per shared meter)."""
-        totals: dict[int, tuple[Meter, set[int], list[int]]] = {}
+        bm = self.bm
+        totals: dict[int, tuple[Meter, set[int], list[int]]] = {}  # id(meter) -> (meter, its blocks, [unshared])
         for req in self.live.values():
-            bm = self.bm
             tables = [bm.block_table(s.seq_id) for s in req.beams if s.seq_id in bm and not bm.is_swapped(s.seq_id)]
             blocks, unshared = {b for t in tables for b in t}, sum(map(len, tables))
             req.meter.record(len(blocks), unshared)
