@@ -92,6 +92,11 @@ class ZmqEventPublisher:
         self._thread.start()  # from here on only the thread touches the sockets and the buffer
 
     @property
+    def published(self) -> int:
+        """Batches numbered so far (sent, queued or dropped): the last one's seq is ``published - 1``."""
+        return self._next_seq
+
+    @property
     def dropped(self) -> int:
         """Batches dropped so far: the queue was full, or shutdown gave up on them."""
         return self._dropped

@@ -155,6 +155,7 @@ def test_every_batch_reaches_a_vllm_consumer_in_order(make_pub, ctx, encoding, c
         decoded = decoder.decode(payload)
         assert [summary(e) for e in decoded.events] == events
         assert decoded.data_parallel_rank == 0 and decoded.ts == batches[i].ts
+    assert pub.published == seq + len(batches) and pub.dropped == 0
     assert len(want[0]) == 1 and len(want[0][0][1]) == 3  # the two chained stores went out as one event
 
 
@@ -221,7 +222,7 @@ def test_a_full_queue_drops_counts_and_leaves_a_gap(make_pub, ctx, monkeypatch):
     assert [vllm.receive(sub)[1] for _ in range(3)] == [seq, seq + 1, seq + 2]  # the queue is empty again
     pub.publish(probe())
     assert vllm.receive(sub)[1] == seq + 5  # the subscriber sees two numbers missing
-    assert pub.dropped == 2
+    assert pub.dropped == 2 and pub.published == seq + 6  # the dropped ones were numbered
 
 
 def test_shutdown_sends_what_is_queued_then_closes(make_pub, ctx):

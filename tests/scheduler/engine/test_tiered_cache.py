@@ -16,6 +16,7 @@ from vllm_kv_consumer import KVEventBatch, subscribe
 from paged_kv.errors import InvalidArgumentError
 from scheduler import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from scheduler.core.kv_events_config import KVEventsConfig
+from scheduler.engine.kv_event_publisher import ZmqEventPublisher
 
 BS = 4
 
@@ -159,8 +160,9 @@ def test_kv_events_rebuild_each_tiers_cached_blocks_exactly(hf_model):
         multi_round_chat(eng, rounds=1)
         expected = {"GPU": {h for _, h, _, _ in eng.block_manager.gpu.cached_blocks()},
                     "CPU": {h for _, h, _, _ in eng.block_manager.host.pool.cached_blocks()}}  # fmt: skip
+        publisher = eng.cache_events.publisher
         eng.shutdown()  # publishes the last batch, then closes
-        assert rebuilt(sub) == expected and expected["GPU"] and expected["CPU"]
+        assert rebuilt(sub, publisher) == expected and expected["GPU"] and expected["CPU"]
     finally:
         ctx.destroy(linger=0)
 
@@ -175,10 +177,14 @@ def subscribed(ctx: zmq.Context, eng: LLMEngine) -> zmq.Socket:
     return sub
 
 
-def rebuilt(sub: zmq.Socket) -> dict[str, set[bytes]]:
-    """Each medium's cached block hashes as a router rebuilds them from every batch (checks none was lost)."""
-    cached, seqs, decoder = {"GPU": set(), "CPU": set()}, [], msgspec.msgpack.Decoder(KVEventBatch)
-    while sub.poll(1000):
+def rebuilt(sub: zmq.Socket, publisher: ZmqEventPublisher) -> dict[str, set[bytes]]:
+    """Each medium's cached block hashes as a router rebuilds them from every batch ``publisher`` (shut down: it
+    numbers no more) sent, up to its last one (checks none was lost)."""
+    last, seqs, decoder = publisher.published - 1, [], msgspec.msgpack.Decoder(KVEventBatch)
+    assert publisher.dropped == 0
+    cached = {"GPU": set(), "CPU": set()}
+    while seqs[-1:] != [last]:
+        assert sub.poll(10_000), f"the batches after {seqs[-1:]} up to {last} never came"
         _, seq, payload = sub.recv_multipart()
         seqs.append(int.from_bytes(seq, "big"))
         for event in decoder.decode(payload).events:
@@ -416,7 +422,7 @@ def test_after_a_reset_kv_events_announce_the_disks_blocks_again(hf_model, tmp_p
         eng.step()  # nothing to run: publishes the reset's batch
         on_disk = {b.hash for b in eng.tiers.disk.indexed_blocks()}
         eng.cache_events.shutdown()
-        assert on_disk and rebuilt(sub)["STORAGE"] == on_disk
+        assert on_disk and rebuilt(sub, eng.cache_events.publisher)["STORAGE"] == on_disk
     finally:
         ctx.destroy(linger=0)
         eng.shutdown()
