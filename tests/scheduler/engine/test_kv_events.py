@@ -6,6 +6,7 @@ first ``join`` (probe batches until one arrives).
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -46,6 +47,28 @@ def make_pub():
     yield make
     for pub in made:
         pub.shutdown(timeout=2.0)
+
+
+@pytest.fixture
+def hold_port():
+    """Reserve TCP ports for the test: a bound, never listening socket with SO_REUSEADDR on each.
+
+    On Linux it keeps every other bind of the port (port 0 included) and every outgoing connection off
+    it, but lets a reusing listener bind it, as ZeroMQ's do: a test can bind a port, release it and bind
+    it again with no other process (another pytest worker) able to take it in between.
+    """
+    held = []
+
+    def hold() -> int:
+        sock = socket.socket()
+        held.append(sock)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+    yield hold
+    for sock in held:
+        sock.close()
 
 
 def probe() -> KVEventBatch:
@@ -225,8 +248,10 @@ def test_a_full_queue_drops_counts_and_leaves_a_gap(make_pub, ctx, monkeypatch):
     assert pub.dropped == 2 and pub.published == seq + 6  # the dropped ones were numbered
 
 
-def test_shutdown_sends_what_is_queued_then_closes(make_pub, ctx):
-    pub = make_pub()
+def test_shutdown_sends_what_is_queued_then_closes(make_pub, ctx, hold_port):
+    ports = hold_port(), hold_port()  # no other process can take them once released
+    endpoints = f"tcp://*:{ports[0]}", f"tcp://127.0.0.1:{ports[1]}"
+    pub = make_pub(endpoint=endpoints[0], replay_endpoint=endpoints[1])
     sub = vllm.subscribe(ctx, pub.endpoint, TOPIC.encode())
     _, seq = join(pub, sub)
     for _ in range(50):
@@ -236,9 +261,8 @@ def test_shutdown_sends_what_is_queued_then_closes(make_pub, ctx):
     with pytest.raises(PublisherClosedError):
         pub.publish(probe())
     pub.shutdown()  # a second call does nothing
-    ports = port(pub.endpoint), port(pub.replay_endpoint)
-    again = make_pub(endpoint=f"tcp://*:{ports[0]}", replay_endpoint=f"tcp://*:{ports[1]}")
-    assert (port(again.endpoint), port(again.replay_endpoint)) == ports  # both were released
+    again = make_pub(endpoint=endpoints[0], replay_endpoint=endpoints[1])  # both were released
+    assert (port(again.endpoint), port(again.replay_endpoint)) == tuple(map(str, ports))
 
 
 def test_shutdown_gives_up_after_its_timeout(make_pub, monkeypatch):
@@ -300,14 +324,14 @@ def test_an_address_in_use_raises_naming_it(make_pub):
         taken.publish([AllBlocksCleared()])
 
 
-def test_a_failed_replay_bind_releases_the_pub_port(make_pub):
+def test_a_failed_replay_bind_releases_the_pub_port(make_pub, hold_port):
     taken = make_pub()
-    free = make_pub(replay_endpoint=None)
-    pub_port = port(free.endpoint)
-    free.shutdown()
-    with pytest.raises(InvalidArgumentError, match="^replay_endpoint="):
+    pub_port = hold_port()  # no other process can take it once released
+    with pytest.raises(InvalidArgumentError, match="^replay_endpoint=") as failed:
         make_pub(endpoint=f"tcp://*:{pub_port}", replay_endpoint=taken.replay_endpoint)
-    assert port(make_pub(endpoint=f"tcp://*:{pub_port}", replay_endpoint=None).endpoint) == pub_port
+    # the traceback keeps the half-built publisher alive: released by the constructor, not by garbage collection
+    assert failed.tb is not None
+    assert port(make_pub(endpoint=f"tcp://*:{pub_port}", replay_endpoint=None).endpoint) == str(pub_port)
 
 
 # --- the recorder --------------------------------------------------------------------------------------
