@@ -213,9 +213,19 @@ def test_replay_keeps_the_last_buffer_steps_batches_and_ignores_bad_requests(mak
     bad = ctx.socket(zmq.DEALER)
     bad.connect(pub.replay_endpoint)
     bad.send_multipart([b"not a sequence number"])
-    assert not bad.poll(200)  # ignored, no answer
+    bad.send_multipart([b"", (8).to_bytes(8, "big")])
+    # one peer's requests are answered in order: an answer to the bad one would come before these
+    replies = [next_reply(bad) for _ in range(3)]
+    assert [int.from_bytes(r[2], "big", signed=True) for r in replies] == [8, 9, -1]
     assert vllm.request_replay(ctx, pub.replay_endpoint, 100) == [[b"", b"", END_SEQ, b""]]
+    assert not bad.poll(0)  # nor any after them
     bad.close(linger=0)
+
+
+def next_reply(sock: zmq.Socket) -> list[bytes]:
+    """The next reply frames on a replay DEALER (a bounded wait: a missing reply fails the test)."""
+    assert sock.poll(5000), "no reply"
+    return sock.recv_multipart()
 
 
 def stall_sends(monkeypatch, pub: ZmqEventPublisher) -> tuple[threading.Event, threading.Event]:
