@@ -136,16 +136,20 @@ def test_a_model_step_failure_fails_every_request_in_flight_and_the_server_serve
     run = runner.run
 
     def failing(out):
-        # once every request is in and has its first token out (its stream has begun): not at a fixed step, as
-        # they arrive over HTTP and on a loaded machine the last came after the fault
+        # until every request is in flight (they arrive over HTTP, the last maybe long after the first on a loaded
+        # machine) the model waits: none can run out before the last has come (the engine takes it in next)
+        deadline = time.monotonic() + 30
+        while not fired and served.engine.num_in_flight < len(GOOD):
+            assert time.monotonic() < deadline, "the requests never all arrived"
+            time.sleep(0.005)
+        # once every request is in and has its first token out (its stream has begun): not at a fixed step
         if len(live) == len(GOOD) and all(g.seqs[0].num_outputs for g in live.values()) and not fired:
             fired.append(1)
             raise RuntimeError("planted forward fault")
-        time.sleep(0.02)  # a slow model: the first request is still running when the last arrives
         return run(out)
 
     runner.run = failing
-    # none can end before the last arrives (400 steps of 0.02 s at least); the fault fires as soon as it has
+    # none can end before the fault: it fires a few steps after the last arrived, and each takes 400 tokens
     long = [_body(served, p, f | {"max_tokens": 400}) for p, f in GOOD]
     try:
         with caplog.at_level(logging.ERROR):
