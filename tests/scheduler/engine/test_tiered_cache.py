@@ -326,7 +326,7 @@ def test_kv_events_announce_the_blocks_a_rescan_finds_at_the_next_step(hf_model,
         second.step()  # nothing to run: publishes what the rescan indexed
         on_disk = {b.hash for b in first.tiers.disk.indexed_blocks()}
         second.cache_events.shutdown()
-        assert on_disk and rebuilt(sub)["STORAGE"] == on_disk
+        assert on_disk and rebuilt(sub, second.cache_events.publisher)["STORAGE"] == on_disk
         first.shutdown()
     finally:
         ctx.destroy(linger=0)
