@@ -39,8 +39,6 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm.auto import tqdm
 
-from paged_kv.block_manager import BlockManager
-from paged_kv.config import BlockManagerConfig
 from paged_kv.errors import (
     DuplicateSequenceError,
     InvalidArgumentError,
@@ -50,8 +48,6 @@ from paged_kv.errors import (
     check_type,
     describe,
 )
-from paged_kv.kv_cache import KVCacheSpec, PagedKVCache
-from paged_kv.tokens import as_id_list
 from scheduler.core.config import EngineConfig
 from scheduler.core.outputs import RequestOutput
 from scheduler.core.params import SamplingParams, per_prompt
@@ -59,23 +55,25 @@ from scheduler.core.scheduler import Scheduler
 from scheduler.core.scheduler_output import SampledToken, SchedulerOutput
 from scheduler.core.sequence import Sequence, SequenceGroup
 from scheduler.core.structured_params import StructuredOutputsParams
-from scheduler.distributed.parallel_state import TPShard
 from scheduler.engine.beam_requests import BeamRequests
 from scheduler.engine.beam_selection import BeamRequest, BeamSearchParams, check_beam_fits
 from scheduler.engine.cache_events import CacheEvents
+from scheduler.engine.engine_setup import (
+    eos_id_set,
+    kv_events,
+    make_block_manager,
+    make_runner,
+    make_tiers,
+    num_gpu_blocks,
+    place_model,
+    uses_graphs,
+)
 from scheduler.engine.faults import Failure, isolate, restoring
 from scheduler.engine.metrics import EngineMetrics, MetricsSummary
 from scheduler.engine.pinned_prefixes import PinnedPrefixes
 from scheduler.engine.request_checks import check_prompt, check_request_fits, check_sampling_ids
-from scheduler.engine.tiered_cache import TieredCache, model_identity
 from scheduler.model.llama import LlamaModel
-from scheduler.runner.cascade_plan import min_saved_tokens
-from scheduler.runner.memory import plan_kv_memory
-from scheduler.runner.model_runner import ModelRunner
 from scheduler.runner.sampler import PromptRows, Sampler, SampleRow
-from scheduler.runner.step_input import StepInputBuilder
-from scheduler.runner.tp_executor import TPExecutor
-from scheduler.runner.tp_worker import WorkerSetup
 
 if TYPE_CHECKING:
     from scheduler.engine.structured_outputs import StructuredOutputs
@@ -91,29 +89,17 @@ class LLMEngine:
     def __init__(self, model: LlamaModel, config: EngineConfig | None = None, *, eos_token_id=None) -> None:
         check_type("model", model, LlamaModel, "a LlamaModel")
         check_type("config", config, (EngineConfig, type(None)), "an EngineConfig or None")
-        eos_ids = _as_id_set(eos_token_id)
+        eos_ids = eos_id_set(eos_token_id)
         self.config = config = config or EngineConfig()
-        self.device = config.resolved_device()
-        self.executor: TPExecutor | None = None
-        tp = config.tensor_parallel_size
-        if tp > 1:
-            LlamaModel(model.config, TPShard(0, tp))  # a typed error before any process starts
-            self.executor, model = TPExecutor.launch(model, tp, self.device, config.distributed_timeout_s)
-            self.device = model.embed.weight.device
-        self.model = model.to(self.device).eval()
-        cc = config.cache
+        model, self.device, self.executor = place_model(model, config)  # starts the TP workers, if any
+        self.model = model
+        cc, events = config.cache, kv_events(config)
         spec = model.kv_cache_spec(cc.block_size, cc.dtype)
-        graphs = self.device.type == "cuda" and not config.enforce_eager and tp == 1
-        num_blocks = self._num_gpu_blocks(spec, graphs)
-        events = config.kv_events if config.kv_events is not None and config.kv_events.enable_kv_cache_events else None
-        self.block_manager = BlockManager(BlockManagerConfig(
-            num_blocks=num_blocks, block_size=cc.block_size, num_cpu_blocks=cc.num_cpu_blocks,
-            watermark=cc.watermark, enable_prefix_caching=cc.enable_prefix_caching,
-            num_host_blocks=TieredCache.num_host_blocks(spec, cc), host_store=cc.host_store,
-            track_cache_events=events is not None,
-        ), track_changes=True)  # fmt: skip
-        self.runner = self._make_runner(spec, num_blocks, graphs)
-        self.tiers = self._make_tiers(spec)
+        graphs = uses_graphs(config, self.device)
+        num_blocks = num_gpu_blocks(model, spec, config, self.device, graphs)
+        self.block_manager = make_block_manager(spec, cc, num_blocks, track_events=events is not None)
+        self.runner = make_runner(model, spec, num_blocks, config, self.device, self.executor, graphs)
+        self.tiers = make_tiers(model, spec, cc, self.block_manager, self.runner)
         prefetch = self.tiers.prefetch if self.tiers is not None else None
         self.scheduler = Scheduler(config.scheduler, self.block_manager, eos_ids, prefetch=prefetch,
                                    max_model_len=model.config.max_position_embeddings)  # fmt: skip
@@ -125,56 +111,6 @@ class LLMEngine:
         self.beams = BeamRequests(self.scheduler, self.block_manager)  # the live beam searches
         self.structured: StructuredOutputs | None = None  # set by enable_structured_outputs
         self._auto_ids = itertools.count()
-
-    def _make_tiers(self, spec: KVCacheSpec) -> TieredCache | None:
-        """The host (and disk) tiers under the device pool, when configured; logged."""
-        if self.block_manager.host is None:
-            return None
-        cc = self.config.cache
-        identity = model_identity(self.model, self.model.config)
-        tiers = TieredCache(spec, cc, self.block_manager, self.runner.gpu_cache, identity)
-        self.runner.tiers = tiers.transfers
-        logger.info("host tier %d blocks (%.3f GiB, store on %s)%s", tiers.host_cache.num_blocks,
-                    tiers.host_cache.nbytes / 2**30, cc.host_store,
-                    f"; disk tier {cc.kv_disk_dir} ({cc.kv_disk_bytes / 2**30:.3f} GiB)" if tiers.disk else "")
-        return tiers
-
-    def _num_gpu_blocks(self, spec: KVCacheSpec, graphs: bool) -> int:
-        """The pool size: from gpu_memory_utilization on CUDA, else num_gpu_blocks or the byte budget; logged."""
-        cc, sc = self.config.cache, self.config.scheduler
-        if cc.gpu_memory_utilization is not None and self.device.type == "cuda":
-            plan = plan_kv_memory(
-                self.model, spec, utilization=cc.gpu_memory_utilization, max_tokens=sc.max_num_batched_tokens,
-                max_seqs=sc.max_num_seqs, graphs=graphs,
-            )  # fmt: skip
-            logger.info(plan.describe(spec))
-            return plan.num_blocks
-        num_blocks = cc.num_gpu_blocks or spec.num_blocks_for_bytes(cc.kv_cache_bytes)
-        logger.info("KV pool %d blocks x %d tokens = %d tokens, %.3f GiB on %s", num_blocks, spec.block_size,
-                    num_blocks * spec.block_size, num_blocks * spec.bytes_per_block / 2**30, self.device)  # fmt: skip
-        return num_blocks
-
-    def _make_runner(self, spec: KVCacheSpec, num_blocks: int, graphs: bool) -> ModelRunner:
-        """The KV pools, the step-input builder and the model runner over them (workers set up alike; graphs)."""
-        cc, model = self.config.cache, self.model
-        cpu_cache = PagedKVCache(spec, cc.num_cpu_blocks, "cpu") if cc.num_cpu_blocks else None
-        gpu_cache = PagedKVCache(spec, num_blocks, self.device)
-        width = min(-(-model.config.max_position_embeddings // cc.block_size), num_blocks)
-        per_token = spec.bytes_per_block // (spec.num_layers * spec.block_size)  # K+V bytes of a token in a layer
-        floor = min_saved_tokens(per_token, self.device.type, cc.cascade_min_saved_bytes)
-        inputs = StepInputBuilder(cc.block_size, num_blocks, self.device, width, cascade=cc.enable_cascade_attention,
-                                  min_saved_tokens=floor)  # fmt: skip
-        runner = ModelRunner(model, gpu_cache, cpu_cache, dense_prefill=cc.enable_dense_prefill, inputs=inputs,
-                             group=self.executor)  # fmt: skip
-        if self.executor is not None:
-            self.executor.attach_caches(gpu_cache, cpu_cache)
-            dense = cc.enable_dense_prefill
-            self.executor.setup(WorkerSetup(num_blocks, cc.num_cpu_blocks, cc.block_size, cc.dtype, width, dense))
-        if graphs:
-            captured = runner.capture_graphs(self.config.scheduler.max_num_seqs, width)
-            logger.info("captured %d decode CUDA graphs (batch 1..%d) in %.1f s, %.2f GiB",
-                        len(captured.sizes), captured.sizes[-1], captured.capture_seconds, captured.pool_bytes / 2**30)
-        return runner
 
     @classmethod
     def from_hf(cls, hf_model: torch.nn.Module, config: EngineConfig | None = None) -> LLMEngine:
@@ -570,13 +506,3 @@ def _sample_indices(indices: Iterable[int], num_samples: int) -> set[int]:
         raise InvalidArgumentError(describe("indices", type(indices).__name__, "a sequence of sample indices"))
     return {check_int(f"indices[{i}]", v, low=0, high=num_samples - 1) for i, v in enumerate(items)}
 
-
-def _as_id_set(ids: int | Iterable[int] | None) -> frozenset[int]:
-    """EOS ids as a set: None, one id or several (checked like token ids: no bools, no floats)."""
-    if ids is None:
-        return frozenset()
-    if isinstance(ids, int) and not isinstance(ids, bool):
-        ids = [ids]
-    elif isinstance(ids, (set, frozenset)):
-        ids = list(ids)
-    return frozenset(as_id_list("eos_token_id", ids, "token ids", "a token id or a list of them"))
