@@ -4,12 +4,13 @@ One step is four calls, each owned by one module::
 
     out = scheduler.schedule()                          # core/scheduler.py: which tokens run, blocks recorded
     logits = runner.run(out)                            # runner/model_runner.py: inputs, block moves, forward
-    sampled = select(out, logits)                       # runner/sampler.py, and beam searches' selection
+    sampled = select(out, logits)                       # engine/step_sampling.py, and beam searches' selection
     finished = scheduler.update_from_output(out, sampled)  # append, stop, free, retire
 
 Beam searches (:meth:`add_beam_search`) are requests like the others: their rows of a step are
 selected by :mod:`scheduler.engine.beam_requests` (fork, prune, hypotheses), the other rows are
-sampled, and a finished search is returned by :meth:`step` with its hypotheses as its outputs.
+sampled (:mod:`scheduler.engine.step_sampling`), and a finished search is returned by :meth:`step`
+with its hypotheses as its outputs.
 
 A request's own failure (its sampling, its token's bookkeeping) fails it alone; a failure of
 the step itself aborts every live request (:mod:`scheduler.engine.faults`).
@@ -32,7 +33,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
@@ -53,7 +54,7 @@ from scheduler.core.outputs import RequestOutput
 from scheduler.core.params import SamplingParams, per_prompt
 from scheduler.core.scheduler import Scheduler
 from scheduler.core.scheduler_output import SampledToken, SchedulerOutput
-from scheduler.core.sequence import Sequence, SequenceGroup
+from scheduler.core.sequence import SequenceGroup
 from scheduler.core.structured_params import StructuredOutputsParams
 from scheduler.engine.beam_requests import BeamRequests
 from scheduler.engine.beam_selection import BeamRequest, BeamSearchParams, check_beam_fits
@@ -68,20 +69,18 @@ from scheduler.engine.engine_setup import (
     place_model,
     uses_graphs,
 )
-from scheduler.engine.faults import Failure, isolate, restoring
+from scheduler.engine.faults import Failure
 from scheduler.engine.metrics import EngineMetrics, MetricsSummary
 from scheduler.engine.pinned_prefixes import PinnedPrefixes
 from scheduler.engine.request_checks import check_prompt, check_request_fits, check_sampling_ids
+from scheduler.engine.step_sampling import Selector, StepSampling
 from scheduler.model.llama import LlamaModel
-from scheduler.runner.sampler import PromptRows, Sampler, SampleRow
+from scheduler.runner.sampler import Sampler
 
 if TYPE_CHECKING:
     from scheduler.engine.structured_outputs import StructuredOutputs
 
 logger = logging.getLogger(__name__)
-
-Selector = Callable[[SchedulerOutput, torch.Tensor], list[SampledToken]]  # (step, logits [R, vocab]) -> tokens
-
 
 class LLMEngine:
     """Serves generation requests with continuous batching, prefix caching and preemption."""
@@ -106,11 +105,24 @@ class LLMEngine:
         self.pins = PinnedPrefixes(self.block_manager, self._warm_up)
         disk = self.tiers.disk if self.tiers is not None else None
         self.cache_events = None if events is None else CacheEvents(events, self.block_manager, disk)
-        self.sampler = Sampler(model.config.vocab_size, self.device, eos_ids)  # keeps penalty counts per sequence
+        self.sampling = StepSampling(Sampler(model.config.vocab_size, self.device, eos_ids), self.device)
         self.metrics = EngineMetrics()
         self.beams = BeamRequests(self.scheduler, self.block_manager)  # the live beam searches
-        self.structured: StructuredOutputs | None = None  # set by enable_structured_outputs
         self._auto_ids = itertools.count()
+
+    @property
+    def sampler(self) -> Sampler:
+        """The sampler of the step's rows (it keeps penalty counts per sequence)."""
+        return self.sampling.sampler
+
+    @property
+    def structured(self) -> StructuredOutputs | None:
+        """The grammars of constrained requests (their bitmask each step); None until enable_structured_outputs."""
+        return self.sampling.structured
+
+    @structured.setter
+    def structured(self, structured: StructuredOutputs | None) -> None:
+        self.sampling.structured = structured
 
     @classmethod
     def from_hf(cls, hf_model: torch.nn.Module, config: EngineConfig | None = None) -> LLMEngine:
@@ -287,7 +299,7 @@ class LLMEngine:
             if select is None:
                 sampled = self._choose(out, logits, failures)
             else:
-                sampled = self._select(select, out, logits)
+                sampled = self.sampling.select(select, out, logits)
             finished = self._update_each(out, sampled, failures)
         except BaseException as e:
             self._abort_all(e)
@@ -306,26 +318,12 @@ class LLMEngine:
         sampled (one more); a request whose selection or sampling raises goes into ``failures``."""
         beam_rows, rows = self.beams.split(out.samples)
         self.beams.measure()
-        sampled = self._sample_each(out, logits, failures, rows)
-        errors: dict[SequenceGroup, BaseException] = {}
-        sampled += self.beams.select(beam_rows, logits, errors)
-        self._note_failures(failures, "beam selection", errors)
-        return sampled
-
-    def _sample_each(self, out: SchedulerOutput, logits: torch.Tensor, failures: dict[SequenceGroup, Failure],
-                     samples: list[tuple[SequenceGroup, Sequence, int]]) -> list[SampledToken]:  # fmt: skip
-        """:meth:`sample` of these rows of ``out.samples`` and every prompt row; if it raises, the requests whose
-        rows fail (found by halving the batch, sampled rows and prompt rows apart) go into ``failures`` and the
-        others keep what they would have had."""
-        prompts = _indexed(out.prompt_rows)
-        try:
-            return self._draw(samples, prompts, logits, out)
-        except Exception:  # some request's rows fail: find whose below
-            pass
-        errors: dict[SequenceGroup, BaseException] = {}
-        sampled = isolate(samples, lambda part: self._draw(part, [], logits, out), lambda s: s[0], errors)
-        isolate(prompts, lambda part: self._draw([], part, logits, out), lambda p: p[1], errors)
-        self._note_failures(failures, "sampling", errors)
+        sampling_errors: dict[SequenceGroup, BaseException] = {}
+        beam_errors: dict[SequenceGroup, BaseException] = {}
+        sampled = self.sampling.sample_each(out, logits, rows, sampling_errors)
+        self._note_failures(failures, "sampling", sampling_errors)
+        sampled += self.beams.select(beam_rows, logits, beam_errors)
+        self._note_failures(failures, "beam selection", beam_errors)
         return sampled
 
     def _update_each(self, out: SchedulerOutput, sampled: list[SampledToken],
@@ -379,49 +377,7 @@ class LLMEngine:
         Forked samples draw from their parent's row; the rows of ``logits`` past the sampled ones
         are prompt positions, scored into their groups' ``prompt_logprobs``.
         """
-        return self._draw(out.samples, _indexed(out.prompt_rows), logits, out)
-
-    def _draw(self, samples: list[tuple[SequenceGroup, Sequence, int]], prompts: list[PromptEntry],
-              logits: torch.Tensor, out: SchedulerOutput) -> list[SampledToken]:  # fmt: skip
-        """Sample these entries of ``out.samples`` and score these prompt rows (any subsets) in one transfer.
-
-        If it raises, nothing is recorded: seeded generators are restored, no prompt logprob is kept.
-        """
-        if not (samples or prompts):
-            return []
-        num_rows = out.num_sample_rows
-        picked = _rows(logits, [row for _, _, row in samples], 0, num_rows)
-        if self.structured is not None and samples:  # mask what each constrained sample's grammar forbids
-            self.structured.mask(samples, picked)
-        prompt_logits = _rows(logits, [num_rows + i for i, *_ in prompts], num_rows, logits.shape[0])
-        sample_rows = [SampleRow(g.params, self._generator(g, s), s) for g, s, _ in samples]
-        targets = PromptRows([seq.token_ids[pos + 1] for _, _, seq, pos in prompts],
-                             [g.params.prompt_logprobs for _, g, _, _ in prompts])  # fmt: skip
-        with restoring([r.generator for r in sample_rows]):
-            result = self.sampler(picked, sample_rows, prompt_logits, targets)
-        for (_, group, _, _), scored, rank in zip(prompts, result.prompt_logprobs, result.prompt_ranks):
-            group.prompt_logprobs.append(scored)  # in position order: a group's rows come in order
-            group.prompt_ranks.append(rank)
-        chosen = zip(result.token_ids, result.logprobs, result.top_logprobs, result.ranks)
-        return [SampledToken(g, s, *c) for (g, s, _), c in zip(samples, chosen)]
-
-    def _select(self, select: Selector, out: SchedulerOutput, logits: torch.Tensor) -> list[SampledToken]:
-        """A selection hook's tokens; prompt rows, if any, are scored by the sampler (one more transfer)."""
-        chosen = select(out, logits[: out.num_sample_rows])
-        self._draw([], _indexed(out.prompt_rows), logits, out)
-        return chosen
-
-    def _generator(self, group: SequenceGroup, seq: Sequence) -> torch.Generator | None:
-        """The sequence's own generator when the request is seeded (created at its first sample).
-
-        Any int64 seed maps to a torch seed one to one (two's complement: -1 -> 2**64 - 1); sample i > 0
-        of a request derives its own from (seed, i).
-        """
-        seed = group.params.seed
-        if seed is not None and seq.generator is None:
-            derived = seed % (1 << 64) if seq.index == 0 else hash((seed, seq.index)) & ((1 << 63) - 1)
-            seq.generator = torch.Generator(device=self.device).manual_seed(derived)
-        return seq.generator
+        return self.sampling.sample(out, logits)
 
     def _retire(self, group: SequenceGroup) -> RequestOutput:
         """Count a finished request in the metrics; return its output."""
@@ -481,21 +437,6 @@ class LLMEngine:
         if group is None:
             raise UnknownSequenceError(describe("request_id", request_id, "the id of an unfinished request"))
         return group
-
-
-PromptEntry = tuple[int, SequenceGroup, Sequence, int]  # (index among the step's prompt rows, group, seq, position)
-
-
-def _indexed(prompt_rows: list[tuple[SequenceGroup, Sequence, int]]) -> list[PromptEntry]:
-    """The step's prompt rows with their index (their logits row is ``num_sample_rows + index``)."""
-    return [(i, *row) for i, row in enumerate(prompt_rows)]
-
-
-def _rows(logits: torch.Tensor, rows: list[int], start: int, end: int) -> torch.Tensor:
-    """Rows ``rows`` of ``logits``: a view when they are all of ``[start, end)`` in order, else one gather."""
-    if rows == list(range(start, end)):
-        return logits[start:end]
-    return logits[torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)]
 
 
 def _sample_indices(indices: Iterable[int], num_samples: int) -> set[int]:
