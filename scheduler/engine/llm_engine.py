@@ -41,7 +41,6 @@ import torch
 from tqdm.auto import tqdm
 
 from paged_kv.errors import (
-    DuplicateSequenceError,
     InvalidArgumentError,
     UnknownSequenceError,
     check_bool,
@@ -72,7 +71,14 @@ from scheduler.engine.engine_setup import (
 from scheduler.engine.faults import Failure
 from scheduler.engine.metrics import EngineMetrics, MetricsSummary
 from scheduler.engine.pinned_prefixes import PinnedPrefixes
-from scheduler.engine.request_checks import check_prompt, check_request_fits, check_sampling_ids
+from scheduler.engine.request_checks import (
+    check_prompt,
+    check_request_fits,
+    check_request_id,
+    check_sample_indices,
+    check_sampling_ids,
+    check_structured_outputs,
+)
 from scheduler.engine.step_sampling import Selector, StepSampling
 from scheduler.model.llama import LlamaModel
 from scheduler.runner.sampler import Sampler
@@ -209,10 +215,7 @@ class LLMEngine:
     ) -> tuple[list[int], SamplingParams]:
         """Validate a request without queueing it; return the prompt as a list and the parameters."""
         params = sampling_params if sampling_params is not None else SamplingParams()
-        if not isinstance(request_id, str) or not request_id:
-            raise InvalidArgumentError(describe("request_id", request_id, "a non-empty str"))
-        if request_id in self.scheduler.requests:
-            raise DuplicateSequenceError(describe("request_id", request_id, "an id not already in use"))
+        check_request_id(request_id, self.scheduler.requests)
         if not isinstance(params, SamplingParams):
             raise InvalidArgumentError(describe("sampling_params", type(params).__name__, "a SamplingParams"))
         prompt = check_prompt(prompt_token_ids, self.model.config.vocab_size)
@@ -227,12 +230,7 @@ class LLMEngine:
 
     def check_structured_outputs(self, structured_outputs: StructuredOutputsParams) -> None:
         """Compile (and cache) a request's grammar now: an invalid one, or no tokenizer, raises before queueing."""
-        spec = structured_outputs
-        check_type("structured_outputs", spec, StructuredOutputsParams, "a StructuredOutputsParams")
-        if self.structured is None:
-            expected = "None on an engine without a tokenizer (call enable_structured_outputs(tokenizer) first)"
-            raise InvalidArgumentError(describe("structured_outputs", spec.kind, expected))
-        self.structured.grammar(spec)
+        check_structured_outputs(structured_outputs, self.structured)
 
     def abort(self, request_id: str) -> RequestOutput:
         """Stop a request now and free its blocks (every live beam of a beam search); returns what it had."""
@@ -267,7 +265,7 @@ class LLMEngine:
         group = self._live(request_id)
         if group in self.beams:
             raise InvalidArgumentError(describe("request_id", request_id, "a sampled request, not a beam search"))
-        chosen = _sample_indices(indices, group.num_samples)
+        chosen = check_sample_indices(indices, group.num_samples)
         if not (isinstance(reason, str) and reason):
             raise InvalidArgumentError(describe("reason", reason, "a non-empty str"))
         self.scheduler.stop_samples(group, chosen, reason)
@@ -437,13 +435,3 @@ class LLMEngine:
         if group is None:
             raise UnknownSequenceError(describe("request_id", request_id, "the id of an unfinished request"))
         return group
-
-
-def _sample_indices(indices: Iterable[int], num_samples: int) -> set[int]:
-    """Sample indices as a set: a sequence (or set) of ints in ``[0, num_samples)``; OutOfRangeError past either end."""
-    items = list(indices) if isinstance(indices, (set, frozenset)) else indices
-    items = items.tolist() if hasattr(items, "tolist") else items  # numpy arrays, torch tensors
-    if isinstance(items, (str, bytes)) or not isinstance(items, Seq):
-        raise InvalidArgumentError(describe("indices", type(indices).__name__, "a sequence of sample indices"))
-    return {check_int(f"indices[{i}]", v, low=0, high=num_samples - 1) for i, v in enumerate(items)}
-

@@ -1,15 +1,31 @@
-"""Admission checks of a request: a valid prompt, and a size the engine can ever serve."""
+"""Admission checks of a request: a new id, a valid prompt and parameters, a size the engine can ever serve.
+
+Each check raises a typed error (:mod:`paged_kv.errors`) and changes nothing, so a request refused
+here leaves the engine as it was; one that passes can always run to the end (:func:`check_request_fits`).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from paged_kv.config import BlockManagerConfig
-from paged_kv.errors import InvalidArgumentError, OutOfRangeError, describe
+from paged_kv.errors import (
+    DuplicateSequenceError,
+    InvalidArgumentError,
+    OutOfRangeError,
+    check_int,
+    check_type,
+    describe,
+)
 from paged_kv.tokens import as_token_list
 from scheduler.core.config import SchedulerConfig
 from scheduler.core.params import SamplingParams
+from scheduler.core.structured_params import StructuredOutputsParams
 from scheduler.model.llama import ModelConfig
+
+if TYPE_CHECKING:
+    from scheduler.engine.structured_outputs import StructuredOutputs
 
 
 def check_prompt(prompt_token_ids: Sequence[int], vocab_size: int) -> list[int]:
@@ -102,3 +118,29 @@ def check_sampling_ids(params: SamplingParams, vocab_size: int) -> None:
         raise InvalidArgumentError(describe("bad_words", params.bad_words, (
             "words with their bad_words_token_ids: a text layer with a tokenizer (LLM, the server) fills them in"
         )))  # fmt: skip
+
+
+def check_request_id(request_id: str, live: Container[str]) -> None:
+    """A non-empty str not already the id of a live request."""
+    if not isinstance(request_id, str) or not request_id:
+        raise InvalidArgumentError(describe("request_id", request_id, "a non-empty str"))
+    if request_id in live:
+        raise DuplicateSequenceError(describe("request_id", request_id, "an id not already in use"))
+
+
+def check_structured_outputs(spec: StructuredOutputsParams, structured: StructuredOutputs | None) -> None:
+    """Compile (and cache) a request's grammar now: an invalid one, or no tokenizer, raises before queueing."""
+    check_type("structured_outputs", spec, StructuredOutputsParams, "a StructuredOutputsParams")
+    if structured is None:
+        expected = "None on an engine without a tokenizer (call enable_structured_outputs(tokenizer) first)"
+        raise InvalidArgumentError(describe("structured_outputs", spec.kind, expected))
+    structured.grammar(spec)
+
+
+def check_sample_indices(indices: Iterable[int], num_samples: int) -> set[int]:
+    """Sample indices as a set: a sequence (or set) of ints in ``[0, num_samples)``; OutOfRangeError past either end."""
+    items = list(indices) if isinstance(indices, (set, frozenset)) else indices
+    items = items.tolist() if hasattr(items, "tolist") else items  # numpy arrays, torch tensors
+    if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
+        raise InvalidArgumentError(describe("indices", type(indices).__name__, "a sequence of sample indices"))
+    return {check_int(f"indices[{i}]", v, low=0, high=num_samples - 1) for i, v in enumerate(items)}
