@@ -15,6 +15,10 @@ with its hypotheses as its outputs.
 A request's own failure (its sampling, its token's bookkeeping) fails it alone; a failure of
 the step itself aborts every live request (:mod:`scheduler.engine.faults`).
 
+The engine is built by :mod:`scheduler.engine.engine_setup` (model placement, KV pool sizing,
+runner, tiers) and admits a request only once :mod:`scheduler.engine.request_checks` passes it:
+a refused request leaves the engine unchanged.
+
 The scheduler and the block manager live here, in the driver; the runner gets the step's
 decisions, builds device inputs on the host, and the only device->host transfer of a step is
 the sampled tokens (and the beam searches' candidates: a second one in a step that has both).
@@ -88,6 +92,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+
 class LLMEngine:
     """Serves generation requests with continuous batching, prefix caching and preemption."""
 
@@ -111,7 +116,7 @@ class LLMEngine:
         self.pins = PinnedPrefixes(self.block_manager, self._warm_up)
         disk = self.tiers.disk if self.tiers is not None else None
         self.cache_events = None if events is None else CacheEvents(events, self.block_manager, disk)
-        self.sampling = StepSampling(Sampler(model.config.vocab_size, self.device, eos_ids), self.device)
+        self.sampling = StepSampling(Sampler(model.config.vocab_size, self.device, eos_ids), self.device)  # step 3
         self.metrics = EngineMetrics()
         self.beams = BeamRequests(self.scheduler, self.block_manager)  # the live beam searches
         self._auto_ids = itertools.count()
