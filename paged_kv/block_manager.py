@@ -630,8 +630,10 @@ class BlockManager(PositionalEdits, CacheTiers):
         return list(new.items())
 
     # -- prefix cache -----------------------------------------------------
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached block hash and restart the since-reset hit rate."""
+    def reset_prefix_cache(self, *, keep_pinned: bool = False) -> None:
+        """Forget every cached block hash (device and host tiers; with ``keep_pinned`` the pinned prefixes' stay,
+        registered again after the reset) and restart the since-reset hit rate."""
+        kept = self._pinned_records() if check_bool("keep_pinned", keep_pinned) else []
         self._version += 1
         self._drain(self.gpu, "GPU")  # the events so far, in order, then one CLEARED for every tier
         if self.host is not None:
@@ -642,6 +644,8 @@ class BlockManager(PositionalEdits, CacheTiers):
             self.host.clear()
             self.host.pool.journal = []
         self._hits.reset()
+        for block, h, parent, tokens in kept:  # journaled after the CLEARED record: announced again
+            self.gpu.register_chain([block], [h], parent, [tokens])
 
     def _max_hit_blocks(self, num_tokens: int) -> int:
         """A hit never covers the last token: at least one is always left to compute."""

@@ -100,6 +100,12 @@ class CacheTiers:
         """Device blocks held by pinned prefixes (each once: pins may share blocks)."""
         return len({b for blocks in self._pins.values() for b in blocks})
 
+    def _pinned_records(self) -> list[tuple[BlockId, BlockHash, BlockHash, bytes]]:
+        """Each cached block pinned prefixes hold, once, in chain order: (block, hash, parent hash, contents)."""
+        records = {b: (b, h, parent, tokens) for b, h, parent, tokens in self.gpu.cached_blocks()}
+        pinned = dict.fromkeys(b for blocks in self._pins.values() for b in blocks)
+        return [records[b] for b in pinned if b in records]
+
     def num_pinned_blocks_apart(self, token_ids: Tokens, *, cache_salt: str | None = None) -> int:
         """Device blocks held by pinned prefixes that a new allocation of ``token_ids`` would not share (hit)."""
         ids = as_token_array("token_ids", token_ids)

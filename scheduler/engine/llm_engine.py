@@ -215,6 +215,19 @@ class LLMEngine:
         """Release a pinned prefix: its blocks are cached and evictable again."""
         self.pins.unpin(pin_id)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block of the device and host tiers; the number of device blocks forgotten.
+
+        Running requests keep their blocks (no new request shares them); pinned prefixes stay cached;
+        the disk tier keeps its files. KV events publish ``AllBlocksCleared`` (then what stays) at once.
+        """
+        before = self.block_manager.gpu.num_cached
+        self.block_manager.reset_prefix_cache(keep_pinned=True)
+        self.pins.forget_warm_ups()
+        if self.cache_events is not None:
+            self.cache_events.after_step()
+        return before - self.block_manager.gpu.num_cached
+
     def check_request(
         self, request_id: str, prompt_token_ids: Seq[int], sampling_params: SamplingParams | None
     ) -> tuple[list[int], SamplingParams]:

@@ -29,6 +29,7 @@ class PinnedPrefixes:
         self._prompts: dict[str, Prefix] = {}  # every pin not unpinned, held or waiting
         # warm-up requests not finished (their ids are their pins'); a pin waits while it is here and in _prompts
         self._warm_ups: set[str] = set()
+        self._stale: set[str] = set()  # warm-ups whose blocks a prefix-cache reset forgot: run again when done
         self._ids = itertools.count()
 
     def pin(self, prompt: list[int], cache_salt: str | None) -> str:
@@ -67,11 +68,16 @@ class PinnedPrefixes:
         hit; an aborted warm-up would never settle. Each pin keeps its id.
         """
         self._warm_ups.clear()  # aborted with every other request: their outputs never come
+        self._stale.clear()
         held = self.bm.pinned
         for pin_id in self._prompts:
             if pin_id in held:
                 self.bm.unpin(pin_id)
             self._hold_or_warm_up(pin_id)
+
+    def forget_warm_ups(self) -> None:
+        """After a prefix-cache reset: the running warm-ups' blocks are forgotten, so each runs again when done."""
+        self._stale |= self._warm_ups
 
     def settle(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Pin the prefixes whose warm-up finished among ``outputs``; return the others."""
@@ -84,9 +90,13 @@ class PinnedPrefixes:
                 continue
             pin_id = out.request_id
             self._warm_ups.discard(pin_id)
+            stale = pin_id in self._stale
+            self._stale.discard(pin_id)
             if pin_id not in self._prompts:
                 continue  # unpinned while it waited
-            if out.error is None:
+            if out.error is None and stale:
+                self._hold_or_warm_up(pin_id)
+            elif out.error is None:
                 prompt, salt = self._prompts[pin_id]
                 self.bm.pin(pin_id, prompt, cache_salt=salt)
             else:  # its warm-up failed alone: the pin is dropped

@@ -154,6 +154,10 @@ class LLM:
         """Release a pinned prefix: its blocks are cached and evictable again."""
         self.engine.unpin(pin_id)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block (pinned prefixes stay): ``LLMEngine.reset_prefix_cache``; the blocks forgotten."""
+        return self.engine.reset_prefix_cache()
+
     def _run(self, prompts: list[list[int]], texts: list[str | None], sampling_params, use_tqdm: bool,
              priorities: list[int] | None = None):  # fmt: skip
         params = per_prompt(sampling_params, len(prompts), SamplingParams, "sampling_params")
