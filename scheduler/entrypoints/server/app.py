@@ -1,11 +1,14 @@
-"""The OpenAI-compatible FastAPI app: completions, chat completions, models, health, metrics.
+"""The OpenAI-compatible FastAPI app: completions, chat completions, models, health, metrics, utilities.
 
 A handler validates the body (``protocol``); the :class:`Frontend` refuses what the server
 cannot honour, tokenizes off the event loop and builds the engine's parameters; the engine
 thread's events (``async_engine``) become OpenAI bodies (``serving``), whole or streamed. Every
 error is an OpenAI error body (``errors``); bad input never gives a 500, and the server keeps
-serving after every error. The ``/v1`` routes require the API key when one is configured;
-``/health`` and ``/metrics`` stay open, as in vLLM.
+serving after every error. vLLM's utility endpoints (``/tokenize``, ``/detokenize``, ``/version``,
+``/ping``, and with ``enable_dev_endpoints`` ``/reset_prefix_cache``) are in ``utility_routes``.
+
+Only the ``/v1`` routes require the API key when one is configured; ``/health``, ``/metrics`` and
+the utility endpoints stay open, as vLLM's API-key check guards the paths under ``/v1`` alone.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from scheduler.entrypoints.server.errors import BodyLimit, add_error_handlers
 from scheduler.entrypoints.server.frontend import Frontend, authorize
 from scheduler.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, error_body
 from scheduler.entrypoints.server.serving import ResponseContext, sse, wants_chunk
+from scheduler.entrypoints.server.utility_routes import add_utility_routes
 
 
 def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
@@ -88,6 +92,7 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
         return await _respond(request, engine, body, *prepared)
 
     app.include_router(v1)
+    add_utility_routes(app, front, engine)
     return app
 
 

@@ -1,7 +1,7 @@
 """One engine loop for every connection: the engine steps in a worker thread, streams get asyncio queues.
 
-The event loop never runs the engine: handlers put commands (add, abort) on a
-thread-safe queue; the worker thread applies them between steps, runs
+The event loop never runs the engine: handlers put commands (add, abort, reset the
+prefix cache) on a thread-safe queue; the worker thread applies them between steps, runs
 ``engine.step``, detokenizes through an :class:`OutputProcessor` and hands
 each request's deltas back to its handler's asyncio queue with
 ``call_soon_threadsafe``. Only the worker thread touches the engine.
@@ -173,6 +173,13 @@ class AsyncEngine:
             for key in left:
                 self._commands.put(("abort", rids[key]))
 
+    async def reset_prefix_cache(self) -> int:
+        """Forget the engine's cached blocks on the engine thread between two steps; the device blocks forgotten."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._commands.put(("reset", lambda result: loop.call_soon_threadsafe(_resolve, done, result)))
+        return await done
+
     # -- the worker thread -------------------------------------------------
     def _run(self) -> None:
         while True:
@@ -201,7 +208,13 @@ class AsyncEngine:
             self._snapshot_time = now
 
     def _apply(self, command: tuple) -> None:
-        if command[0] == "add":
+        if command[0] == "reset":
+            _, reply = command
+            try:
+                reply(self.engine.reset_prefix_cache())
+            except Exception as e:  # a bug: answered (500), the loop keeps serving
+                reply(e)
+        elif command[0] == "add":
             _, rid, ids, text, params, priority, live = command
             beam = isinstance(params, BeamSearchParams)
             add = self.processor.add_beam_search if beam else self.processor.add
@@ -292,6 +305,16 @@ class AsyncEngine:
 def _outputs(req: TextRequest | None) -> list[TextCompletion]:
     """The samples of a request that ended early (none if the text layer had already dropped it)."""
     return req.result().outputs if req is not None else []
+
+
+def _resolve(future: asyncio.Future, result: object) -> None:
+    """Settle a handler's future with a result (an exception: raised in the handler) unless it gave up."""
+    if future.done():
+        return
+    if isinstance(result, BaseException):
+        future.set_exception(result)
+    else:
+        future.set_result(result)
 
 
 def _send(live: _Live, event: Event) -> None:

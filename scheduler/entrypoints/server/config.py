@@ -21,6 +21,7 @@ class ServerConfig:
     api_keys: tuple[str, ...] = ()  # Bearer keys every /v1 route requires; (): no check
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     log_requests: bool = True  # log every request's id, sizes and sampling parameters
+    enable_dev_endpoints: bool = False  # serve vLLM's dev-mode endpoints (POST /reset_prefix_cache); off: 404
 
     def __post_init__(self) -> None:
         for field in ("served_model_names", "api_keys"):
@@ -33,3 +34,4 @@ class ServerConfig:
         check_int("max_logprobs", self.max_logprobs, low=0, high=MAX_LOGPROBS)
         check_int("max_request_bytes", self.max_request_bytes, low=1)
         check_bool("log_requests", self.log_requests)
+        check_bool("enable_dev_endpoints", self.enable_dev_endpoints)

@@ -196,10 +196,28 @@ class ChatMessage(OpenAIModel):
         return message | ({"name": self.name} if self.name is not None else {})
 
 
-class ChatCompletionRequest(SamplingFields):
-    """``POST /v1/chat/completions``."""
+class ChatRendering(OpenAIModel):
+    """A conversation and how the chat template renders it (shared by chat completions and ``/tokenize``)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: Neutral([]) = None
+    # vLLM's rendering options this server lacks: only their defaults are accepted
+    add_generation_prompt: Neutral(True) = None
+    continue_final_message: Neutral(False) = None
+    add_special_tokens: Neutral(False) = None
+    documents: Neutral([]) = None
+    chat_template: Neutral() = None
+    chat_template_kwargs: Neutral({}) = None
+    mm_processor_kwargs: Neutral({}) = None
+
+    def message_dicts(self) -> list[dict[str, str]]:
+        """Messages as the chat template takes them."""
+        return [m.as_dict() for m in self.messages]
+
+
+class ChatCompletionRequest(SamplingFields, ChatRendering):
+    """``POST /v1/chat/completions``."""
+
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int = Field(0, ge=0)
@@ -221,25 +239,36 @@ class ChatCompletionRequest(SamplingFields):
     service_tier: Neutral("auto", "default") = None
     store: Neutral(False) = None
     tool_choice: Neutral("none") = None
-    tools: Neutral([]) = None
     verbosity: Neutral() = None
     web_search_options: Neutral() = None
     # vLLM's chat features this server lacks
     echo: Neutral(False) = None
-    add_generation_prompt: Neutral(True) = None
-    continue_final_message: Neutral(False) = None
-    add_special_tokens: Neutral(False) = None
-    documents: Neutral([]) = None
-    chat_template: Neutral() = None
-    chat_template_kwargs: Neutral({}) = None
-    mm_processor_kwargs: Neutral({}) = None
     max_repetition_pattern_size: Neutral(0) = None
     min_repetition_pattern_size: Neutral(0) = None
     repetition_min_count: Neutral(0) = None
 
-    def message_dicts(self) -> list[dict[str, str]]:
-        """Messages as the chat template takes them."""
-        return [m.as_dict() for m in self.messages]
+
+class TokenizeCompletionRequest(OpenAIModel):
+    """``POST /tokenize`` of a text prompt (vLLM's)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True  # the tokenizer's special tokens (BOS) around the prompt
+    return_token_strs: bool = False  # the tokens' strings beside their ids
+
+
+class TokenizeChatRequest(ChatRendering):
+    """``POST /tokenize`` of a conversation, rendered as ``/v1/chat/completions`` renders it (vLLM's)."""
+
+    model: str | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(OpenAIModel):
+    """``POST /detokenize`` (vLLM's)."""
+
+    model: str | None = None
+    tokens: list[TokenId]
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | int | None = None) -> dict:

@@ -46,12 +46,16 @@ class Served:
 
 
 @contextlib.contextmanager
-def serving(model_dir, config=None, engine: EngineConfig = ENGINE) -> Iterator[Served]:
-    """A uvicorn server on a free port of 127.0.0.1 serving a fresh LLM over ``model_dir`` as ``config`` says."""
+def serving(model_dir, config=None, engine: EngineConfig = ENGINE, *, system: str | None = None) -> Iterator[Served]:
+    """A uvicorn server on a free port of 127.0.0.1 serving a fresh LLM over ``model_dir`` as ``config`` says
+    (``system``: a system prompt pinned first, as ``--pin-prompt`` pins it)."""
+    from scheduler.entrypoints.pinned_prompt import pin_system_prompt
     from scheduler.entrypoints.server.app import build_app
     from scheduler.entrypoints.server.background import serve_in_thread
 
     llm = LLM(model_dir, engine_config=engine)
+    if system is not None:
+        pin_system_prompt(llm, system)
     app = build_app(llm, config)
     with serve_in_thread(app) as url:
         yield Served(url, app, llm)
