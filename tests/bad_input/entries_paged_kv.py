@@ -116,6 +116,8 @@ def entries() -> list[Entry]:
             "token_ids": Arg("ids", [0, 1, 2, 3, 4], bad={WRONG_TYPE: ["ab", {1: 2}, None, 3]}),
             "cache_salt": Arg("opt_str", None)}, pinned),
         Entry("paged_kv.BlockManager.unpin", "unpin", {"pin_id": Arg("seq_id", "q")}, pinned),
+        Entry("paged_kv.BlockManager.reset_prefix_cache", "reset_prefix_cache", {
+            "keep_pinned": Arg("bool", True)}, pinned),
         Entry("paged_kv.BlockManager.num_pinned_blocks_apart", "num_pinned_blocks_apart", {
             "token_ids": Arg("ids", [0, 1, 2, 3, 9]), "cache_salt": Arg("opt_str", None)}, pinned),
         Entry("paged_kv.BlockManager.chain_past_cache", "chain_past_cache", {

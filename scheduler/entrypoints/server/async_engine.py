@@ -21,6 +21,7 @@ those of the hypotheses returned.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import queue
@@ -209,11 +210,7 @@ class AsyncEngine:
 
     def _apply(self, command: tuple) -> None:
         if command[0] == "reset":
-            _, reply = command
-            try:
-                reply(self.engine.reset_prefix_cache())
-            except Exception as e:  # a bug: answered (500), the loop keeps serving
-                reply(e)
+            self._reset(command[1])
         elif command[0] == "add":
             _, rid, ids, text, params, priority, live = command
             beam = isinstance(params, BeamSearchParams)
@@ -236,6 +233,16 @@ class AsyncEngine:
                 req = None
             self._record(live, _outputs(req), time.perf_counter(), "abort")
             self.num_aborted += 1
+
+    def _reset(self, reply: Callable[[object], None]) -> None:
+        """Reset the engine's prefix cache; ``reply`` gets the blocks forgotten, or the exception (a bug: a 500)."""
+        try:
+            result = self.engine.reset_prefix_cache()
+        except Exception as e:  # the loop keeps serving
+            log.exception("prefix cache reset failed")
+            result = e
+        with contextlib.suppress(RuntimeError):  # the handler's event loop is closed: the server is shutting down
+            reply(result)
 
     def _step(self) -> None:
         try:

@@ -198,3 +198,14 @@ def test_a_pinned_system_prompt_survives_a_reset(tiny_model_dir):
         assert s.llm.engine.pins.held == held
         hit, _ = cached(s, chat)
         assert hit >= next(iter(held.values()))
+
+
+def test_a_failing_reset_is_a_500_and_the_server_keeps_serving(tiny_model_dir, monkeypatch):
+    with dev_server(tiny_model_dir) as s:
+
+        def broken() -> int:
+            raise RuntimeError("reset bug")
+
+        monkeypatch.setattr(s.llm.engine, "reset_prefix_cache", broken)
+        refused(post(s, "reset_prefix_cache", None), None, 500)
+        assert cached(s)[0] == 0 and cached(s)[0] > 0
