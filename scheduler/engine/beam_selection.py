@@ -184,11 +184,14 @@ def top_candidates(logits: torch.Tensor, scores: torch.Tensor, k: int) -> Candid
 
 
 def top_candidates_batch(requests: Seq[tuple[torch.Tensor, torch.Tensor, int]]) -> list[Candidates]:
-    """``top_candidates`` of several requests' ``(logits, scores, k)``, with one device->host copy for all."""
+    """``top_candidates`` of several requests' ``(logits, scores, k)``, with one host->device copy of every
+    request's scores and one device->host copy of every request's winners."""
+    if not requests:
+        return []
     winners = []
-    for logits, scores, k in requests:
+    for (logits, _, k), scores in zip(requests, _upload([s for _, s, _ in requests], requests[0][0].device)):
         logprobs = torch.log_softmax(logits.float(), dim=-1)  # [B, V] float32
-        totals = logprobs + scores.to(logprobs.device, torch.float32)[:, None]  # [B, V]
+        totals = logprobs + scores.to(logprobs.device)[:, None]  # [B, V] (a no-op move: same device)
         top, flat = totals.flatten().topk(k)  # [K], [K]
         # float64 holds the flat indices (< 2**53) and the float32 values exactly
         winners.append(torch.stack([flat.double(), top.double(), logprobs.flatten()[flat].double()]))  # [3, K]
@@ -200,6 +203,15 @@ def top_candidates_batch(requests: Seq[tuple[torch.Tensor, torch.Tensor, int]]) 
         out.append(Candidates([i // vocab for i in ids], [i % vocab for i in ids], part[1].float(), part[2].tolist()))
         start += k
     return out
+
+
+def _upload(scores: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """The requests' float32 beam scores on ``device`` in one copy: from pinned memory, asynchronous, on CUDA (a
+    plain copy from pageable memory waits for the device to finish its queued work)."""
+    host = torch.cat([s.detach().reshape(-1).float().cpu() for s in scores])  # the scores live on the host
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return list(host.to(device, non_blocking=True).split([s.numel() for s in scores]))
 
 
 def candidates_of(requests: list[BeamRequest]) -> list[tuple[BeamRequest, Candidates]]:

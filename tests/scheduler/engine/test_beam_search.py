@@ -332,11 +332,13 @@ class _MetaAsDevice(TorchFunctionMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.copies = 0
+        self.copies = self.uploads = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         t = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if t is not None and not t.is_meta and func is torch.Tensor.to and _target(args[1:], kwargs) == "meta":
+            self.uploads += 1  # a host->device copy (synchronous unless non_blocking from pinned memory)
         if t is not None and t.is_meta:
             if func is torch.Tensor.cpu or (func is torch.Tensor.to and _targets_cpu(args[1:], kwargs)):
                 self.copies += 1
@@ -346,10 +348,15 @@ class _MetaAsDevice(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _target(args, kwargs) -> str | None:
+    """The device type ``Tensor.to(*args, **kwargs)`` moves to (None: a dtype change alone)."""
+    device = kwargs.get("device", next((a for a in args if isinstance(a, (str, torch.device))), None))
+    return None if device is None else torch.device(device).type
+
+
 def _targets_cpu(args, kwargs) -> bool:
     """Whether ``Tensor.to(*args, **kwargs)`` moves to the CPU."""
-    device = kwargs.get("device", next((a for a in args if isinstance(a, (str, torch.device))), None))
-    return device is not None and torch.device(device).type == "cpu"
+    return _target(args, kwargs) == "cpu"
 
 
 def test_top_candidates_scores_on_the_logits_device_with_one_copy_back():
@@ -360,6 +367,17 @@ def test_top_candidates_scores_on_the_logits_device_with_one_copy_back():
     assert device.copies == 1
     assert cands.scores.device.type == "cpu" and cands.scores.dtype == torch.float32 and cands.scores.shape == (8,)
     assert len(cands.parents) == len(cands.tokens) == len(cands.logprobs) == 8
+
+
+def test_top_candidates_batch_uploads_every_requests_scores_in_one_copy():
+    """Several searches' CPU beam scores reach the logits' device in one host->device copy (a synchronous copy per
+    search would stall the host on the device once per search per step), and their winners come back in one."""
+    logits = [torch.randn(b, VOCAB, device="meta") for b in (1, 3, 2)]
+    scores = [torch.zeros(1), torch.tensor([0.0, -1.0, -2.5]), torch.tensor([-0.5, -0.7])]
+    with _MetaAsDevice() as device:
+        found = beam_search.top_candidates_batch([(lg, s, 4) for lg, s in zip(logits, scores)])
+    assert (device.uploads, device.copies) == (1, 1)
+    assert [len(c.tokens) for c in found] == [4, 4, 4]
 
 
 def test_top_candidates_are_the_best_continuations():
