@@ -9,7 +9,7 @@ from beam_helpers import NEW, WIDTH
 from sched_helpers import VOCAB, assert_all_freed, make_engine
 
 import scheduler.engine.beam_selection as beam_selection
-from paged_kv.errors import InvalidArgumentError, OutOfRangeError
+from paged_kv.errors import DuplicateSequenceError, InvalidArgumentError, OutOfRangeError
 from scheduler import SamplingParams
 from scheduler.engine.beam_search import BeamSearch, BeamSearchParams
 
@@ -186,3 +186,50 @@ def test_a_huge_length_penalty_ranks_without_overflow(tiny_hf, beam_prompts):
     params = BeamSearchParams(width=2, max_tokens=6, length_penalty=1e6, stop_token_ids=eos)
     (out,) = BeamSearch(make_engine(tiny_hf)).generate(beam_prompts[1:2], params)
     assert out.error is None and len(out.hypotheses) == 2
+
+
+def test_a_failed_step_forgets_every_search_and_their_ids_are_free_again(tiny_hf, beam_prompts, prompts):
+    """A model step that raises aborts the live search with the sampled request: the engine's searches are those
+    the scheduler holds (none), every block is free, and the same id then runs a search to its lone result. An id
+    in use is refused across kinds (DuplicateSequenceError), nothing changed."""
+    engine = make_engine(tiny_hf)
+    req = engine.add_beam_search("b", beam_prompts[2], BEAMS)
+    engine.add_request("s", prompts[0], GREEDY)
+    for _ in range(3):
+        engine.step()
+    run_model = engine.runner.run
+    engine.runner.run = lambda out: (_ for _ in ()).throw(RuntimeError("device lost"))
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.step()
+    engine.runner.run = run_model
+    assert not engine.beams and req.done and "device lost" in req.error
+    assert_all_freed(engine)
+    engine.add_beam_search("b", beam_prompts[2], BEAMS)
+    engine.add_request("s", prompts[0], GREEDY)
+    for add in (lambda: engine.add_request("b", prompts[0], GREEDY), lambda: engine.add_beam_search("s", [1], BEAMS)):
+        with pytest.raises(DuplicateSequenceError):
+            add()
+    assert set(engine.beams.live) == {"b"} and set(engine.scheduler.requests) == {"b", "s"}
+    done = {}
+    while engine.has_unfinished_requests():
+        done |= {o.request_id: o for o in engine.step()}
+    _assert_same_hypotheses(_hypotheses(done["b"]), _lone_beams(tiny_hf, beam_prompts[2:3])[0])
+    assert_all_freed(engine)
+
+
+def test_searches_of_one_prompt_share_its_cached_blocks_unless_salted(tiny_hf, beam_prompts):
+    """A prompt an earlier sampled request cached serves two searches of it at once (and their beams); a salted
+    third computes it apart. Each gives its lone hypotheses."""
+    engine = make_engine(tiny_hf)
+    engine.generate([beam_prompts[3]], GREEDY, use_tqdm=False)
+    salted = BeamSearchParams(width=WIDTH, max_tokens=NEW, ignore_eos=True, cache_salt="tenant")
+    for rid, params in (("b0", BEAMS), ("b1", BEAMS), ("b2", salted)):
+        engine.add_beam_search(rid, beam_prompts[3], params)
+    done = {}
+    while engine.has_unfinished_requests():
+        done |= {o.request_id: o for o in engine.step()}
+    ref = _lone_beams(tiny_hf, beam_prompts[3:])[0]
+    for rid in ("b0", "b1", "b2"):
+        _assert_same_hypotheses(_hypotheses(done[rid]), ref)
+    assert done["b0"].num_cached_tokens > 0 and done["b1"].num_cached_tokens > 0 and done["b2"].num_cached_tokens == 0
+    assert_all_freed(engine)
