@@ -22,7 +22,6 @@ refused up front.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -67,7 +66,6 @@ class BeamSearch:
         check_type("engine", engine, LLMEngine, "an LLMEngine")
         self.engine = engine
         self.last_memory: BeamMemory | None = None  # all requests of the last generate() together
-        self._ids = itertools.count()
 
     def generate(
         self, prompts: Seq[Seq[int]], params: BeamSearchParams | Seq[BeamSearchParams] | None = None,
@@ -100,7 +98,7 @@ class BeamSearch:
         """Check every request, then queue them all (nothing is queued if one is bad), sharing ``total``."""
         engine = self.engine
         each = per_prompt(params, len(prompts), BeamSearchParams, "params")
-        ids = [f"beam-search-{next(self._ids)}" for _ in prompts]
+        ids = [engine.new_request_id("beam-search") for _ in prompts]
         checked = [engine.check_beam_search(rid, prompt, p)[0] for rid, prompt, p in zip(ids, prompts, each)]
         requests = []
         for rid, prompt, p in zip(ids, checked, each):

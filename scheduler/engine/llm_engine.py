@@ -228,6 +228,14 @@ class LLMEngine:
             self.cache_events.after_step()
         return before - self.block_manager.gpu.num_cached
 
+    def new_request_id(self, prefix: str) -> str:
+        """``prefix-N``, an id no live request holds (N from the engine's own counter, never reused)."""
+        if not (isinstance(prefix, str) and prefix):
+            raise InvalidArgumentError(describe("prefix", prefix, "a non-empty str"))
+        while (request_id := f"{prefix}-{next(self._auto_ids)}") in self.scheduler.requests:
+            pass  # a caller chose this id for a request of its own
+        return request_id
+
     def check_request(
         self, request_id: str, prompt_token_ids: Seq[int], sampling_params: SamplingParams | None
     ) -> tuple[list[int], SamplingParams]:
@@ -410,7 +418,7 @@ class LLMEngine:
             raise InvalidArgumentError(describe("prompts", type(prompts).__name__, "a list of token id lists"))
         check_bool("use_tqdm", use_tqdm)
         params = per_prompt(sampling_params, len(prompts), SamplingParams, "sampling_params")
-        ids = [f"generate-{next(self._auto_ids)}" for _ in prompts]
+        ids = [self.new_request_id("generate") for _ in prompts]
         checked = [self.check_request(i, prompt, p) for i, prompt, p in zip(ids, prompts, params)]  # all or none
         for request_id, (prompt, p) in zip(ids, checked):
             self.add_request(request_id, prompt, p)

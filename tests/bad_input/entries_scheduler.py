@@ -268,6 +268,8 @@ def _rows() -> list[Entry]:
             "request_id": Arg("obj", "x", bad={WRONG_TYPE: [None, 7], BAD_ID: ["r0"]}),
             "prompt_token_ids": Arg("ids", [1, 2], bad={**TOKENS, WRONG_TYPE: ["ab", 5, None, []]}),
             "sampling_params": Arg("obj", None, bad={WRONG_TYPE: [{"max_tokens": 3}]})}, engine),
+        Entry("scheduler.LLMEngine.new_request_id", "new_request_id", {
+            "prefix": Arg("obj", "mine", bad={WRONG_TYPE: [None, 3, "", ["x"]]})}, engine),
         Entry("scheduler.LLMEngine.request_output", "request_output", {
             "request_id": Arg("obj", "r0", bad={WRONG_TYPE: [None, 7, ["x"]], BAD_ID: ["zz"]})}, engine),
         Entry("scheduler.LLM", scheduler.LLM, {

@@ -93,6 +93,22 @@ def test_beam_search_generate_runs_beside_a_live_request(tiny_hf, beam_prompts, 
     assert_all_freed(engine)
 
 
+def test_generate_and_beam_search_pick_ids_no_live_request_holds(tiny_hf, beam_prompts, prompts):
+    """The ids BeamSearch.generate and LLMEngine.generate make up skip those a caller's live requests chose."""
+    engine = make_engine(tiny_hf)
+    for rid in ("beam-search-0", "beam-search-1", "generate-2"):
+        engine.add_request(rid, prompts[3], SamplingParams(max_tokens=60, ignore_eos=True))
+    outs = BeamSearch(engine).generate(beam_prompts[1:3], BEAMS)
+    assert {o.request_id for o in outs}.isdisjoint({"beam-search-0", "beam-search-1"})
+    for out, ref in zip(outs, _lone_beams(tiny_hf, beam_prompts[1:3])):
+        _assert_same_hypotheses([(h.token_ids, h.cumulative_logprob) for h in out.hypotheses], ref)
+    greedy = SamplingParams(max_tokens=5, ignore_eos=True)
+    ran = engine.generate([prompts[0]], greedy, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in ran] == _lone_samples(tiny_hf, [prompts[0]], greedy)
+    assert not engine.has_unfinished_requests()  # the callers' requests ran to their end meanwhile
+    assert_all_freed(engine)
+
+
 def test_abort_mid_search_frees_every_beam_and_returns_what_it_had(tiny_hf, beam_prompts, prompts):
     """An aborted search frees all its live beams at once (the pool's free count is back where it was); its output
     holds its live beams, finished "abort"; the sampled request beside it is untouched."""
