@@ -34,6 +34,9 @@ def serve_parser() -> argparse.ArgumentParser:
                    help=f"largest request body; larger ones get 413 unread (default {DEFAULT_MAX_REQUEST_BYTES})")
     p.add_argument("--enable-dev-endpoints", action="store_true",
                    help="serve vLLM's development endpoints: POST /reset_prefix_cache (default off: they answer 404)")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="render chats with a request's own chat_template (a Jinja template run on the server; "
+                        "vLLM's flag); default off: such a request gets 400")
     p.add_argument("--pin-prompt", default=None, metavar="FILE",
                    help="a system prompt (UTF-8 text file) kept on the device from start-up to shutdown: the "
                         "prefix every chat request with that system message starts with is never evicted")
@@ -101,6 +104,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         served_model_names=tuple(names), max_in_flight=args.max_in_flight, max_model_len=args.max_model_len,
         max_logprobs=args.max_logprobs, api_keys=tuple(args.api_key or ()), max_request_bytes=args.max_request_bytes,
         log_requests=not args.disable_log_requests, enable_dev_endpoints=args.enable_dev_endpoints,
+        trust_request_chat_template=args.trust_request_chat_template,
     )  # fmt: skip
 
 

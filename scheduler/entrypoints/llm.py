@@ -22,12 +22,12 @@ from scheduler.core.config import EngineConfig
 from scheduler.core.params import SamplingParams, per_prompt
 from scheduler.engine.beam_search import BeamHypothesis, BeamSearch, BeamSearchOutput, BeamSearchParams
 from scheduler.engine.llm_engine import LLMEngine
+from scheduler.entrypoints.chat_rendering import ChatOptions, Messages, render_chat
 from scheduler.entrypoints.detokenizer import IncrementalDetokenizer
 from scheduler.entrypoints.output_processor import OutputProcessor, TextRequestOutput, with_bad_word_ids
 from scheduler.model.loader import LoadedModel, load_model
 
 Prompt = str | Sequence[int]
-Messages = Sequence[Mapping[str, object]]
 Params = SamplingParams | Sequence[SamplingParams] | None
 
 
@@ -57,19 +57,19 @@ class LLM:
             return as_id_list("prompt", prompt, "token ids"), None
         raise InvalidArgumentError(describe("prompt", type(prompt).__name__, "a str or a list of token ids"))
 
-    def chat_prompt(self, messages: Messages) -> list[int]:
-        """Token ids of a conversation rendered by the tokenizer's chat template, ready for the answer."""
-        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
-            raise InvalidArgumentError(describe("messages", messages, "a non-empty list of {'role', 'content'}"))
-        for i, m in enumerate(messages):
-            if not (isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-                raise InvalidArgumentError(describe(f"messages[{i}]", m, "a {'role': str, 'content': str} mapping"))
-        try:
-            ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
-        except Exception as e:  # template errors (jinja raise_exception, missing keys) mean bad messages
-            expected = f"messages the chat template accepts ({e})"
-            raise InvalidArgumentError(describe("messages", type(e).__name__, expected)) from None
-        return list(ids["input_ids"] if isinstance(ids, Mapping) or hasattr(ids, "keys") else ids)
+    def chat_prompt(
+        self, messages: Messages, *, add_generation_prompt: bool = True, continue_final_message: bool = False,
+        chat_template: str | None = None, chat_template_kwargs: Mapping[str, object] | None = None,
+        add_special_tokens: bool = False,
+    ) -> list[int]:  # fmt: skip
+        """Token ids of a conversation rendered by the chat template (vLLM's options: ``chat_rendering.ChatOptions``;
+        the defaults: ready for the answer, no BOS added to the rendered text)."""
+        options = ChatOptions(
+            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+            chat_template=chat_template, add_special_tokens=add_special_tokens,
+            chat_template_kwargs={} if chat_template_kwargs is None else chat_template_kwargs,
+        )  # fmt: skip
+        return render_chat(self.tokenizer, messages, options)
 
     def generate(
         self, prompts: Prompt | Sequence[Prompt], sampling_params: Params = None, *, use_tqdm: bool = False,
@@ -124,14 +124,23 @@ class LLM:
         return dataclasses.replace(hyp, text=detok.add(ids) + detok.flush())
 
     def chat(
-        self, messages: Messages | Sequence[Messages], sampling_params: Params = None, *, use_tqdm: bool = False
+        self, messages: Messages | Sequence[Messages], sampling_params: Params = None, *, use_tqdm: bool = False,
+        add_generation_prompt: bool = True, continue_final_message: bool = False, chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, object] | None = None, add_special_tokens: bool = False,
     ) -> list[TextRequestOutput]:  # fmt: skip
-        """Answer one conversation (a list of messages) or several; outputs in order, with ``.text``."""
+        """Answer one conversation (a list of messages) or several; outputs in order, with ``.text``.
+
+        Each conversation is rendered as :meth:`chat_prompt` renders it with the same options (vLLM's
+        ``LLM.chat``); every one is checked before any is queued.
+        """
+        options = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
+                   "chat_template": chat_template, "chat_template_kwargs": chat_template_kwargs,
+                   "add_special_tokens": add_special_tokens}  # fmt: skip
         check_bool("use_tqdm", use_tqdm)
         if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
             raise InvalidArgumentError(describe("messages", messages, "a non-empty list of messages or of chats"))
         convs = [messages] if isinstance(messages[0], Mapping) else list(messages)
-        prompts = [self.chat_prompt(c) for c in convs]
+        prompts = [self.chat_prompt(c, **options) for c in convs]
         return self._run(prompts, [None] * len(prompts), sampling_params, use_tqdm)
 
     def pin_prefix(self, prompt: Prompt, *, cache_salt: str | None = None) -> str:

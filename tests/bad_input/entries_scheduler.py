@@ -283,7 +283,12 @@ def _rows() -> list[Entry]:
             "add_special_tokens": Arg("bool", False)}, tiny_llm),
         Entry("scheduler.LLM.chat_prompt", "chat_prompt", {
             "messages": Arg("obj", lambda: [{"role": "user", "content": "hi"}],
-                bad={WRONG_TYPE: [None, "hi", [], [{"role": "user"}], [{"role": 3, "content": "x"}]]})}, tiny_llm),
+                bad={WRONG_TYPE: [None, "hi", [], [{"role": "user"}], [{"role": 3, "content": "x"}]]}),
+            "add_generation_prompt": Arg("bool", True), "continue_final_message": Arg("bool", False),
+            "chat_template": Arg("opt_str", None, bad={WRONG_TYPE: [3, b"{{ 1 }}", ["x"], ""]}),
+            "chat_template_kwargs": Arg("obj", None, bad={WRONG_TYPE: ["x", 3, [("a", 1)], {3: 1},
+                                                                    {"messages": []}]}),
+            "add_special_tokens": Arg("bool", False)}, tiny_llm),
         Entry("scheduler.LLM.generate", "generate", {
             "prompts": Arg("obj", lambda: ["hello"], bad={WRONG_TYPE: [None, 3, [3.5], [None]],
                 BOOL_FOR_INT: [[[True]]], NONINTEGRAL: [[[1.5]]], OUT_OF_RANGE: [[[-1]], [[10**6]]]}),
@@ -311,7 +316,12 @@ def _rows() -> list[Entry]:
             "messages": Arg("obj", lambda: [{"role": "user", "content": "hi"}],
                 bad={WRONG_TYPE: [None, "hi", [], [{"role": "user"}]]}),
             "sampling_params": Arg("obj", None, bad={WRONG_TYPE: ["x", {"max_tokens": 2}]}),
-            "use_tqdm": Arg("bool", False)}, tiny_llm),
+            "use_tqdm": Arg("bool", False),
+            "add_generation_prompt": Arg("bool", True), "continue_final_message": Arg("bool", False),
+            "chat_template": Arg("opt_str", None, bad={WRONG_TYPE: [3, b"{{ 1 }}", ["x"], ""]}),
+            "chat_template_kwargs": Arg("obj", None, bad={WRONG_TYPE: ["x", 3, [("a", 1)], {3: 1},
+                                                                    {"messages": []}]}),
+            "add_special_tokens": Arg("bool", False)}, tiny_llm),
         Entry("scheduler.LLMEngine.abort", "abort",
             {"request_id": Arg("obj", "r0", bad={BAD_ID: ["zz", ["r0"], None]})}, engine),
         Entry("scheduler.LLMEngine.fail", "fail", {

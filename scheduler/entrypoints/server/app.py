@@ -85,7 +85,7 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
     @v1.post("/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         """OpenAI chat completions, whole or streamed."""
-        encode = lambda: [(llm.chat_prompt(body.message_dicts()), None)]  # noqa: E731
+        encode = lambda: [(front.chat_prompt(body), None)]  # noqa: E731
         limit = ("max_completion_tokens", body.max_completion_tokens)
         limit = limit if limit[1] is not None else ("max_tokens", body.max_tokens)
         prepared = await front.prepare(body, "chat", encode, 1, limit, body.top_logprobs if body.logprobs else None)

@@ -22,6 +22,7 @@ class ServerConfig:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     log_requests: bool = True  # log every request's id, sizes and sampling parameters
     enable_dev_endpoints: bool = False  # serve vLLM's dev-mode endpoints (POST /reset_prefix_cache); off: 404
+    trust_request_chat_template: bool = False  # render with a request's own chat_template; off: a 400 naming it
 
     def __post_init__(self) -> None:
         for field in ("served_model_names", "api_keys"):
@@ -35,3 +36,4 @@ class ServerConfig:
         check_int("max_request_bytes", self.max_request_bytes, low=1)
         check_bool("log_requests", self.log_requests)
         check_bool("enable_dev_endpoints", self.enable_dev_endpoints)
+        check_bool("trust_request_chat_template", self.trust_request_chat_template)

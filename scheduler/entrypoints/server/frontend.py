@@ -29,7 +29,7 @@ from scheduler.entrypoints.llm import LLM
 from scheduler.entrypoints.server.async_engine import AsyncEngine
 from scheduler.entrypoints.server.config import ServerConfig
 from scheduler.entrypoints.server.errors import ModelNotFound, Unauthorized
-from scheduler.entrypoints.server.protocol import SamplingFields
+from scheduler.entrypoints.server.protocol import ChatRendering, SamplingFields
 from scheduler.entrypoints.server.sampling import (
     FieldError,
     beam_search_params,
@@ -98,6 +98,13 @@ class Frontend:
         """The model card of ``name`` (vLLM's fields)."""
         return {"id": name, "object": "model", "created": self.created, "owned_by": "paged-kv",
                 "root": self.llm.model_name, "parent": None, "max_model_len": self.max_model_len}  # fmt: skip
+
+    def chat_prompt(self, body: ChatRendering) -> list[int]:
+        """A conversation's prompt ids, rendered as the request asks; its own ``chat_template`` only when trusted."""
+        if body.chat_template is not None and not self.config.trust_request_chat_template:
+            expected = "no chat_template: this server runs without --trust-request-chat-template"
+            raise FieldError("chat_template", describe("chat_template", "a template", expected))
+        return self.llm.chat_prompt(body.message_dicts(), **body.chat_options())
 
     def _compile(self, body: SamplingFields, spec: StructuredOutputsParams) -> None:
         """Compile a request's grammar into the engine's cache; FieldError naming the field that asked for it."""

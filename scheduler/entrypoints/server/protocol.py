@@ -201,18 +201,25 @@ class ChatRendering(OpenAIModel):
 
     messages: list[ChatMessage] = Field(min_length=1)
     tools: Neutral([]) = None
+    # vLLM's rendering options (``chat_rendering.ChatOptions``; checked there, a bad one a 400 naming it)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # vLLM's chat default: the template writes BOS itself
+    chat_template: str | None = None  # only with --trust-request-chat-template (vLLM's)
+    chat_template_kwargs: dict[str, Json] = Field(default_factory=dict)
     # vLLM's rendering options this server lacks: only their defaults are accepted
-    add_generation_prompt: Neutral(True) = None
-    continue_final_message: Neutral(False) = None
-    add_special_tokens: Neutral(False) = None
     documents: Neutral([]) = None
-    chat_template: Neutral() = None
-    chat_template_kwargs: Neutral({}) = None
     mm_processor_kwargs: Neutral({}) = None
 
     def message_dicts(self) -> list[dict[str, str]]:
         """Messages as the chat template takes them."""
         return [m.as_dict() for m in self.messages]
+
+    def chat_options(self) -> dict[str, object]:
+        """The rendering options as ``LLM.chat_prompt`` takes them."""
+        names = ("add_generation_prompt", "continue_final_message", "add_special_tokens", "chat_template",
+                 "chat_template_kwargs")  # fmt: skip
+        return {name: getattr(self, name) for name in names}
 
 
 class ChatCompletionRequest(SamplingFields, ChatRendering):

@@ -102,7 +102,7 @@ def _tokenize(front: Frontend, request: TokenizeCompletionRequest | TokenizeChat
     """The request's token ids (a conversation as chat completions render it) and their strings if asked."""
     llm = front.llm
     if isinstance(request, TokenizeChatRequest):
-        ids = llm.chat_prompt(request.message_dicts())
+        ids = front.chat_prompt(request)
     else:
         ids, _ = llm.encode(request.prompt, add_special_tokens=request.add_special_tokens)
     strs = llm.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None

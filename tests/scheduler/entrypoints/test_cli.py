@@ -33,6 +33,12 @@ def test_every_option_with_a_default_names_it_in_its_help(parser):
         assert f"default {action.default}" in (action.help or ""), f"{action.option_strings}: {action.help!r}"
 
 
+def test_trust_request_chat_template_is_off_unless_asked_and_its_help_says_so():
+    (action,) = [a for a in serve_parser()._actions if "--trust-request-chat-template" in a.option_strings]
+    assert action.default is False and "default off" in action.help
+    assert not server_config(serve_parser().parse_args([])).trust_request_chat_template
+
+
 @pytest.mark.parametrize(("argv", "code"), [([], 2), (["nope"], 2), (["--help"], 0)])
 def test_unknown_or_missing_subcommands_print_usage(argv, code, capsys):
     with pytest.raises(SystemExit) as info:
@@ -44,11 +50,11 @@ def test_serve_takes_vllms_server_flags():
     args = serve_parser().parse_args([
         "--model", "/models/tiny", "--served-model-name", "a", "b", "--max-model-len", "100", "--max-logprobs", "5",
         "--api-key", "k1", "k2", "--disable-log-requests", "--max-request-bytes", "1000", "--max-in-flight", "8",
-        "--enable-dev-endpoints",
+        "--enable-dev-endpoints", "--trust-request-chat-template",
     ])  # fmt: skip
     assert server_config(args) == ServerConfig(
         served_model_names=("a", "b"), max_model_len=100, max_logprobs=5, api_keys=("k1", "k2"), log_requests=False,
-        max_request_bytes=1000, max_in_flight=8, enable_dev_endpoints=True,
+        max_request_bytes=1000, max_in_flight=8, enable_dev_endpoints=True, trust_request_chat_template=True,
     )  # fmt: skip
     default = server_config(serve_parser().parse_args(["--model", "/models/tiny"]))
     assert default == ServerConfig(served_model_names=("/models/tiny",))  # vLLM: the --model argument

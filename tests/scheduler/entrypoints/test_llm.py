@@ -60,6 +60,61 @@ def test_chat_uses_the_template(llm):
     assert out.outputs[0].text == llm.generate([list(ids)], GREEDY)[0].outputs[0].text
 
 
+CONTINUED = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "the quick"}]
+TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{{ suffix | default('') }}"
+
+
+@pytest.mark.parametrize(("messages", "options"), [
+    (CONTINUED, {"add_generation_prompt": False}),
+    (CONTINUED, {"add_generation_prompt": False, "continue_final_message": True}),
+    (CONTINUED, {"chat_template": TEMPLATE, "chat_template_kwargs": {"suffix": "bot:"}}),
+    (CONTINUED, {"add_special_tokens": True, "add_generation_prompt": True}),
+])  # fmt: skip
+def test_chat_options_render_as_transformers_renders(llm, messages, options):
+    tok = llm.tokenizer
+    kw = {k: v for k, v in options.items() if k not in ("chat_template_kwargs", "add_special_tokens")}
+    text = tok.apply_chat_template(messages, tokenize=False, **{"add_generation_prompt": True, **kw},
+                                   **options.get("chat_template_kwargs", {}))  # fmt: skip
+    ids = tok(text, add_special_tokens=options.get("add_special_tokens", False))["input_ids"]
+    assert llm.chat_prompt(messages, **options) == ids
+    (out,) = llm.chat(messages, GREEDY, **options)
+    assert out.prompt_token_ids == ids and out.outputs[0].text == llm.generate([ids], GREEDY)[0].outputs[0].text
+
+
+def test_continue_final_message_ends_the_prompt_with_the_assistants_text(llm):
+    ids = llm.chat_prompt(CONTINUED, add_generation_prompt=False, continue_final_message=True)
+    closed = llm.chat_prompt(CONTINUED, add_generation_prompt=False)
+    assert llm.tokenizer.decode(ids).endswith("assistant\nthe quick") and closed[: len(ids)] == ids
+    assert llm.tokenizer.decode(closed[len(ids) :]).startswith("<|im_end|>")
+
+
+@pytest.mark.parametrize(("options", "name"), [
+    ({"continue_final_message": True}, "continue_final_message"),  # add_generation_prompt is True by default
+    ({"add_generation_prompt": 1}, "add_generation_prompt"),
+    ({"add_special_tokens": None}, "add_special_tokens"),
+    ({"continue_final_message": "yes", "add_generation_prompt": False}, "continue_final_message"),
+    ({"chat_template": ""}, "chat_template"),
+    ({"chat_template": 3}, "chat_template"),
+    ({"chat_template": "{% if %}"}, "chat_template"),
+    ({"chat_template": "{{ raise_exception('no') }}"}, "chat_template"),
+    ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"continue_final_message": True}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {3: "x"}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": ["x"]}, "chat_template_kwargs"),
+])  # fmt: skip
+def test_bad_chat_options_are_typed_errors_naming_them(llm, options, name):
+    for call in (llm.chat_prompt, lambda m, **kw: llm.chat(m, GREEDY, **kw)):
+        with pytest.raises(InvalidArgumentError, match=f"^{name}=.*expected"):
+            call(CONTINUED, **options)
+    assert not llm.engine.has_unfinished_requests() and llm.engine.block_manager.seq_ids() == []
+
+
+def test_continue_final_message_needs_an_assistants_final_message(llm):
+    user_last = CONTINUED[:1]
+    with pytest.raises(InvalidArgumentError, match="^messages=.*assistant"):
+        llm.chat_prompt(user_last, add_generation_prompt=False, continue_final_message=True)
+
+
 def test_seeded_samples_repeat_and_differ_between_seeds(llm):
     p = lambda seed: SamplingParams(max_tokens=16, temperature=1.0, seed=seed, n=2, ignore_eos=True)  # noqa: E731
     a, b, c = llm.generate(["hello", "hello", "hello"], [p(1), p(1), p(2)])

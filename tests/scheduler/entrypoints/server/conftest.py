@@ -52,3 +52,15 @@ def captured(served, monkeypatch) -> list:
 
     monkeypatch.setattr(served.engine, "generate", spy)
     return calls
+
+
+@pytest.fixture
+def bos(served, monkeypatch) -> int:
+    """The served tokenizer puts a BOS before a text when asked for its special tokens (the tiny one adds none)."""
+    from tokenizers.processors import TemplateProcessing
+
+    tok = served.llm.tokenizer
+    bos_id = tok.bos_token_id
+    processor = TemplateProcessing(single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos_id)])
+    monkeypatch.setattr(tok._tokenizer, "post_processor", processor)
+    return bos_id

@@ -112,7 +112,13 @@ def _choices(n: int) -> Check:
     return _ok(lambda s: len(s.body["choices"]) == n)
 
 
+def _rendered(messages: list[dict] = CHAT, **kw) -> Check:
+    """The prompt handed to the engine is transformers' rendering of ``messages`` with these arguments."""
+    return _ok(lambda s: s.prompts == [s.served.llm.tokenizer.apply_chat_template(messages, **kw)["input_ids"]])
+
+
 REFUSED = _refused
+CONTINUED = [*CHAT, {"role": "assistant", "content": "hello"}]
 # field -> (a value that asks for something, the check, other fields it needs)
 SHARED: dict[str, tuple[object, Check, dict]] = {
     "model": ("{model}", _ok(lambda s: s.body["model"] and s.params), {}),
@@ -207,12 +213,14 @@ CHAT_FIELDS = SHARED | {
     "verbosity": ("low", REFUSED, {}),
     "web_search_options": ({}, REFUSED, {}),
     "echo": (True, REFUSED, {}),
-    "add_generation_prompt": (False, REFUSED, {}),
-    "continue_final_message": (True, REFUSED, {}),
-    "add_special_tokens": (True, REFUSED, {}),
+    "add_generation_prompt": (False, _rendered(add_generation_prompt=False), {}),
+    "continue_final_message": (True, _rendered(CONTINUED, add_generation_prompt=False, continue_final_message=True),
+                               {"add_generation_prompt": False, "messages": CONTINUED}),  # fmt: skip
+    "add_special_tokens": (True, _ok(lambda s: s.prompts == [s.tokens(s.served.llm.tokenizer.apply_chat_template(
+        CHAT, add_generation_prompt=True, tokenize=False), add_special_tokens=True)]), {}),
     "documents": ([{"title": "a", "text": "b"}], REFUSED, {}),
-    "chat_template": ("{{ messages }}", REFUSED, {}),
-    "chat_template_kwargs": ({"a": 1}, REFUSED, {}),
+    "chat_template": ("{{ messages }}", REFUSED, {}),  # without --trust-request-chat-template
+    "chat_template_kwargs": ({"a": 1}, _rendered(add_generation_prompt=True, a=1), {}),
     "mm_processor_kwargs": ({"a": 1}, REFUSED, {}),
     "max_repetition_pattern_size": (2, REFUSED, {}),
     "min_repetition_pattern_size": (2, REFUSED, {}),

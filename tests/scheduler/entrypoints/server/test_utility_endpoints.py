@@ -21,18 +21,6 @@ def post(served, path: str, body: object, **kw) -> httpx.Response:
     return httpx.post(f"{served.url}/{path}", json=body, timeout=60, **kw)
 
 
-@pytest.fixture
-def bos(served, monkeypatch) -> int:
-    """The served tokenizer puts a BOS before a text when asked for its special tokens (the tiny one adds none)."""
-    from tokenizers.processors import TemplateProcessing
-
-    tok = served.llm.tokenizer
-    bos_id = tok.bos_token_id
-    processor = TemplateProcessing(single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos_id)])
-    monkeypatch.setattr(tok._tokenizer, "post_processor", processor)
-    return bos_id
-
-
 @pytest.mark.parametrize("special", [True, False])
 def test_tokenize_a_prompt_gives_the_tokenizers_ids_and_strings(served, bos, special):
     tok = served.llm.tokenizer
@@ -64,7 +52,7 @@ def test_tokenize_a_conversation_gives_exactly_the_prompt_a_chat_completion_runs
     ({"prompt": 3}, "prompt"), ({"prompt": TEXT, "add_special_tokens": "yes"}, "add_special_tokens"),
     ({"prompt": TEXT, "nope": 1}, "nope"), ({"messages": []}, "messages"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
-    ({"messages": CHAT, "add_generation_prompt": False}, "add_generation_prompt"),  # as chat completions refuse it
+    ({"messages": CHAT, "add_generation_prompt": "no"}, "add_generation_prompt"),  # a bool, as chat completions say
     ({"messages": CHAT, "prompt": TEXT}, "prompt"), ({}, "prompt"), ([TEXT], None),
 ])  # fmt: skip
 def test_tokenize_refuses_a_bad_body_naming_the_field(served, body, param):
