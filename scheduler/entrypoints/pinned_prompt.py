@@ -5,6 +5,11 @@ with: the common prefix of the chat template's renderings of the system message 
 user messages that share nothing. That is the system turn and whatever the template writes
 before the user's words, however the template renders (a plain-text prompt would miss the
 template's own tokens). A model without a chat template pins the text as a plain prompt.
+
+The prefix is the default rendering's (``add_generation_prompt`` only, the tokenizer's template, no
+``chat_template_kwargs``, no BOS added). A request with other chat options may render another prefix
+(its own ``chat_template``, template variables that change the system turn, ``add_special_tokens``):
+it is served as any other request, only without the pinned blocks' hit.
 """
 
 from __future__ import annotations

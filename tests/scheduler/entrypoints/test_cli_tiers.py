@@ -127,6 +127,10 @@ def test_the_pinned_system_prompt_is_what_a_chat_request_starts_with_and_stays_c
     prefix = system_prefix(llm, SYSTEM)
     chat = llm.chat_prompt([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hello there"}])
     assert chat[: len(prefix)] == prefix and len(prefix) > len(llm.encode(SYSTEM)[0])  # the template's tokens too
+    defaults = {"add_generation_prompt": True, "continue_final_message": False, "add_special_tokens": False,
+                "chat_template_kwargs": {}, "chat_template": None}  # fmt: skip
+    assert llm.chat_prompt([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hello there"}],
+                           **defaults) == chat  # fmt: skip
     other = llm.chat_prompt([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "paris"}])
     assert other[: len(prefix)] == prefix and other[len(prefix)] != chat[len(prefix)]  # the user's words start there
     (held,) = llm.engine.pins.held.values()
@@ -139,10 +143,14 @@ def test_the_pinned_system_prompt_is_what_a_chat_request_starts_with_and_stays_c
         body = {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hello there"}],
                 "max_tokens": 2}  # fmt: skip
         usage = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()["usage"]
+        unread = {**body, "chat_template_kwargs": {"enable_thinking": False},  # a variable the template ignores
+                  "messages": [body["messages"][0], {"role": "user", "content": "paris"}]}  # fmt: skip
+        unread = httpx.post(f"{url}/v1/chat/completions", json=unread, timeout=60).json()["usage"]
         body["messages"][1]["content"] = "hello there, " * 12  # with the system prompt: past what the pin leaves
         long_chat = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()["usage"]
         apart = httpx.post(f"{url}/v1/completions", json={"prompt": list(range(50, 210)), "max_tokens": 2}, timeout=60)
     assert usage["prompt_tokens_details"]["cached_tokens"] == held
+    assert unread["prompt_tokens_details"]["cached_tokens"] == held  # the same rendering: the same pinned hit
     assert long_chat["prompt_tokens"] + 2 > (64 - held // 4) * 4  # fits: the pinned blocks are its own
     assert long_chat["prompt_tokens_details"]["cached_tokens"] >= held
     assert apart.status_code == 400 and apart.json()["error"]["param"] == "max_tokens"  # 160 tokens beside the pin: no
