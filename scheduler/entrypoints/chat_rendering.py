@@ -29,7 +29,7 @@ class ChatOptions:
     """How a conversation is rendered (vLLM's chat options); InvalidArgumentError naming a bad one."""
 
     add_generation_prompt: bool = True  # the template's header that starts the assistant's answer
-    continue_final_message: bool = False  # the final (assistant) message left open, to be continued
+    continue_final_message: bool = False  # the final message (usually the assistant's) left open, to be continued
     chat_template: str | None = None  # a Jinja template used instead of the tokenizer's
     chat_template_kwargs: Mapping[str, object] = field(default_factory=dict)  # extra template variables
     add_special_tokens: bool = False  # the tokenizer's special tokens (BOS) around the rendered text
@@ -56,16 +56,13 @@ def _check_kwargs(kwargs: object) -> None:
 
 
 def check_messages(messages: object, options: ChatOptions) -> list[Mapping[str, object]]:
-    """``messages`` as a list of ``{'role': str, 'content': str}`` mappings (the last an assistant's to continue
-    it), else InvalidArgumentError naming ``messages``."""
+    """``messages`` as a list of ``{'role': str, 'content': str}`` mappings, else InvalidArgumentError naming
+    ``messages``. With ``continue_final_message`` any role's final message is left open (as vLLM and transformers)."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise InvalidArgumentError(describe("messages", messages, "a non-empty list of {'role', 'content'}"))
     for i, m in enumerate(messages):
         if not (isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
             raise InvalidArgumentError(describe(f"messages[{i}]", m, "a {'role': str, 'content': str} mapping"))
-    if options.continue_final_message and messages[-1]["role"] != "assistant":
-        expected = "an assistant's final message to continue (continue_final_message)"
-        raise InvalidArgumentError(describe("messages", f"a final {messages[-1]['role']} message", expected))
     return list(messages)
 
 

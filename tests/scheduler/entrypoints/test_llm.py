@@ -109,10 +109,12 @@ def test_bad_chat_options_are_typed_errors_naming_them(llm, options, name):
     assert not llm.engine.has_unfinished_requests() and llm.engine.block_manager.seq_ids() == []
 
 
-def test_continue_final_message_needs_an_assistants_final_message(llm):
-    user_last = CONTINUED[:1]
-    with pytest.raises(InvalidArgumentError, match="^messages=.*assistant"):
-        llm.chat_prompt(user_last, add_generation_prompt=False, continue_final_message=True)
+def test_continue_final_message_leaves_any_roles_final_message_open_as_transformers(llm):
+    user_last = CONTINUED[:1]  # vLLM and transformers continue a user's message too
+    ids = llm.chat_prompt(user_last, add_generation_prompt=False, continue_final_message=True)
+    ref = llm.tokenizer.apply_chat_template(user_last, add_generation_prompt=False, continue_final_message=True)
+    assert ids == list(ref["input_ids"])
+    assert llm.tokenizer.decode(ids).endswith(user_last[-1]["content"])
 
 
 def test_seeded_samples_repeat_and_differ_between_seeds(llm):

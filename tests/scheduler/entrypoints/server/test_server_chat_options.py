@@ -49,6 +49,7 @@ def served_ids(served, captured, body: dict) -> list[int]:
     (CHAT, {"add_generation_prompt": True, "continue_final_message": False, "add_special_tokens": False}),
     (CHAT, {"add_generation_prompt": False}),
     (CONTINUED, {"add_generation_prompt": False, "continue_final_message": True}),
+    (CHAT, {"add_generation_prompt": False, "continue_final_message": True}),  # a user's final message, as vLLM
     (CHAT, {"chat_template_kwargs": {"enable_thinking": False}}),  # a variable the template does not read
 ])  # fmt: skip
 def test_each_option_renders_as_transformers_renders(served, captured, messages, options):
@@ -84,7 +85,6 @@ def test_continue_final_message_leaves_the_assistants_text_open_and_continues_it
 
 @pytest.mark.parametrize(("body", "param"), [
     ({"messages": CONTINUED, "continue_final_message": True}, "continue_final_message"),  # with the default True
-    ({"messages": CHAT, "add_generation_prompt": False, "continue_final_message": True}, "messages"),  # a user's
     ({"messages": CHAT, "chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
     ({"messages": CHAT, "chat_template_kwargs": {"chat_template": "{{ 1 }}"}}, "chat_template_kwargs"),
     ({"messages": CHAT, "chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
