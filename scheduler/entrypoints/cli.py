@@ -28,7 +28,8 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-logprobs", type=int, default=20,
                    help="most log-probabilities per token a request may ask (default 20)")
     p.add_argument("--api-key", nargs="+", default=None,
-                   help="key(s) every /v1 request must send as 'Authorization: Bearer <key>' (not /health or /metrics)")
+                   help="key(s) every /v1 request must send as 'Authorization: Bearer <key>' (the routes outside /v1, "
+                        "/health, /metrics, /tokenize, ..., stay open; default: no key)")
     p.add_argument("--disable-log-requests", action="store_true", help="do not log each request")
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help=f"largest request body; larger ones get 413 unread (default {DEFAULT_MAX_REQUEST_BYTES})")
