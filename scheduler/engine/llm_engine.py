@@ -1,10 +1,10 @@
 """LLMEngine: continuous batching of requests over a paged KV cache and a Llama-family model.
 
-One step is four calls, each owned by one module::
+One step is four calls, each owned by one module (the third by two: sampling, beam selection)::
 
     out = scheduler.schedule()                          # core/scheduler.py: which tokens run, blocks recorded
     logits = runner.run(out)                            # runner/model_runner.py: inputs, block moves, forward
-    sampled = select(out, logits)                       # engine/step_sampling.py, and beam searches' selection
+    sampled = _choose(out, logits)                      # engine/step_sampling.py, engine/beam_requests.py
     finished = scheduler.update_from_output(out, sampled)  # append, stop, free, retire
 
 Beam searches (:meth:`add_beam_search`) are requests like the others: their rows of a step are
