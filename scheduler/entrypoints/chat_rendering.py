@@ -55,9 +55,9 @@ def _check_kwargs(kwargs: object) -> None:
         raise InvalidArgumentError(describe("chat_template_kwargs", reserved[0], expected))
 
 
-def check_messages(messages: object, options: ChatOptions) -> list[Mapping[str, object]]:
+def check_messages(messages: object) -> list[Mapping[str, object]]:
     """``messages`` as a list of ``{'role': str, 'content': str}`` mappings, else InvalidArgumentError naming
-    ``messages``. With ``continue_final_message`` any role's final message is left open (as vLLM and transformers)."""
+    ``messages`` (any role may come last: ``continue_final_message`` leaves it open, as vLLM and transformers)."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise InvalidArgumentError(describe("messages", messages, "a non-empty list of {'role', 'content'}"))
     for i, m in enumerate(messages):
@@ -69,7 +69,7 @@ def check_messages(messages: object, options: ChatOptions) -> list[Mapping[str, 
 def render_chat(tokenizer, messages: object, options: ChatOptions) -> list[int]:
     """The token ids of ``messages`` rendered by the chat template as ``options`` say; a template that fails is
     an InvalidArgumentError naming ``chat_template`` (the request's) or ``messages`` (the tokenizer's)."""
-    conversation = check_messages(messages, options)
+    conversation = check_messages(messages)
     try:
         text = tokenizer.apply_chat_template(
             conversation, chat_template=options.chat_template, add_generation_prompt=options.add_generation_prompt,
