@@ -21,6 +21,8 @@ from scheduler.core.kv_events_config import KVEventsConfig
 
 PreemptionMode = Literal["recompute", "swap"]
 PREEMPTION_MODES = ("recompute", "swap")
+SchedulingPolicy = Literal["fcfs", "priority"]
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,6 +33,9 @@ class SchedulerConfig:
     max_num_seqs: int = 64  # sequences per step
     enable_chunked_prefill: bool = True  # split long prompts across steps
     preemption_mode: PreemptionMode = "recompute"
+    # vLLM's --scheduling-policy: "priority" serves the queues in (priority, arrival) order and preempts the
+    # running request with the largest (priority, arrival) first; "fcfs" serves by arrival, preempts the latest
+    scheduling_policy: SchedulingPolicy = "fcfs"
 
     def __post_init__(self) -> None:
         check_int("max_num_seqs", self.max_num_seqs, low=1, high=1 << 16)
@@ -38,6 +43,10 @@ class SchedulerConfig:
         check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
         if self.preemption_mode not in PREEMPTION_MODES:
             raise InvalidArgumentError(describe("preemption_mode", self.preemption_mode, f"one of {PREEMPTION_MODES}"))
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise InvalidArgumentError(
+                describe("scheduling_policy", self.scheduling_policy, f"one of {SCHEDULING_POLICIES}")
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -17,6 +17,13 @@ Each step it fills a token budget and a sequence budget in this order:
    A first waiting group that cannot start while nothing runs never will (prefixes pinned
    after it was queued hold its room): it is aborted alone, its reason in ``refused``.
 
+With ``scheduling_policy="priority"`` (vLLM's) every queue is kept in (priority, arrival) order
+instead of arrival order (lower priority first: more important), running included: running groups are
+stepped in that order, so the group preempted for one that cannot grow is the running group with the
+largest (priority, arrival) not yet scheduled this step, or the group itself when it is the largest;
+swapped and waiting groups are resumed and admitted in that order, head-of-line blocking as above. A
+waiting group never preempts a running one (as in vLLM v1).
+
 Invariant: for every active sequence of a running group the block manager holds exactly
 ``seq.num_computed`` tokens. Scheduling ``(start, n)`` records ``n`` more tokens and
 advances ``num_computed`` to ``start + n`` at once (the step writes their KV); only the
@@ -35,6 +42,7 @@ usual (``scheduler.engine.faults``).
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import time
 from collections import deque
@@ -83,7 +91,8 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, SequenceGroup] = {}  # every unfinished request
         self.waiting: deque[SequenceGroup] = deque()
-        self.running: list[SequenceGroup] = []  # admission order: the tail is preempted first
+        # admission order, or (priority, arrival) order under the priority policy: the tail is preempted first
+        self.running: list[SequenceGroup] = []
         self.swapped: deque[SequenceGroup] = deque()
         self.num_preemptions = {"recompute": 0, "swap": 0}
         self._ids = itertools.count()
@@ -97,7 +106,8 @@ class Scheduler:
 
         With ``fork_samples`` the other ``n - 1`` samples are forked from the first when it first
         samples; without, the caller forks its own sequences (a beam search of width ``n``).
-        ``priority`` (vLLM's: lower is more important) orders the eviction of its cached blocks.
+        ``priority`` (vLLM's: lower is more important) orders the eviction of its cached blocks and, under the
+        priority scheduling policy, its place in the queues and among the preemption victims.
         """
         check_int("priority", priority, low=PRIORITY_MIN, high=PRIORITY_MAX)
         if request_id in self.requests:
@@ -107,8 +117,22 @@ class Scheduler:
         group = SequenceGroup(request_id, [seq], params, max_seqs=params.n, unforked=unforked, priority=priority)
         self.requests[request_id] = group
         group.set_status(SequenceStatus.WAITING)
-        self.waiting.append(group)
+        if self._by_priority:
+            self._enqueue(self.waiting, group)
+        else:
+            self.waiting.append(group)  # arrival order: the newest goes last
         return group
+
+    @property
+    def _by_priority(self) -> bool:
+        return self.config.scheduling_policy == "priority"
+
+    def _enqueue(self, queue: deque[SequenceGroup] | list[SequenceGroup], group: SequenceGroup) -> None:
+        """Insert a group where the policy orders it: by arrival, or by (priority, arrival); after its equals."""
+        if self._by_priority:
+            bisect.insort_right(queue, group, key=_priority_key)  # queue sorted by the same key
+        else:
+            _insert_by_arrival(queue, group)
 
     def _new_hashes(self, cache_salt: str | None) -> BlockHashes | None:
         """A request's block hashes, kept with it and grown by the block manager (None: no prefix caching)."""
@@ -189,7 +213,7 @@ class Scheduler:
         self._park(group)  # every unfinished sequence holds no block now
         if group not in self.waiting:
             self._dequeue(group)
-            _insert_by_arrival(self.waiting, group)
+            self._enqueue(self.waiting, group)
 
     def _dequeue(self, group: SequenceGroup) -> None:
         """Take a group out of whichever queue holds it."""
@@ -289,14 +313,23 @@ class Scheduler:
         return self.config.max_num_batched_tokens - step.num_batched_tokens
 
     def _schedule_running(self, step: SchedulerOutput) -> None:
-        decode = [g for g in self.running if _is_decode(g)]
-        rest = [g for g in self.running if not _is_decode(g)]
-        for group in rest if self._commit_all(decode, step) else decode + rest:
+        if self._by_priority:  # most important first: every group scheduled before one is more important than it
+            order = list(self.running)
+            groups = [] if self._commit_all(order, step) else order
+        else:
+            groups = self._fcfs_running_order(step)
+        for group in groups:
             if group in step.preempted:
                 continue
             plan = self._plan_running(group, self._tokens_left(step), len(step.scheduled))
             if plan and self._make_room(group, plan, step):
                 self._commit(group, plan, step)
+
+    def _fcfs_running_order(self, step: SchedulerOutput) -> list[SequenceGroup]:
+        """Commit the decode groups at once if they all fit; the running groups left to step, in order."""
+        decode = [g for g in self.running if _is_decode(g)]
+        rest = [g for g in self.running if not _is_decode(g)]
+        return rest if self._commit_all(decode, step) else decode + rest
 
     def _commit_all(self, groups: list[SequenceGroup], step: SchedulerOutput) -> bool:
         """Commit every group's plan with one ``append_all`` if the pool holds them all; else change nothing.
@@ -340,8 +373,11 @@ class Scheduler:
         """Preempt later groups until ``plan`` fits; preempt ``group`` itself if nothing else can go."""
         while not self._fits(plan):
             scheduled = {s.group for s in step.scheduled}
+            pool = self.running
+            if self._by_priority:  # only the groups after it are less important (the ones before may be unscheduled)
+                pool = pool[pool.index(group) + 1 :]
             # a group whose every sample was stopped (stop_samples) holds nothing until it is retired: never a victim
-            victims = (g for g in reversed(self.running) if g is not group and g not in scheduled and g.active())
+            victims = (g for g in reversed(pool) if g is not group and g not in scheduled and g.active())
             victim = next(victims, None)
             self._preempt(victim or group, step)
             if victim is None:
@@ -399,14 +435,14 @@ class Scheduler:
         if self.config.preemption_mode == "swap" and self.bm.can_swap_out(ids):
             step.swap_out += self.bm.swap_out(ids)  # blocks shared within the group move once
             group.set_status(SequenceStatus.SWAPPED)
-            _insert_by_arrival(self.swapped, group)
+            self._enqueue(self.swapped, group)
             self.num_preemptions["swap"] += 1
             return
         for seq in seqs:
             self._free(seq)
             seq.num_computed, seq.status = 0, SequenceStatus.WAITING
         self._park(group)
-        _insert_by_arrival(self.waiting, group)
+        self._enqueue(self.waiting, group)
         self.num_preemptions["recompute"] += 1
 
     # -- swapped and waiting ----------------------------------------------
@@ -419,7 +455,7 @@ class Scheduler:
             self.swapped.popleft()
             step.swap_in += self.bm.swap_in(ids)
             group.set_status(SequenceStatus.RUNNING)
-            self.running.append(group)
+            self._admitted(group)
             plan = self._plan_running(group, self._tokens_left(step), len(step.scheduled))
             if plan and self._fits(plan):
                 self._commit(group, plan, step)
@@ -462,7 +498,7 @@ class Scheduler:
                     group.num_cached_tokens = start
                 self._scheduled(step, group, seq, start, cached + n - start)
             group.set_status(SequenceStatus.RUNNING)
-            self.running.append(group)
+            self._admitted(group)
         self.waiting.extendleft(reversed(reading))
         return bool(reading)
 
@@ -501,6 +537,13 @@ class Scheduler:
             left -= n
         return plan if admission.fits([c + n for _, c, n in plan]) else None
 
+    def _admitted(self, group: SequenceGroup) -> None:
+        """Put a group just admitted or swapped in among the running: last, or in (priority, arrival) order."""
+        if self._by_priority:
+            self._enqueue(self.running, group)
+        else:
+            self.running.append(group)
+
     def _fits_seqs(self, group: SequenceGroup) -> bool:
         """Whether the running groups' reserved sequences leave room for ``group``'s."""
         running = sum(g.num_seqs_reserved() for g in self.running)
@@ -511,6 +554,11 @@ def _insert_by_arrival(queue: deque[SequenceGroup], group: SequenceGroup) -> Non
     """Requeue a preempted group ahead of every group that arrived after it (FCFS)."""
     at = next((i for i, g in enumerate(queue) if g.arrival_time > group.arrival_time), len(queue))
     queue.insert(at, group)
+
+
+def _priority_key(group: SequenceGroup) -> tuple[int, float]:
+    """The priority policy's order: more important (lower priority) first, then earlier arrival."""
+    return group.priority, group.arrival_time
 
 
 def _is_decode(group: SequenceGroup) -> bool:

@@ -1,0 +1,151 @@
+"""The priority scheduling policy (vLLM's): queues in (priority, arrival) order, the least important preempted first."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sched_helpers import assert_all_freed, make_engine
+
+from paged_kv.errors import InvalidArgumentError
+from scheduler import SamplingParams, SchedulerConfig
+from scheduler.engine.beam_search import BeamSearchParams
+
+
+def _prompts(num: int, length: int, seed: int = 11) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (length,), generator=g).tolist() for _ in range(num)]
+
+
+def _drain(engine) -> dict[str, list[list[int]]]:
+    """Step until done; every request's samples' tokens."""
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            done[out.request_id] = [c.token_ids for c in out.outputs]
+    return done
+
+
+def _admission_order(engine) -> list[str]:
+    """Record the requests' ids in the order of their first scheduled step (admission), in step order."""
+    order, schedule = [], engine.scheduler.schedule
+
+    def traced():
+        out = schedule()
+        order.extend(rid for rid in dict.fromkeys(s.group.request_id for s in out.scheduled) if rid not in order)
+        return out
+
+    engine.scheduler.schedule = traced
+    return order
+
+
+@pytest.mark.parametrize("bad", ["lifo", "PRIORITY", None, 1])
+def test_config_refuses_an_unknown_policy(bad):
+    with pytest.raises(InvalidArgumentError, match=r"scheduling_policy=.*expected one of \('fcfs', 'priority'\)"):
+        SchedulerConfig(scheduling_policy=bad)
+
+
+def test_config_default_is_fcfs():
+    assert SchedulerConfig().scheduling_policy == "fcfs"
+    assert SchedulerConfig(scheduling_policy="priority").scheduling_policy == "priority"
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_waiting_order(tiny_hf, policy):
+    """One sequence at a time: after the first, priority admits by (priority, arrival), fcfs by arrival."""
+    engine = make_engine(tiny_hf, max_num_seqs=1, scheduling_policy=policy)
+    order = _admission_order(engine)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    priorities = {"a": 5, "b": 5, "c": 2, "d": 5, "e": 0, "f": 2}
+    engine.add_request("a", [1, 2, 3], params, priority=5)
+    engine.step()  # "a" runs alone; the rest arrive while it does
+    for rid, prompt in zip("bcdef", _prompts(5, 6)):
+        engine.add_request(rid, prompt, params, priority=priorities[rid])
+    _drain(engine)
+    expected = ["a", "e", "c", "f", "b", "d"] if policy == "priority" else list("abcdef")
+    assert order == expected
+    assert_all_freed(engine)
+
+
+def test_priority_admits_a_late_important_request_first_and_keeps_arrival_order_among_equals(tiny_hf):
+    engine = make_engine(tiny_hf, max_num_seqs=2, scheduling_policy="priority")
+    order = _admission_order(engine)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    for i, prompt in enumerate(_prompts(6, 5)):
+        engine.add_request(f"low{i}", prompt, params, priority=1)
+    engine.add_request("urgent", [7, 8, 9], params, priority=-3)
+    _drain(engine)
+    assert order == ["urgent", *(f"low{i}" for i in range(6))]
+
+
+def test_beam_search_takes_its_priority_place(tiny_hf):
+    engine = make_engine(tiny_hf, max_num_seqs=4, scheduling_policy="priority")
+    order = _admission_order(engine)
+    for i, prompt in enumerate(_prompts(3, 5)):
+        engine.add_request(f"s{i}", prompt, SamplingParams(max_tokens=3, ignore_eos=True), priority=2)
+    engine.add_beam_search("beam", [5, 6, 7, 8], BeamSearchParams(width=4, max_tokens=3, ignore_eos=True), priority=0)
+    _drain(engine)
+    assert order[0] == "beam"  # its 4 beams fill max_num_seqs: the others wait for it
+    assert_all_freed(engine)
+
+
+def _preemptions(engine) -> list[tuple[str, list[str]]]:
+    """Record each preempted request's id with the ids still running after its step; under the priority policy,
+    check every queue is in (priority, arrival) order after each step."""
+    seen, scheduler = [], engine.scheduler
+    schedule = scheduler.schedule
+
+    def traced():
+        out = schedule()
+        seen.extend((g.request_id, [r.request_id for r in scheduler.running]) for g in out.preempted)
+        if scheduler.config.scheduling_policy == "priority":
+            for queue in (scheduler.waiting, scheduler.swapped, scheduler.running):
+                keys = [(g.priority, g.arrival_time) for g in queue]
+                assert keys == sorted(keys)
+        return out
+
+    scheduler.schedule = traced
+    return seen
+
+
+def _lone(tiny_hf, prompt, params) -> list[list[int]]:
+    roomy = make_engine(tiny_hf, num_blocks=256)
+    return [c.token_ids for c in roomy.generate([prompt], params, use_tqdm=False)[0].outputs]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_preemption_victim(tiny_hf, mode, policy):
+    """Two requests outgrow a 12-block pool: priority preempts the less important first arrival, fcfs the later."""
+    engine = make_engine(tiny_hf, num_blocks=12, num_cpu_blocks=64, preemption_mode=mode, scheduling_policy=policy)
+    seen = _preemptions(engine)
+    params = SamplingParams(max_tokens=16, temperature=0.8, seed=3, ignore_eos=True)
+    prompts = _prompts(2, 16)  # 4 blocks each, 8 at the end: both start, one must go
+    engine.add_request("lo", prompts[0], params, priority=1)
+    engine.add_request("hi", prompts[1], params, priority=0)
+    done = _drain(engine)
+    victims = {rid for rid, _ in seen}
+    assert victims == ({"lo"} if policy == "priority" else {"hi"})
+    assert engine.scheduler.num_preemptions[mode] > 0
+    assert done == {rid: _lone(tiny_hf, p, params) for rid, p in zip(("lo", "hi"), prompts)}
+    assert_all_freed(engine)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_priority_never_preempts_a_request_while_a_less_important_one_runs(tiny_hf, mode):
+    """Mixed priorities, seeded sampling, n=2 groups, a tight pool: each victim is the least important running
+    request (largest (priority, arrival)), and every request's tokens equal its lone run's."""
+    engine = make_engine(tiny_hf, num_blocks=30, num_cpu_blocks=128, preemption_mode=mode, scheduling_policy="priority",
+                         max_num_batched_tokens=32, max_num_seqs=8)  # fmt: skip
+    seen = _preemptions(engine)
+    priorities = [3, 0, 2, 1, 3, 0, 1, 2]
+    prompts = _prompts(8, 14, seed=5)
+    params = [SamplingParams(max_tokens=18, temperature=0.9, top_k=50, seed=i, n=1 + i % 2, ignore_eos=True)
+              for i in range(8)]  # fmt: skip
+    groups = [engine.add_request(f"r{i}", p, params[i], priority=priorities[i]) for i, p in enumerate(prompts)]
+    key = {g.request_id: (g.priority, g.arrival_time) for g in groups}
+    done = _drain(engine)
+    assert engine.scheduler.num_preemptions[mode] >= 2
+    for victim, running in seen:
+        assert all(key[r] < key[victim] for r in running), (victim, running)
+    assert done == {f"r{i}": _lone(tiny_hf, p, params[i]) for i, p in enumerate(prompts)}
+    assert_all_freed(engine)
