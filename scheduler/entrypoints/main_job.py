@@ -58,6 +58,9 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute",
                    help="a preempted request's KV is freed and recomputed later (recompute) or swapped out to "
                         "the CPU pool (swap); default recompute")
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                   help="serve requests by arrival (fcfs), or by (priority, arrival) with the least important, "
+                        "latest running request preempted first (priority; vLLM's); default fcfs")
     p.add_argument("--kv-blocks", type=int, default=128, help="GPU KV pool size in blocks (the KV budget; default 128)")
     p.add_argument("--cpu-blocks", type=int, default=None,
                    help="CPU swap pool in blocks (default: 2x kv-blocks with swap, else 0)")
@@ -93,7 +96,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     )  # fmt: skip
     sched = SchedulerConfig(
         max_num_batched_tokens=args.max_batched_tokens, max_num_seqs=args.max_num_seqs,
-        preemption_mode=args.preemption_mode,
+        preemption_mode=args.preemption_mode, scheduling_policy=args.scheduling_policy,
     )  # fmt: skip
     return EngineConfig(
         cache=cache, scheduler=sched, device=args.device, enforce_eager=args.enforce_eager,

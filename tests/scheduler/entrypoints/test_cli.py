@@ -25,6 +25,14 @@ def test_serve_takes_the_engine_options_of_the_main_job():
                                       "--max-num-seqs", "4"])) == config  # fmt: skip
 
 
+def test_scheduling_policy_option():
+    assert engine_config(parse_args([])).scheduler.scheduling_policy == "fcfs"
+    args = serve_parser().parse_args(["--scheduling-policy", "priority"])
+    assert engine_config(args).scheduler.scheduling_policy == "priority"
+    with pytest.raises(SystemExit):
+        serve_parser().parse_args(["--scheduling-policy", "lifo"])
+
+
 @pytest.mark.parametrize("parser", [serve_parser, main_job_parser])
 def test_every_option_with_a_default_names_it_in_its_help(parser):
     for action in parser()._actions:
