@@ -145,7 +145,8 @@ class SequenceGroup:
     finish_time: float | None = None
     num_preemptions: int = 0
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at admission (None: not yet)
-    priority: int = 0  # vLLM's request priority (lower: more important): orders the eviction of its blocks
+    priority: int = 0  # vLLM's request priority (lower: more important): orders the eviction of its blocks,
+    # and its scheduling under scheduling_policy="priority"
     max_seqs: int = 1  # sequences the group may run at once (n samples, beam width)
     # indices of the samples forked from the first sequence when it first samples (1..n-1 at admission, then
     # none). Invariant: these and the indices of ``seqs`` are 0..num_samples-1, each once

@@ -170,7 +170,8 @@ class LLMEngine:
         """Queue a request; raises (engine unchanged) on a bad id, prompt or parameters.
 
         ``fork_samples=False``: the caller forks the request's sequences itself (see :meth:`step`).
-        ``priority`` (vLLM's: lower is more important) orders the eviction of its cached blocks.
+        ``priority`` (vLLM's: lower is more important) orders the eviction of its cached blocks, and its scheduling
+        under ``scheduling_policy="priority"``.
         """
         check_bool("fork_samples", fork_samples)
         prompt, params = self.check_request(request_id, prompt_token_ids, sampling_params)

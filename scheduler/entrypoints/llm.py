@@ -78,7 +78,8 @@ class LLM:
         """Complete every prompt (strings or token id lists); outputs in prompt order, with ``.text``.
 
         ``priority`` (vLLM's, one for all prompts or one per prompt: lower is more important)
-        orders the eviction of each request's cached blocks. A request that fails on its own
+        orders the eviction of each request's cached blocks, and the scheduling under
+        ``scheduling_policy="priority"``. A request that fails on its own
         (its sampling or detokenization raised) comes back with ``.error`` set and finish reason
         "error" on its unfinished samples; the others are not affected. A failure of the model
         step itself raises (every request was aborted).

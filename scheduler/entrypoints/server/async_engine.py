@@ -147,7 +147,8 @@ class AsyncEngine:
         """Run every prompt (a beam search for BeamSearchParams); yield events until each is done. Closing the
         iterator early aborts what is left.
 
-        ``priority`` (vLLM's: lower is more important) orders the eviction of the requests' cached blocks.
+        ``priority`` (vLLM's: lower is more important) orders the eviction of the requests' cached blocks,
+        and their scheduling under ``scheduling_policy="priority"``.
 
         Raises Overloaded when the server is full and a PagedKVError on a request it can never serve,
         both before anything is queued.
