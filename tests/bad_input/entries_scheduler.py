@@ -170,7 +170,8 @@ def _rows() -> list[Entry]:
             "max_num_batched_tokens": Arg("int", 64, bad={OUT_OF_RANGE: [1, 1 << 62]}),
             "max_num_seqs": Arg("int", 8, bad={OUT_OF_RANGE: [0, 1 << 62]}),
             "enable_chunked_prefill": Arg("bool", True),
-            "preemption_mode": Arg("obj", "swap", bad={WRONG_TYPE: ["drop", None, ["swap"]]})}),
+            "preemption_mode": Arg("obj", "swap", bad={WRONG_TYPE: ["drop", None, ["swap"]]}),
+            "scheduling_policy": Arg("obj", "priority", bad={WRONG_TYPE: ["lifo", None, ["priority"]]})}),
         Entry("scheduler.CacheConfig", scheduler.CacheConfig, {
             "block_size": Arg("int", 4, bad={OUT_OF_RANGE: [0, 1 << 62]}),
             "num_gpu_blocks": Arg("opt_int", 8, bad={OUT_OF_RANGE: [0, 1 << 62]}),
