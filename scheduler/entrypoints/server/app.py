@@ -173,6 +173,7 @@ async def _stream(ctx: ResponseContext, body: SamplingFields, first: Event, even
                 if ctx.echo and (ev.key, d.index) not in echoed:  # a choice's first chunk: the prompt
                     echoed.add((ev.key, d.index))
                     yield sse(ctx.echo_chunk(ev.key, d.index, prompts[ev.key], ev.prompt_logprobs, usage))
+                ctx.tally(ev.key, d)
                 if wants_chunk(d, ctx.logprobs is not None):
                     yield sse(ctx.chunk(ev.key, d, usage))
             ev = await anext(events, None)

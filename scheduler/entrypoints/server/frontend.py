@@ -142,7 +142,9 @@ class Frontend:
         ctx = ResponseContext(kind, model, body.n, self.llm.tokenizer, logprobs, request_id=body.request_id,
                               tokens_as_ids=body.return_tokens_as_token_ids, echo=getattr(body, "echo", False),
                               prompt_logprobs=body.prompt_logprobs,
-                              echo_only=getattr(body, "echo", False) and body.max_tokens == 0)  # fmt: skip
+                              echo_only=getattr(body, "echo", False) and body.max_tokens == 0,
+                              continuous_usage=body.continuous_usage,
+                              prompt_tokens=[len(ids) for ids, _ in prompts])  # fmt: skip
         if self.config.log_requests:
             user = body.user or getattr(body, "safety_identifier", None)
             log.info("request %s: model %s, user %r, prompt tokens %s, %s", ctx.id, model, user,

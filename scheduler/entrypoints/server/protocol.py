@@ -61,7 +61,7 @@ class StreamOptions(OpenAIModel):
     """Options of a streamed response."""
 
     include_usage: bool = False
-    continuous_usage_stats: Neutral(False) = None  # vLLM
+    continuous_usage_stats: bool = False  # vLLM: with include_usage, a running usage on every chunk
     include_obfuscation: Neutral(False) = None
 
 
@@ -138,6 +138,11 @@ class SamplingFields(OpenAIModel):
     def include_usage(self) -> bool:
         """Whether a stream ends with a usage chunk."""
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Whether every streamed chunk carries a running usage (vLLM: ignored without include_usage)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
     @property
     def num_samples(self) -> int:

@@ -12,7 +12,9 @@ no body shows: each choice is the prompt alone, finished by "length", with no co
 streamed) adds each prompt token's log-probabilities to a completion's choices, or to a chat
 response, as vLLM lays them out: ``None`` for the first token, then ``{token id: {logprob, rank,
 decoded_token}}``. A log-probability of -inf (a token a grammar rules out) is sent as
-``LOGPROB_FLOOR``, as vLLM sends it: JSON has no infinity.
+``LOGPROB_FLOOR``, as vLLM sends it: JSON has no infinity. A stream with ``include_usage`` ends with a usage
+chunk; with vLLM's ``continuous_usage_stats`` each chunk before it carries its prompt's tokens and its choice's
+tokens streamed so far.
 """
 
 from __future__ import annotations
@@ -47,10 +49,15 @@ class ResponseContext:
     echo: bool = False  # a completion's choices start with the prompt (streamed: a chunk of its own first)
     prompt_logprobs: int | None = None  # the prompt's top log-probabilities to show (vLLM; non-streamed)
     echo_only: bool = False  # a completion's max_tokens=0 with echo: the prompt alone, the generated token hidden
+    # vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk carries its prompt's tokens
+    # (``prompt_tokens``, per prompt) and its choice's tokens streamed so far
+    continuous_usage: bool = False
+    prompt_tokens: list[int] = field(default_factory=list)
     id: str = field(init=False)
     created: int = field(default_factory=lambda: int(time.time()))
     # per choice: characters of the token texts already sent (a streamed text_offset continues from there)
     offsets: dict[int, int] = field(default_factory=dict)
+    generated: dict[int, int] = field(default_factory=dict)  # per choice: tokens streamed so far
 
     def __post_init__(self) -> None:
         self.id = f"{'cmpl' if self.kind == 'completion' else 'chatcmpl'}-{self.request_id or uuid.uuid4().hex}"
@@ -165,7 +172,7 @@ class ResponseContext:
             choice["delta"] = {"content": d.text} if d.text else {}
         else:
             choice["text"] = d.text
-        return self._with_usage({**self.head(chunk=True), "choices": [choice]}, include_usage)
+        return self._with_usage({**self.head(chunk=True), "choices": [choice]}, include_usage, key, index)
 
     def echo_chunk(self, key: int, index: int, prompt: tuple[list[int], str | None],
                    scored: list[dict[int, float] | None] | None, include_usage: bool) -> dict:  # fmt: skip
@@ -174,24 +181,33 @@ class ResponseContext:
         text, lps, tops = self._echoed(ids, prompt[1], scored)
         body = {"index": choice, "text": text, "logprobs": self.logprobs_block(choice, ids, lps, tops),
                 "finish_reason": None, "stop_reason": None}  # fmt: skip
-        return self._with_usage({**self.head(chunk=True), "choices": [body]}, include_usage)
+        return self._with_usage({**self.head(chunk=True), "choices": [body]}, include_usage, key, choice)
 
     def role_chunk(self, index: int, include_usage: bool) -> dict:
         """The first chunk of a streamed chat choice: the assistant role."""
         delta = {"role": "assistant", "content": ""}
         choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
-        return self._with_usage({**self.head(chunk=True), "choices": [choice]}, include_usage)
+        return self._with_usage({**self.head(chunk=True), "choices": [choice]}, include_usage, index // self.n, index)
 
     def usage_chunk(self, results: list[TextRequestOutput]) -> dict:
         """The last chunk of a stream with ``stream_options.include_usage``."""
         returned = [self._best(r) for r in results]
         return {**self.head(chunk=True), "choices": [], "usage": usage(results, returned, generated=not self.echo_only)}
 
-    @staticmethod
-    def _with_usage(body: dict, include_usage: bool) -> dict:
-        if include_usage:
-            body["usage"] = None  # OpenAI sends null usage on every chunk but the last
+    def tally(self, key: int, d: SampleDelta) -> None:
+        """Count a streamed delta's tokens (shown or not) toward its choice's running usage."""
+        index = key * self.n + d.index
+        self.generated[index] = self.generated.get(index, 0) + len(d.token_ids)
+
+    def _with_usage(self, body: dict, include_usage: bool, key: int, choice: int) -> dict:
+        if include_usage:  # OpenAI sends null usage on every chunk but the last; vLLM's continuous stats, a running one
+            body["usage"] = self._running_usage(key, choice) if self.continuous_usage else None
         return body
+
+    def _running_usage(self, key: int, choice: int) -> dict:
+        """vLLM's continuous usage of a chunk: prompt ``key``'s tokens and choice ``choice``'s tokens so far."""
+        prompt, completion = self.prompt_tokens[key], self.generated.get(choice, 0)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def wants_chunk(d: SampleDelta, with_logprobs: bool) -> bool:

@@ -112,6 +112,12 @@ def _choices(n: int) -> Check:
     return _ok(lambda s: len(s.body["choices"]) == n)
 
 
+def _usage_on_every_chunk(sent: Sent) -> bool:
+    """A final usage chunk, and (continuous_usage_stats, vLLM) a running usage on every chunk before it."""
+    events = sse_events(sent.response.text)
+    return bool(events[-1]["usage"]["completion_tokens"]) and all(e["usage"]["prompt_tokens"] for e in events)
+
+
 def _rendered(messages: list[dict] = CHAT, **kw) -> Check:
     """The prompt handed to the engine is transformers' rendering of ``messages`` with these arguments."""
     return _ok(lambda s: s.prompts == [s.served.llm.tokenizer.apply_chat_template(messages, **kw)["input_ids"]])
@@ -130,7 +136,8 @@ SHARED: dict[str, tuple[object, Check, dict]] = {
     "seed": (7, _param("seed", 7), {}),
     "stop": (["zz"], _param("stop", ("zz",)), {}),
     "stream": (True, _ok(lambda s: s.body["choices"][0]["finish_reason"]), {}),
-    "stream_options": ({"include_usage": True}, _ok(lambda s: s.body["usage"]["completion_tokens"]), {"stream": True}),
+    "stream_options": ({"include_usage": True, "continuous_usage_stats": True}, _ok(_usage_on_every_chunk),
+                       {"stream": True}),
     "user": ("user-7", _ok(lambda s: "user 'user-7'" in s.logs), {}),
     "frequency_penalty": (0.5, _pass_through(0.5), {}),
     "presence_penalty": (0.5, _pass_through(0.5), {}),
