@@ -60,8 +60,7 @@ class BeamSearchParams:
             raise InvalidArgumentError(describe("length_penalty", lp, "a finite number"))
         if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
             raise InvalidArgumentError(describe("early_stopping", self.early_stopping, "True, False or 'never'"))
-        if not isinstance(self.ignore_eos, bool):
-            raise InvalidArgumentError(describe("ignore_eos", self.ignore_eos, "a bool"))
+        check_bool("ignore_eos", self.ignore_eos)
         check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
         check_bool("skip_special_tokens", self.skip_special_tokens)
         # SamplingParams checks the stop ids and the salt; the beams themselves never stop on them

@@ -388,12 +388,13 @@ class LLMEngine:
     def _check_select(self, select: Selector | None) -> None:
         """A selection hook must be callable, and cannot run while a request is constrained (it skips the mask) or
         a beam search is live (it would choose the beams' tokens)."""
-        if select is not None and not callable(select):
+        if select is None:
+            return
+        if not callable(select):
             raise InvalidArgumentError(describe("select", select, "None or a callable (out, logits) -> tokens"))
-        if select is not None and self.beams:
+        if self.beams:
             raise InvalidArgumentError(describe("select", select, "None while a beam search is live"))
-        constrained = (g.params.structured_outputs is not None for g in self.scheduler.requests.values())
-        if select is not None and any(constrained):
+        if any(g.params.structured_outputs is not None for g in self.scheduler.requests.values()):
             raise InvalidArgumentError(describe("select", select, "None while a request has structured_outputs"))
 
     def sample(self, out: SchedulerOutput, logits: torch.Tensor) -> list[SampledToken]:
