@@ -210,30 +210,39 @@ class AsyncEngine:
             self._snapshot_time = now
 
     def _apply(self, command: tuple) -> None:
+        """Run one handler's command on the engine thread: ("add", ...), ("abort", rid) or ("reset", reply)."""
         if command[0] == "reset":
             self._reset(command[1])
         elif command[0] == "add":
-            _, rid, ids, text, params, priority, live = command
-            beam = isinstance(params, BeamSearchParams)
-            add = self.processor.add_beam_search if beam else self.processor.add
-            try:
-                add(rid, ids, params, text, priority=priority)
-            except Exception as e:  # PagedKVError: a bad request (400); anything else: a bug, still answered
-                _send(live, Event(live.key, [], error=e))
-                return
-            live.group = self.engine.scheduler.requests[rid]  # its timestamps, for the metrics
-            self._live[rid] = live
-            if beam:  # admitted: its handler may answer (and watch its client) before the search ends
-                _send(live, Event(live.key, []))
+            self._add(*command[1:])
         elif command[1] in self._live:  # abort of a request still running
-            live = self._live.pop(command[1])
-            try:
-                req = self.processor.abort(command[1])
-            except Exception:  # a bug; the loop must keep serving the others
-                log.exception("abort of %s failed", command[1])
-                req = None
-            self._record(live, _outputs(req), time.perf_counter(), "abort")
-            self.num_aborted += 1
+            self._abort(command[1])
+
+    def _add(self, rid: str, ids: list[int], text: str | None, params: SamplingParams | BeamSearchParams,
+             priority: int, live: _Live) -> None:  # fmt: skip
+        """Queue a request (a beam search for BeamSearchParams); a refused one gets its error event."""
+        beam = isinstance(params, BeamSearchParams)
+        add = self.processor.add_beam_search if beam else self.processor.add
+        try:
+            add(rid, ids, params, text, priority=priority)
+        except Exception as e:  # PagedKVError: a bad request (400); anything else: a bug, still answered
+            _send(live, Event(live.key, [], error=e))
+            return
+        live.group = self.engine.scheduler.requests[rid]  # its timestamps, for the metrics
+        self._live[rid] = live
+        if beam:  # admitted: its handler may answer (and watch its client) before the search ends
+            _send(live, Event(live.key, []))
+
+    def _abort(self, rid: str) -> None:
+        """Abort a live request (its client left) and record it."""
+        live = self._live.pop(rid)
+        try:
+            req = self.processor.abort(rid)
+        except Exception:  # a bug; the loop must keep serving the others
+            log.exception("abort of %s failed", rid)
+            req = None
+        self._record(live, _outputs(req), time.perf_counter(), "abort")
+        self.num_aborted += 1
 
     def _reset(self, reply: Callable[[object], None]) -> None:
         """Reset the engine's prefix cache; ``reply`` gets the blocks forgotten, or the exception (a bug: a 500)."""
