@@ -12,7 +12,7 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -106,6 +106,13 @@ class Frontend:
             raise FieldError("chat_template", describe("chat_template", "a template", expected))
         return self.llm.chat_prompt(body.message_dicts(), **body.chat_options())
 
+    def check_in_vocab(self, name: str, token_ids: Iterable[int]) -> None:
+        """FieldError naming ``name`` for the largest of ``token_ids`` if it is out of the model's vocabulary."""
+        vocab = self.llm.engine.model.config.vocab_size
+        top = max(token_ids, default=0)
+        if top >= vocab:
+            raise FieldError(name, describe(name, f"token id {top}", f"token ids in [0, {vocab})"))
+
     def _compile(self, body: SamplingFields, spec: StructuredOutputsParams) -> None:
         """Compile a request's grammar into the engine's cache; FieldError naming the field that asked for it."""
         try:
@@ -133,10 +140,7 @@ class Frontend:
             await loop.run_in_executor(self.tokenizer_pool, self._compile, body, constraints["structured_outputs"])
         encoded = await loop.run_in_executor(self.tokenizer_pool, encode)
         prompts = [self._truncate(body, ids, text) for ids, text in encoded]
-        vocab = self.llm.engine.model.config.vocab_size
-        top = max(max(ids, default=0) for ids, _ in prompts)
-        if top >= vocab:
-            raise FieldError("prompt", describe("prompt", f"token id {top}", f"token ids in [0, {vocab})"))
+        self.check_in_vocab("prompt", (i for ids, _ in prompts for i in ids))
         params = [self._params(body, self._max_tokens(kind, ids, limit, body), logprobs, constraints)
                   for ids, _ in prompts]  # fmt: skip
         ctx = ResponseContext(kind, model, body.n, self.llm.tokenizer, logprobs, request_id=body.request_id,

@@ -22,11 +22,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
-from paged_kv.errors import describe
 from scheduler.entrypoints.server.async_engine import AsyncEngine
 from scheduler.entrypoints.server.frontend import Frontend
 from scheduler.entrypoints.server.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
-from scheduler.entrypoints.server.sampling import FieldError
 
 log = logging.getLogger("paged_kv.server")
 PACKAGE = "paged-kv"
@@ -68,10 +66,7 @@ def add_utility_routes(app: FastAPI, front: Frontend, engine: AsyncEngine) -> No
         """The text of token ids; 400 naming ``tokens`` for an id out of the vocabulary."""
         request = _parse(DetokenizeRequest, body)
         front.model_name(request.model)
-        vocab = front.llm.engine.model.config.vocab_size
-        top = max(request.tokens, default=0)
-        if top >= vocab:
-            raise FieldError("tokens", describe("tokens", f"token id {top}", f"token ids in [0, {vocab})"))
+        front.check_in_vocab("tokens", request.tokens)
         return {"prompt": await _in_pool(front, lambda: front.llm.tokenizer.decode(request.tokens))}
 
     if front.config.enable_dev_endpoints:
