@@ -15,7 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from paged_kv.errors import PagedKVError
-from scheduler.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from scheduler.core.config import PREEMPTION_MODES, SCHEDULING_POLICIES, CacheConfig, EngineConfig, SchedulerConfig
 from scheduler.core.outputs import RequestOutput
 from scheduler.engine.llm_engine import LLMEngine
 from scheduler.entrypoints.tier_options import add_tier_options, kv_events, tier_fields, tier_summary
@@ -55,10 +55,10 @@ def main_job_parser() -> argparse.ArgumentParser:
 def add_engine_options(p: argparse.ArgumentParser) -> None:
     """The engine's options (KV pool and its tiers, budgets, preemption, device, threads, KV events), shared with
     ``paged-kv serve``."""
-    p.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute",
+    p.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default="recompute",
                    help="a preempted request's KV is freed and recomputed later (recompute) or swapped out to "
                         "the CPU pool (swap); default recompute")
-    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+    p.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
                    help="serve requests by arrival (fcfs), or by (priority, arrival) with the least important, "
                         "latest running request preempted first (priority; vLLM's); default fcfs")
     p.add_argument("--kv-blocks", type=int, default=128, help="GPU KV pool size in blocks (the KV budget; default 128)")
