@@ -88,20 +88,23 @@ class PinnedPrefixes:
             if out.request_id not in self._warm_ups:
                 kept.append(out)
                 continue
-            pin_id = out.request_id
-            self._warm_ups.discard(pin_id)
-            stale = pin_id in self._stale
-            self._stale.discard(pin_id)
-            if pin_id not in self._prompts:
-                continue  # unpinned while it waited
-            if out.error is None and stale:
-                self._hold_or_warm_up(pin_id)
-            elif out.error is None:
-                prompt, salt = self._prompts[pin_id]
-                self.bm.pin(pin_id, prompt, cache_salt=salt)
-            else:  # its warm-up failed alone: the pin is dropped
-                del self._prompts[pin_id]
+            self._warmed_up(out.request_id, failed=out.error is not None)
         return kept
+
+    def _warmed_up(self, pin_id: str, *, failed: bool) -> None:
+        """A pin's warm-up finished: pin its prefix, warm it up again (a reset forgot its blocks) or drop it."""
+        self._warm_ups.discard(pin_id)
+        stale = pin_id in self._stale
+        self._stale.discard(pin_id)
+        if pin_id not in self._prompts:
+            return  # unpinned while it waited
+        if failed:  # its warm-up failed alone: the pin is dropped
+            del self._prompts[pin_id]
+        elif stale:
+            self._hold_or_warm_up(pin_id)
+        else:
+            prompt, salt = self._prompts[pin_id]
+            self.bm.pin(pin_id, prompt, cache_salt=salt)
 
     @property
     def held(self) -> dict[str, int]:
