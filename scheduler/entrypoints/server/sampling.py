@@ -144,7 +144,7 @@ def check_beam_search(body: SamplingFields, constraints: dict[str, object]) -> N
     if isinstance(body, CompletionRequest) and body.echo and body.logprobs is not None:
         _beam_refuses("logprobs", body.logprobs, "null with echo (the prompt is not scored)")
     if constraints:
-        name = "response_format" if body.response_format else "structured_outputs"
+        name = "structured_outputs" if body.structured_outputs is not None else "response_format"  # the one set
         _beam_refuses(name, getattr(body, name), "null or a text format")
 
 

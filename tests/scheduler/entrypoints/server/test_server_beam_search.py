@@ -119,6 +119,14 @@ def test_a_field_that_would_not_apply_to_the_beams_is_refused_naming_it(served, 
     assert "use_beam_search" in error["message"] and not captured
 
 
+def test_a_constraint_refused_names_the_field_that_set_it(served, captured):
+    """structured_outputs beside a text response_format: the refusal names structured_outputs, which constrains."""
+    body = {"model": served.model, "prompt": PROMPT, "n": 2, "max_tokens": 4, **BEAM,
+            "response_format": {"type": "text"}, "structured_outputs": {"regex": "a+"}}  # fmt: skip
+    error = refused(served.post("completions", body), "structured_outputs")
+    assert "use_beam_search" in error["message"] and not captured
+
+
 @pytest.mark.parametrize(("path", "body", "field"), [
     ("chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 2, **BEAM}, "top_logprobs"),
     ("completions", {"prompt": PROMPT, "echo": True, "logprobs": 0, **BEAM}, "logprobs"),
