@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from paged_kv.errors import InvalidArgumentError, check_bool, check_int, describe
 from scheduler.core.outputs import CompletionOutput
-from scheduler.core.params import MAX_SAMPLES, SamplingParams
+from scheduler.core.params import MAX_LOGPROBS, MAX_SAMPLES, SamplingParams
 from scheduler.core.scheduler import Scheduler
 from scheduler.core.scheduler_output import SampledToken
 from scheduler.core.sequence import Sequence, SequenceGroup
@@ -51,10 +51,12 @@ class BeamSearchParams:
     include_stop_str_in_output: bool = False  # a hypothesis' text keeps its stop token's text (vLLM's)
     skip_special_tokens: bool = True  # special tokens left out of a hypothesis' text
     cache_salt: str | None = None  # prefix-cache isolation, as SamplingParams.cache_salt
+    logprobs: int = 0  # top log-probabilities kept per output token (of the beam's distribution at that token)
 
     def __post_init__(self) -> None:
         check_int("width", self.width, low=1, high=MAX_SAMPLES)
         check_int("max_tokens", self.max_tokens, low=1)
+        check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
         lp = self.length_penalty
         if isinstance(lp, bool) or not isinstance(lp, (int, float)) or not math.isfinite(lp):
             raise InvalidArgumentError(describe("length_penalty", lp, "a finite number"))
@@ -93,8 +95,11 @@ def stop_ids(params: BeamSearchParams, eos_token_ids: frozenset[int]) -> frozens
 
 def check_beam_fits(prompt_len: int, params: BeamSearchParams, eos_token_ids: frozenset[int],
                     model: ModelConfig) -> None:  # fmt: skip
-    """Refuse a search whose beams run past the model context, or whose K candidates exceed the vocabulary."""
+    """Refuse a search whose beams run past the model context, or whose K candidates or top log-probabilities
+    exceed the vocabulary."""
     check_within_context(prompt_len, params.max_tokens, model)  # every beam runs to max_tokens
+    if params.logprobs > model.vocab_size:
+        raise InvalidArgumentError(describe("logprobs", params.logprobs, f"at most vocab_size={model.vocab_size}"))
     per_beam = candidates_per_beam(len(stop_ids(params, eos_token_ids)))
     if per_beam * params.width > model.vocab_size:
         raise InvalidArgumentError(describe("width", params.width, f"at most vocab_size / {per_beam}"))
@@ -110,6 +115,8 @@ class BeamHypothesis:
     score: float  # cumulative_logprob / len(token_ids) ** length_penalty
     finish_reason: str  # "stop" or "length"
     text: str | None = None  # the output as text, its stop token left out: LLM.beam_search fills it (no tokenizer here)
+    # per output token, with params.logprobs > 0: {token: logprob} of the top ones of its beam's distribution
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -171,37 +178,64 @@ class Candidates:
     tokens: list[int]
     scores: torch.Tensor  # [K] float32 cumulative log-probabilities, on the CPU
     logprobs: list[float]  # log-probability of each candidate's token alone
+    # per candidate, when asked for: {token: logprob} of the top ones of its parent beam's distribution
+    top_logprobs: list[dict[int, float] | None]
 
 
-def top_candidates(logits: torch.Tensor, scores: torch.Tensor, k: int) -> Candidates:
-    """The ``k`` best (beam, token) pairs of ``logits [B, V]`` given beam scores ``[B]``.
+def top_candidates(logits: torch.Tensor, scores: torch.Tensor, k: int, num_top: int = 0) -> Candidates:
+    """The ``k`` best (beam, token) pairs of ``logits [B, V]`` given beam scores ``[B]`` (and, ``num_top > 0``,
+    the top ``num_top`` log-probabilities of each one's parent beam).
 
     The scoring runs on the logits' device (``scores`` are moved there); the ``k`` winners
     come back to the host in one copy.
     """
-    return top_candidates_batch([(logits, scores, k)])[0]
+    return top_candidates_batch([(logits, scores, k)], [num_top])[0]
 
 
-def top_candidates_batch(requests: Seq[tuple[torch.Tensor, torch.Tensor, int]]) -> list[Candidates]:
-    """``top_candidates`` of several requests' ``(logits, scores, k)``, with one host->device copy of every
-    request's scores and one device->host copy of every request's winners."""
+def top_candidates_batch(requests: Seq[tuple[torch.Tensor, torch.Tensor, int]],
+                         num_top: Seq[int] | None = None) -> list[Candidates]:  # fmt: skip
+    """``top_candidates`` of several requests' ``(logits, scores, k)`` (each with ``num_top[i]`` top
+    log-probabilities per candidate; None: none), with one host->device copy of every request's scores and one
+    device->host copy of every request's winners and their top log-probabilities."""
     if not requests:
         return []
+    num_top = list(num_top or [0] * len(requests))
+    width = min(max(num_top), requests[0][0].shape[-1])  # T: top entries computed per candidate, 0 if none asked
     winners = []
     for (logits, _, k), scores in zip(requests, _upload([s for _, s, _ in requests], requests[0][0].device)):
-        logprobs = torch.log_softmax(logits.float(), dim=-1)  # [B, V] float32
-        totals = logprobs + scores.to(logprobs.device)[:, None]  # [B, V] (a no-op move: same device)
-        top, flat = totals.flatten().topk(k)  # [K], [K]
-        # float64 holds the flat indices (< 2**53) and the float32 values exactly
-        winners.append(torch.stack([flat.double(), top.double(), logprobs.flatten()[flat].double()]))  # [3, K]
-    host = torch.cat(winners, dim=1).cpu()  # [3, sum of K]: the one transfer
+        winners.append(_winners(logits, scores, k, width))  # [3 + 2T, K]
+    host = torch.cat(winners, dim=1).cpu()  # [3 + 2T, sum of K]: the one transfer
     out, start = [], 0
-    for logits, _, k in requests:
+    for (logits, _, k), want in zip(requests, num_top):
         vocab, part = logits.shape[-1], host[:, start : start + k]
         ids = part[0].long().tolist()
-        out.append(Candidates([i // vocab for i in ids], [i % vocab for i in ids], part[1].float(), part[2].tolist()))
+        tops = _tops(part[3 : 3 + width], part[3 + width :], want) if want else [None] * k
+        out.append(Candidates([i // vocab for i in ids], [i % vocab for i in ids], part[1].float(), part[2].tolist(),
+                              tops))  # fmt: skip
         start += k
     return out
+
+
+def _winners(logits: torch.Tensor, scores: torch.Tensor, k: int, width: int) -> torch.Tensor:
+    """On the logits' device, ``[3 + 2 * width, k]`` float64 rows: the ``k`` winners' flat indices, cumulative and
+    own log-probabilities, then the ids and the values of the top ``width`` of each one's parent beam."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [B, V] float32
+    totals = logprobs + scores.to(logprobs.device)[:, None]  # [B, V] (a no-op move: same device)
+    top, flat = totals.flatten().topk(k)  # [K], [K]
+    # float64 holds the flat indices (< 2**53), the token ids and the float32 values exactly
+    rows = [flat.double()[None], top.double()[None], logprobs.flatten()[flat].double()[None]]  # [1, K] each
+    if width:
+        values, ids = logprobs.topk(width, dim=-1)  # [B, T], [B, T]
+        parents = flat // logits.shape[-1]  # [K]
+        rows += [ids[parents].double().T, values[parents].double().T]  # [T, K] each
+    return torch.cat(rows)
+
+
+def _tops(ids: torch.Tensor, values: torch.Tensor, want: int) -> list[dict[int, float]]:
+    """Per candidate (a column of ``ids [T, K]`` / ``values [T, K]``, host tensors), its first ``want`` top
+    entries as ``{token: logprob}``."""
+    ids, values = ids[:want].long().T.tolist(), values[:want].T.tolist()
+    return [dict(zip(i, v)) for i, v in zip(ids, values)]
 
 
 def _upload(scores: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
@@ -218,7 +252,9 @@ def candidates_of(requests: list[BeamRequest]) -> list[tuple[BeamRequest, Candid
     it raises (each request's logits are dropped only after)."""
     if not requests:
         return []
-    found = top_candidates_batch([(r.logits(), r.scores, r.num_candidates) for r in requests])
+    num_top = [r.params.logprobs for r in requests]
+    found = top_candidates_batch([(r.logits(), r.scores, r.num_candidates) for r in requests],
+                                 num_top if any(num_top) else None)  # fmt: skip
     for r in requests:
         r.ready.clear()
     return list(zip(requests, found))
@@ -258,12 +294,14 @@ class BeamRequest:
     def outputs(self) -> list[CompletionOutput]:
         """The hypotheses best first, then (a search cut short) its live beams best first; ``width`` at most,
         each indexed by its rank."""
-        hyps = [(h.token_ids, h.logprobs, h.cumulative_logprob, h.finish_reason) for h in self.finished]
-        live = [(s.output_token_ids, s.logprobs, s.cumulative_logprob, s.finish_reason) for s in self.beams]
+        hyps = [(h.token_ids, h.logprobs, h.top_logprobs, h.cumulative_logprob, h.finish_reason)
+                for h in self.finished]  # fmt: skip
+        live = [(s.output_token_ids, s.logprobs, s.top_logprobs, s.cumulative_logprob, s.finish_reason)
+                for s in self.beams]  # fmt: skip
         return [
             CompletionOutput(index=i, token_ids=list(ids), finish_reason=reason, cumulative_logprob=cum,
-                             logprobs=list(lps), top_logprobs=[], ranks=[None] * len(ids))  # fmt: skip
-            for i, (ids, lps, cum, reason) in enumerate((hyps + live)[: self.params.width])
+                             logprobs=list(lps), top_logprobs=list(tops), ranks=[None] * len(ids))  # fmt: skip
+            for i, (ids, lps, tops, cum, reason) in enumerate((hyps + live)[: self.params.width])
         ]
 
     # -- one selection round ------------------------------------------------
@@ -290,11 +328,12 @@ class BeamRequest:
         new = []
         for r in range(min(p.width, len(ends))):
             if ends[r]:
-                parent, token = self.beams[cands.parents[r]], cands.tokens[r]
+                parent, token, top = self.beams[cands.parents[r]], cands.tokens[r], cands.top_logprobs[r]
                 new.append(BeamHypothesis(
                     token_ids=parent.output_token_ids + [token], logprobs=parent.logprobs + [cands.logprobs[r]],
                     cumulative_logprob=float(cands.scores[r]), score=penalized[r],
                     finish_reason="stop" if token in self.eos else "length",
+                    top_logprobs=parent.top_logprobs + ([top] if top is not None else []),
                 ))  # fmt: skip
         self.finished = sorted(self.finished + new, key=lambda h: -h.score)[: p.width]
 
@@ -312,7 +351,8 @@ class BeamRequest:
             seqs = [parent] + [scheduler.fork(self.group, parent) for _ in ranks[1:]]  # forked before parent grows
             chosen.update(zip(ranks, seqs))
         self.beams = [chosen[r] for r in keep]
-        return [SampledToken(self.group, chosen[r], cands.tokens[r], cands.logprobs[r]) for r in keep]
+        return [SampledToken(self.group, chosen[r], cands.tokens[r], cands.logprobs[r], cands.top_logprobs[r])
+                for r in keep]  # fmt: skip
 
     def finish(self, scheduler: Scheduler) -> None:
         """End the search: free every live beam now (the group is retired with the step)."""

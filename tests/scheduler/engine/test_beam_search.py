@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 from beam_helpers import NEW, WIDTH, assert_same_beams, hf_beams
-from sched_helpers import VOCAB, assert_all_freed, make_engine
+from sched_helpers import VOCAB, assert_all_freed, make_engine, tiny_llama
 from torch.overrides import TorchFunctionMode
 
 import scheduler.engine.beam_search as beam_search
@@ -396,9 +396,96 @@ def test_one_candidate_selection_per_step_for_all_requests(tiny_hf, beam_prompts
     """Every step selects the candidates of all its ready requests together (one device->host copy per step)."""
     calls = []
     batch = beam_selection.top_candidates_batch
-    monkeypatch.setattr(beam_selection, "top_candidates_batch", lambda reqs: calls.append(len(reqs)) or batch(reqs))
+    counted = lambda reqs, *top: calls.append(len(reqs)) or batch(reqs, *top)  # noqa: E731
+    monkeypatch.setattr(beam_selection, "top_candidates_batch", counted)
     outs = BeamSearch(make_engine(tiny_hf)).generate(beam_prompts, BeamSearchParams(width=WIDTH, max_tokens=NEW))
     assert calls[0] == len(beam_prompts)  # the first selection of every request, in one call
     assert len(calls) == max(o.num_steps for o in outs) and sum(calls) == sum(o.num_steps for o in outs)
     for prompt, out in zip(beam_prompts, outs):
         assert_same_beams(out, *hf_beams(tiny_hf, prompt))
+
+
+TOP = 5
+
+
+def _hf_top(hf_model, prompt, output, k):
+    """``{token: logprob}`` of the ``k`` most likely tokens at each output position of ``prompt + output``
+    (log_softmax of transformers' float32 logits)."""
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1 : -1]  # [N, V]
+    values, ids = torch.log_softmax(logits.float(), -1).topk(k, dim=-1)  # [N, k]
+    return [dict(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+
+
+def _assert_tops_match(hf_model, prompt, token_ids, logprobs, tops, k):
+    """Each position's top-k are transformers' for that prefix, and hold the chosen token's own logprob when in it."""
+    ref = _hf_top(hf_model, prompt, token_ids, k)
+    assert len(tops) == len(token_ids) and all(len(t) == k for t in tops)
+    for top, want, token, lp in zip(tops, ref, token_ids, logprobs):
+        assert list(top) == list(want)
+        assert list(top.values()) == pytest.approx(list(want.values()), abs=1e-5)
+        if token in top:
+            assert top[token] == pytest.approx(lp, abs=1e-6)
+
+
+def test_hypotheses_carry_top_logprobs_of_their_own_prefix(tiny_hf, beam_prompts):
+    """With logprobs=k every hypothesis token has the k most likely tokens (and their logprobs) of its own prefix
+    under the model, through every fork; the beams themselves are unchanged."""
+    engine = make_engine(tiny_hf)
+    params = BeamSearchParams(width=WIDTH, max_tokens=NEW, logprobs=TOP)
+    outs = BeamSearch(engine).generate(beam_prompts, params)
+    plain = BeamSearch(make_engine(tiny_hf)).generate(beam_prompts, BeamSearchParams(width=WIDTH, max_tokens=NEW))
+    chosen_in_top = 0
+    for prompt, out, ref in zip(beam_prompts, outs, plain):
+        same = [(h.token_ids, h.logprobs) for h in ref.hypotheses]
+        assert [(h.token_ids, h.logprobs) for h in out.hypotheses] == same
+        for h in out.hypotheses:
+            _assert_tops_match(tiny_hf, prompt, h.token_ids, h.logprobs, h.top_logprobs, TOP)
+            chosen_in_top += sum(t in top for t, top in zip(h.token_ids, h.top_logprobs))
+        assert all(h.top_logprobs == [] for h in ref.hypotheses)  # k=0: none
+    assert chosen_in_top > 0
+    assert_all_freed(engine)
+
+
+def test_engine_outputs_carry_the_hypotheses_top_logprobs(tiny_hf, beam_prompts):
+    """The engine's RequestOutput of a beam search has each hypothesis' top log-probabilities per token."""
+    engine = make_engine(tiny_hf)
+    params = BeamSearchParams(width=2, max_tokens=6, logprobs=3)
+    engine.add_beam_search("b", beam_prompts[1], params)
+    final = None
+    while engine.has_unfinished_requests():
+        final = next((o for o in engine.step() if o.finished), final)
+    hyps = BeamSearch(make_engine(tiny_hf)).generate([beam_prompts[1]], params)[0].hypotheses
+    assert [(c.token_ids, c.top_logprobs) for c in final.outputs] == [(h.token_ids, h.top_logprobs) for h in hyps]
+    for c in final.outputs:
+        _assert_tops_match(tiny_hf, beam_prompts[1], c.token_ids, c.logprobs, c.top_logprobs, 3)
+
+
+def test_logprobs_is_validated():
+    """logprobs out of [0, MAX_LOGPROBS] or past the vocabulary: a typed error naming it, nothing queued."""
+    for bad in (-1, 65, True, 1.5):
+        with pytest.raises(PagedKVError, match="logprobs"):
+            BeamSearchParams(logprobs=bad)
+    engine = make_engine(tiny_llama(vocab_size=32))
+    with pytest.raises(InvalidArgumentError, match="logprobs=33"):
+        BeamSearch(engine).generate([[1, 2]], BeamSearchParams(width=2, max_tokens=2, logprobs=33))
+    assert not engine.has_unfinished_requests()
+    assert BeamSearch(engine).generate([[1, 2]], BeamSearchParams(width=2, max_tokens=2, logprobs=32))[0].hypotheses
+
+
+def test_top_candidates_carry_their_parent_beams_top_logprobs_in_the_same_copy():
+    """With num_top > 0 each candidate has the top log-probabilities of its parent beam's row, and the winners and
+    those come back in one device->host copy; the copy stays one across requests asking for different k."""
+    g = torch.Generator().manual_seed(5)
+    logits, scores = torch.randn(3, VOCAB, generator=g), torch.tensor([0.0, -1.0, -2.5])
+    cands = beam_search.top_candidates(logits, scores, 8, num_top=4)
+    values, ids = torch.log_softmax(logits, -1).topk(4, dim=-1)
+    for parent, top in zip(cands.parents, cands.top_logprobs):
+        assert list(top) == ids[parent].tolist()
+        assert list(top.values()) == pytest.approx(values[parent].tolist(), abs=1e-6)
+    assert beam_search.top_candidates(logits, scores, 8).top_logprobs == [None] * 8
+    metas = [torch.randn(b, VOCAB, device="meta") for b in (1, 3)]
+    with _MetaAsDevice() as device:
+        found = beam_search.top_candidates_batch([(lg, torch.zeros(lg.shape[0]), 4) for lg in metas], [0, 3])
+    assert (device.uploads, device.copies) == (1, 1)
+    assert found[0].top_logprobs == [None] * 4 and all(isinstance(t, dict) for t in found[1].top_logprobs)
