@@ -162,7 +162,8 @@ class Frontend:
         vocab = engine.model.config.vocab_size
         if body.use_beam_search:
             eos = engine.scheduler.eos_token_ids
-            return beam_search_params(body, max_tokens=max_tokens, eos_token_ids=eos, vocab_size=vocab)
+            return beam_search_params(body, max_tokens=max_tokens, logprobs=logprobs or 0, eos_token_ids=eos,
+                                      vocab_size=vocab)  # fmt: skip
         return sampling_params(body, max_tokens=max_tokens, logprobs=logprobs or 0, vocab_size=vocab,
                                constraints=constraints)  # fmt: skip
 

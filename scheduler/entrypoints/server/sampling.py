@@ -7,11 +7,12 @@ penalties, ``logit_bias``, ...) is honoured by the server with no edit here.
 
 ``use_beam_search`` (vLLM's) gives the engine a :class:`BeamSearchParams` instead: width ``n``,
 ``max_tokens``, ``length_penalty``, ``stop_token_ids``, ``ignore_eos``,
-``include_stop_str_in_output``, ``skip_special_tokens`` and ``cache_salt``; ``temperature`` is
-ignored (the beams are ranked by raw log-probabilities). A field that would not apply to the
-beams (sampling filters, penalties, stop strings, top log-probabilities, constraints) is refused
-unless neutral (``BEAM_NEUTRAL``); the chosen tokens' own log-probabilities (completions'
-``logprobs: 0``, chat's ``logprobs`` with ``top_logprobs: 0``) are served.
+``include_stop_str_in_output``, ``skip_special_tokens``, ``cache_salt`` and the top
+log-probabilities (completions' ``logprobs: k``, chat's ``logprobs`` with ``top_logprobs: k``, up
+to ``--max-logprobs``: each token's chosen log-probability and the ``k`` most likely of its beam's
+distribution, rendered as a sampled request's); ``temperature`` is ignored (the beams are ranked
+by raw log-probabilities). A field that would not apply to the beams (sampling filters, penalties,
+stop strings, constraints, an echo's prompt logprobs) is refused unless neutral (``BEAM_NEUTRAL``).
 """
 
 from __future__ import annotations
@@ -138,9 +139,6 @@ def check_beam_search(body: SamplingFields, constraints: dict[str, object]) -> N
             _beam_refuses(name, getattr(body, name), " or ".join(map(repr, neutral)))
     if body.best_of not in (None, body.n):
         _beam_refuses("best_of", body.best_of, f"null or n={body.n} (n is the beam width)")
-    name = "logprobs" if isinstance(body, CompletionRequest) else "top_logprobs"
-    if getattr(body, name):  # only the chosen tokens' own log-probabilities are known
-        _beam_refuses(name, getattr(body, name), "null or 0" if name == "logprobs" else "0")
     if isinstance(body, CompletionRequest) and body.echo and body.logprobs is not None:
         _beam_refuses("logprobs", body.logprobs, "null with echo (the prompt is not scored)")
     if constraints:
@@ -152,15 +150,15 @@ def _beam_refuses(name: str, value: object, expected: str) -> None:
     raise FieldError(name, describe(name, value, f"{expected} with use_beam_search (it would not apply to the beams)"))
 
 
-def beam_search_params(body: SamplingFields, *, max_tokens: int, eos_token_ids: frozenset[int],
+def beam_search_params(body: SamplingFields, *, max_tokens: int, logprobs: int, eos_token_ids: frozenset[int],
                        vocab_size: int) -> BeamSearchParams:  # fmt: skip
-    """The engine's beam-search parameters of one prompt of ``body`` (width ``n``); FieldError naming ``n`` if its
-    candidates per step exceed the vocabulary."""
+    """The engine's beam-search parameters of one prompt of ``body`` (width ``n``, ``logprobs`` top ones per token);
+    FieldError naming ``n`` if its candidates per step exceed the vocabulary."""
     params = BeamSearchParams(
         width=body.n, max_tokens=max_tokens, length_penalty=body.length_penalty,
         stop_token_ids=tuple(body.stop_token_ids), ignore_eos=body.ignore_eos,
         include_stop_str_in_output=body.include_stop_str_in_output, skip_special_tokens=body.skip_special_tokens,
-        cache_salt=body.cache_salt,
+        cache_salt=body.cache_salt, logprobs=min(logprobs, vocab_size),  # as a sampled request: the vocabulary at most
     )  # fmt: skip
     per_beam = candidates_per_beam(len(stop_ids(params, eos_token_ids)))
     if per_beam * body.n > vocab_size:

@@ -103,10 +103,40 @@ def test_chosen_token_logprobs_and_echo(served, offline, client):
         assert all(t.top_logprobs == [] for t in choice.logprobs.content)
 
 
+def _offline_tops(offline, ids, k, **params):
+    """The offline search's hypotheses as (tokens, their logprobs, per token {token: logprob} of the top k), each
+    token named as return_tokens_as_token_ids names it (distinct tokens, distinct names)."""
+    (out,) = offline.beam_search(ids, BeamSearchParams(logprobs=k, **params))
+    text = lambda t: f"token_id:{t}"  # noqa: E731
+    tops = lambda h: [{text(t): v for t, v in top.items()} for top in h.top_logprobs]  # noqa: E731
+    return [([text(t) for t in h.token_ids], h.logprobs, tops(h)) for h in out.hypotheses]
+
+
+def test_top_logprobs_are_the_offline_searchs(served, offline, client):
+    """logprobs=k (completions) and top_logprobs=k (chat) give each token the k most likely tokens of its beam, as
+    the offline search's hypotheses have them; a completion's also holds the chosen token, as a sampled one's."""
+    extra = BEAM | {"ignore_eos": True, "return_tokens_as_token_ids": True}
+    ref = _offline_tops(offline, _prompt_ids(served), 3, width=2, max_tokens=5, ignore_eos=True)
+    r = client.completions.create(model=served.model, prompt=PROMPT, n=2, max_tokens=5, logprobs=3, extra_body=extra)
+    for choice, (texts, lps, tops) in zip(r.choices, ref, strict=True):
+        got = choice.logprobs
+        assert got.tokens == texts and got.token_logprobs == pytest.approx(lps, abs=1e-4)
+        for have, top, text, lp in zip(got.top_logprobs, tops, texts, lps, strict=True):
+            assert len(top) == 3 and have == pytest.approx(top | {text: lp}, abs=1e-4)
+    chat_ref = _offline_tops(offline, offline.chat_prompt(CHAT), 2, width=2, max_tokens=4, ignore_eos=True)
+    chat = client.chat.completions.create(model=served.model, messages=CHAT, n=2, max_tokens=4, logprobs=True,
+                                          top_logprobs=2, extra_body=extra)  # fmt: skip
+    for choice, (texts, _, tops) in zip(chat.choices, chat_ref, strict=True):
+        assert [t.token for t in choice.logprobs.content] == texts
+        for entry, top in zip(choice.logprobs.content, tops, strict=True):
+            assert {a.token: a.logprob for a in entry.top_logprobs} == pytest.approx(top, abs=1e-4)
+            assert len(entry.top_logprobs) == 2
+
+
 REFUSED = {
     "top_p": 0.5, "top_k": 5, "min_p": 0.1, "seed": 1, "presence_penalty": 0.5, "frequency_penalty": 0.5,
     "repetition_penalty": 1.2, "logit_bias": {"5": 1}, "stop": ["x"], "min_tokens": 2, "bad_words": ["x"],
-    "allowed_token_ids": [1, 2], "prompt_logprobs": 1, "best_of": 3, "logprobs": 2,
+    "allowed_token_ids": [1, 2], "prompt_logprobs": 1, "best_of": 3,
     "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a+"},
 }  # fmt: skip
 
@@ -128,13 +158,15 @@ def test_a_constraint_refused_names_the_field_that_set_it(served, captured):
 
 
 @pytest.mark.parametrize(("path", "body", "field"), [
-    ("chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 2, **BEAM}, "top_logprobs"),
+    ("chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21, **BEAM}, "top_logprobs"),
+    ("completions", {"prompt": PROMPT, "logprobs": 21, **BEAM}, "logprobs"),  # past --max-logprobs=20
     ("completions", {"prompt": PROMPT, "echo": True, "logprobs": 0, **BEAM}, "logprobs"),
     ("completions", {"prompt": PROMPT, "length_penalty": 0.5}, "length_penalty"),  # ranks beams only
     ("completions", {"prompt": PROMPT, "max_tokens": 10**6, **BEAM}, "max_tokens"),
 ])  # fmt: skip
 def test_other_refusals(served, captured, path, body, field):
-    """Top log-probabilities, an echo's logprobs, length_penalty without beams, a max_tokens past the context."""
+    """Top log-probabilities past --max-logprobs, an echo's logprobs, length_penalty without beams, a max_tokens
+    past the context."""
     refused(served.post(path, {"model": served.model, "max_tokens": 4} | body), field)
     assert not captured
 
