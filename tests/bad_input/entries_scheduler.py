@@ -218,7 +218,7 @@ def _rows() -> list[Entry]:
             "early_stopping": Arg("bool", False, bad={WRONG_TYPE: [1, "always", None]}),
             "stop_token_ids": Arg("ids", (5,), bad={WRONG_TYPE: ["12", 5, None]}), "ignore_eos": Arg("bool", False),
             "include_stop_str_in_output": Arg("bool", False), "skip_special_tokens": Arg("bool", True),
-            "cache_salt": Arg("opt_str", None)}),
+            "cache_salt": Arg("opt_str", None), "logprobs": Arg("int", 0, bad={OUT_OF_RANGE: [-1, 1000]})}),
         Entry("scheduler.LlamaModel", scheduler.LlamaModel, {"cfg": Arg("obj", lambda: tiny_model().config,
             bad={WRONG_TYPE: [None, {}, "x"], OUT_OF_RANGE: BAD_ROPE}),
             "shard": Arg("obj", None, bad={WRONG_TYPE: ["x", 3, (0, 2)]})},  # scalings the model cannot build
