@@ -9,7 +9,8 @@ Each step it fills a token budget and a sequence budget in this order:
    requeued (waiting for recompute, swapped for swap) in arrival order;
 2. swapped groups, FCFS, if nothing was preempted this step;
 3. waiting groups, FCFS with head-of-line blocking (no starvation), only when
-   nothing was preempted and nothing is swapped out, and only while the block
+   nothing was preempted and nothing is swapped out (under the priority policy: only
+   the waiting groups ahead of the swapped head, see below), and only while the block
    manager can allocate above its watermark; prefix-cache hits are skipped (not taken by a
    request that still owes prompt log-probabilities: its prompt positions must run).
    A group whose cached blocks are still being read from a lower tier (``Prefetcher``)
@@ -21,8 +22,13 @@ With ``scheduling_policy="priority"`` (vLLM's) every queue is kept in (priority,
 instead of arrival order (lower priority first: more important), running included: running groups are
 stepped in that order, so the group preempted for one that cannot grow is the running group with the
 largest (priority, arrival) not yet scheduled this step, or the group itself when it is the largest;
-swapped and waiting groups are resumed and admitted in that order, head-of-line blocking as above. A
-waiting group never preempts a running one (as in vLLM v1).
+swapped and waiting groups are resumed and admitted in that order, as one merged order over the two queues'
+heads: a waiting group more important (smaller (priority, arrival)) than the swapped head is admitted before it
+(no priority inversion behind less important swapped-out groups); on a tie the swapped group resumes first, so no
+swapped group is passed by an equal or less important one. Head-of-line blocking holds in the merged order: when
+its first group cannot start, nothing after it starts this step; when that first group is a waiting one that
+cannot start while nothing runs, it is refused as above. A waiting group never preempts a running one (as in
+vLLM v1).
 
 Invariant: for every active sequence of a running group the block manager holds exactly
 ``seq.num_computed`` tokens. Scheduling ``(start, n)`` records ``n`` more tokens and
@@ -282,12 +288,10 @@ class Scheduler:
         step = SchedulerOutput()
         self._schedule_running(step)
         if not step.preempted:
-            self._schedule_swapped(step)
-            if not self.swapped:
-                self._schedule_waiting(step)
+            self._schedule_queued(step)
         while not (step.scheduled or step.preempted or self.running) and self.has_unfinished():
             self._refuse_head(step)
-            self._schedule_waiting(step)
+            self._schedule_queued(step)
         step.table_changes = self.bm.take_table_changes()
         step.tier_ops = self.bm.take_tier_ops()
         return step
@@ -298,7 +302,7 @@ class Scheduler:
         The pool is as free as it gets (only cached and pinned blocks left), so the group was
         admitted against room that prefixes pinned since then hold. Any other stall is a bug.
         """
-        if self.swapped or not self.waiting:
+        if not self.waiting or not self._ahead_of_swapped(self.waiting[0]):
             queued = f"{len(self.waiting)} waiting, {len(self.swapped)} swapped"
             raise RuntimeError(f"scheduler stalled: {queued}, none runnable")
         group = self.waiting[0]
@@ -446,61 +450,91 @@ class Scheduler:
         self.num_preemptions["recompute"] += 1
 
     # -- swapped and waiting ----------------------------------------------
-    def _schedule_swapped(self, step: SchedulerOutput) -> None:
-        while self.swapped:
-            group = self.swapped[0]
-            ids = [seq.seq_id for seq in group.active()]
-            if not (self.bm.can_swap_in(ids) and self._fits_seqs(group)):  # shared blocks counted once
-                return
-            self.swapped.popleft()
-            step.swap_in += self.bm.swap_in(ids)
-            group.set_status(SequenceStatus.RUNNING)
-            self._admitted(group)
-            plan = self._plan_running(group, self._tokens_left(step), len(step.scheduled))
-            if plan and self._fits(plan):
-                self._commit(group, plan, step)
+    def _schedule_queued(self, step: SchedulerOutput) -> None:
+        """Swap in and admit in one merged order over the swapped and waiting heads; stop at the first that cannot.
 
-    def _schedule_waiting(self, step: SchedulerOutput) -> None:
-        """Admit waiting groups in order; one whose blocks are still being read keeps its place and is passed.
+        A waiting group goes first only when it is ahead of every swapped group (``_ahead_of_swapped``): never
+        under fcfs (swapped groups all resume first), under priority when its (priority, arrival) is smaller
+        than the swapped head's (ties resume the swapped group: none is passed by an equal or lesser one).
+        """
+        while self._schedule_waiting(step) and self.swapped and self._swap_in_head(step):
+            pass  # each pass: the waiting groups ahead of the swapped head, then that head
+
+    def _ahead_of_swapped(self, group: SequenceGroup) -> bool:
+        """Whether a waiting group may start before the swapped groups: none swapped, or, under the priority
+        policy, it is more important than the swapped head (the swapped queue is in (priority, arrival) order)."""
+        if not self.swapped:
+            return True
+        return self._by_priority and _priority_key(group) < _priority_key(self.swapped[0])
+
+    def _swap_in_head(self, step: SchedulerOutput) -> bool:
+        """Swap the first swapped group back in and schedule what fits of it; False if it does not fit."""
+        group = self.swapped[0]
+        ids = [seq.seq_id for seq in group.active()]
+        if not (self.bm.can_swap_in(ids) and self._fits_seqs(group)):  # shared blocks counted once
+            return False
+        self.swapped.popleft()
+        step.swap_in += self.bm.swap_in(ids)
+        group.set_status(SequenceStatus.RUNNING)
+        self._admitted(group)
+        plan = self._plan_running(group, self._tokens_left(step), len(step.scheduled))
+        if plan and self._fits(plan):
+            self._commit(group, plan, step)
+        return True
+
+    def _schedule_waiting(self, step: SchedulerOutput) -> bool:
+        """Admit the waiting groups ahead of the swapped ones in order; one whose blocks are still being read keeps
+        its place and is passed. Returns False if one of them could not start (head-of-line blocking).
 
         When nothing else would run this step, the first such group's read is waited for.
         """
-        reading = self._admit_waiting(step, wait=False)
+        reading, blocked = self._admit_waiting(step, wait=False)
         if reading and not (step.scheduled or self.running):
-            self._admit_waiting(step, wait=True)
+            reading, blocked = self._admit_waiting(step, wait=True)
+        return not blocked
 
-    def _admit_waiting(self, step: SchedulerOutput, *, wait: bool) -> bool:
-        """Admit waiting groups until one does not fit (``wait``: the first group's reads are waited for).
+    def _admit_waiting(self, step: SchedulerOutput, *, wait: bool) -> tuple[bool, bool]:
+        """Admit waiting groups ahead of the swapped ones until one does not fit (``wait``: the first group's reads
+        are waited for).
 
-        Returns whether a group was passed because its read has not landed.
+        Returns whether a group was passed because its read has not landed, and whether one could not start.
         """
         reading: list[SequenceGroup] = []
-        while self.waiting and self._fits_seqs(self.waiting[0]):
+        blocked = False
+        while self.waiting and self._ahead_of_swapped(self.waiting[0]):
             group = self.waiting[0]
+            if not self._fits_seqs(group):
+                blocked = True
+                break
             if not self._blocks_read(group, wait=wait):
                 reading.append(self.waiting.popleft())
                 continue
             wait = False
             plan = self._plan_prefill(group, step)
             if plan is None:
+                blocked = True
                 break
             self.waiting.popleft()
-            salt = group.params.cache_salt
-            for seq, cached, n in plan:
-                if group.reads_prefix_cache:
-                    ids = seq.token_ids[: cached + n]
-                    looked_up = seq.num_computed + _num_to_compute(group, seq)  # the whole prompt, once per admission
-                    start = self.bm.allocate(seq.seq_id, ids, cache_salt=salt, hashes=seq.block_hashes,
-                                             num_queried=looked_up, priority=group.priority)  # >= cached  # fmt: skip
-                else:  # anonymous tokens: no prefix-cache hit (prompt positions must be computed to be scored)
-                    start = self.bm.allocate(seq.seq_id, cached + n, cache_salt=salt, priority=group.priority)
-                if group.num_cached_tokens is None:  # its first admission: the first sequence's prefix-cache hit
-                    group.num_cached_tokens = start
-                self._scheduled(step, group, seq, start, cached + n - start)
-            group.set_status(SequenceStatus.RUNNING)
-            self._admitted(group)
+            self._start(group, plan, step)
         self.waiting.extendleft(reversed(reading))
-        return bool(reading)
+        return bool(reading), blocked
+
+    def _start(self, group: SequenceGroup, plan: list[tuple[Sequence, int, int]], step: SchedulerOutput) -> None:
+        """Allocate a waiting group's planned tokens (prefix-cache hits skipped), schedule them, and run it."""
+        salt = group.params.cache_salt
+        for seq, cached, n in plan:
+            if group.reads_prefix_cache:
+                ids = seq.token_ids[: cached + n]
+                looked_up = seq.num_computed + _num_to_compute(group, seq)  # the whole prompt, once per admission
+                start = self.bm.allocate(seq.seq_id, ids, cache_salt=salt, hashes=seq.block_hashes,
+                                         num_queried=looked_up, priority=group.priority)  # >= cached  # fmt: skip
+            else:  # anonymous tokens: no prefix-cache hit (prompt positions must be computed to be scored)
+                start = self.bm.allocate(seq.seq_id, cached + n, cache_salt=salt, priority=group.priority)
+            if group.num_cached_tokens is None:  # its first admission: the first sequence's prefix-cache hit
+                group.num_cached_tokens = start
+            self._scheduled(step, group, seq, start, cached + n - start)
+        group.set_status(SequenceStatus.RUNNING)
+        self._admitted(group)
 
     def _blocks_read(self, group: SequenceGroup, *, wait: bool) -> bool:
         """Whether a waiting group's blocks of a lower tier are in the host tier (reads of the others started)."""

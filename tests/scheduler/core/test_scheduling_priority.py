@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from sched_helpers import assert_all_freed, make_engine
@@ -147,5 +149,103 @@ def test_priority_never_preempts_a_request_while_a_less_important_one_runs(tiny_
     assert engine.scheduler.num_preemptions[mode] >= 2
     for victim, running in seen:
         assert all(key[r] < key[victim] for r in running), (victim, running)
+    assert done == {f"r{i}": _lone(tiny_hf, p, params[i]) for i, p in enumerate(prompts)}
+    assert_all_freed(engine)
+
+
+def _starts(engine) -> dict[tuple[str, str], tuple[int, bool]]:
+    """Record each queued group's first start: (("admit" or "swap_in", its id)) -> (its step's number, whether a group
+    was still swapped out after that step)."""
+    events, scheduler, steps = {}, engine.scheduler, itertools.count()
+    schedule = scheduler.schedule
+
+    def traced():
+        waiting, swapped, step = list(scheduler.waiting), list(scheduler.swapped), next(steps)
+        out = schedule()
+        for kind, queue in (("admit", waiting), ("swap_in", swapped)):
+            for g in queue:
+                if g in scheduler.running:
+                    events.setdefault((kind, g.request_id), (step, bool(scheduler.swapped)))
+        return out
+
+    scheduler.schedule = traced
+    return events
+
+
+@pytest.mark.parametrize(("priority", "first"), [(-1, True), (0, True), (1, False), (2, False)])
+def test_priority_admits_a_more_important_request_before_a_swapped_one(tiny_hf, priority, first):
+    """Swap mode: "lo" is swapped out for "mid"; a request more important than "lo" that arrives then starts before
+    "lo" is swapped back in (the pool cannot hold both yet); one as important or less waits for "lo" as under fcfs."""
+    engine = make_engine(tiny_hf, num_blocks=12, num_cpu_blocks=64, preemption_mode="swap",
+                         scheduling_policy="priority")  # fmt: skip
+    events = _starts(engine)
+    params = SamplingParams(max_tokens=16, temperature=0.8, seed=3, ignore_eos=True)
+    prompts = _prompts(3, 16, seed=7)
+    prompts[2] = prompts[2][:8]  # 2 blocks
+    lo = engine.add_request("lo", prompts[0], params, priority=1)
+    engine.add_request("mid", prompts[1], params, priority=0)
+    done = {}
+    while not engine.scheduler.swapped:  # both grow until "lo", the less important, is swapped out
+        done.update((o.request_id, [c.token_ids for c in o.outputs]) for o in engine.step())
+    engine.add_request("new", prompts[2], params, priority=priority)
+    done.update(_drain(engine))
+    swap_in, _ = events["swap_in", "lo"]
+    admit, lo_still_out = events["admit", "new"]
+    if first:  # and "lo", next in the merged order, stayed out that step: the pool could not hold both
+        assert admit < swap_in and lo_still_out, events
+    else:  # "lo" first, as under fcfs ("new" may follow in the same step)
+        assert swap_in <= admit, events
+    assert lo.num_preemptions >= 1
+    assert done == {rid: _lone(tiny_hf, p, params) for rid, p in zip(("lo", "mid", "new"), prompts)}
+    assert_all_freed(engine)
+
+
+def _check_merged_order(engine) -> list[int]:
+    """Check after each step that every queued group that started (admitted or swapped in) is more important than
+    every queued group left out; count the groups admitted while a group stayed swapped out."""
+    admitted_past_swapped, scheduler = [0], engine.scheduler
+    schedule = scheduler.schedule
+
+    def traced():
+        waiting, swapped = list(scheduler.waiting), list(scheduler.swapped)
+        out = schedule()
+        started = [_key(g) for g in waiting + swapped if g in scheduler.running]
+        left = [_key(g) for g in waiting + swapped if g in scheduler.waiting or g in scheduler.swapped]
+        assert not (started and left) or max(started) < min(left), (started, left)
+        if scheduler.swapped:
+            admitted_past_swapped[0] += sum(g in scheduler.running for g in waiting)
+        return out
+
+    scheduler.schedule = traced
+    return admitted_past_swapped
+
+
+def _key(group) -> tuple[int, float]:
+    return group.priority, group.arrival_time
+
+
+@pytest.mark.parametrize("seed", [1, 4, 5])
+def test_priority_swap_mode_mixed_workload_starts_queued_groups_in_merged_order(tiny_hf, seed):
+    """Seeded arrivals over the run, four priorities, n=2 groups, swap mode, a tight pool: no queued group is left
+    out while a less important one starts; every output equals its lone run; every block is freed."""
+    engine = make_engine(tiny_hf, num_blocks=24, num_cpu_blocks=128, preemption_mode="swap",
+                         scheduling_policy="priority", max_num_batched_tokens=32, max_num_seqs=6)  # fmt: skip
+    admitted_past_swapped = _check_merged_order(engine)
+    g = torch.Generator().manual_seed(seed)
+    num = 10
+    priorities = torch.randint(0, 4, (num,), generator=g).tolist()
+    arrive_at = sorted(torch.randint(0, 30, (num,), generator=g).tolist())
+    prompts = [torch.randint(0, 256, (int(length),), generator=g).tolist()
+               for length in torch.randint(6, 18, (num,), generator=g)]  # fmt: skip
+    params = [SamplingParams(max_tokens=14, temperature=0.9, top_k=50, seed=seed * 100 + i, n=1 + i % 3 // 2,
+                             ignore_eos=True) for i in range(num)]  # fmt: skip
+    done, step = {}, 0
+    while len(done) < num:
+        for i in (i for i in range(num) if arrive_at[i] == step):
+            engine.add_request(f"r{i}", prompts[i], params[i], priority=priorities[i])
+        done.update((o.request_id, [c.token_ids for c in o.outputs]) for o in engine.step() if o.finished)
+        step += 1
+    assert engine.scheduler.num_preemptions["swap"] >= 1
+    assert admitted_past_swapped[0] >= 1  # the case this checks happened
     assert done == {f"r{i}": _lone(tiny_hf, p, params[i]) for i, p in enumerate(prompts)}
     assert_all_freed(engine)
