@@ -249,3 +249,35 @@ def test_priority_swap_mode_mixed_workload_starts_queued_groups_in_merged_order(
     assert admitted_past_swapped[0] >= 1  # the case this checks happened
     assert done == {f"r{i}": _lone(tiny_hf, p, params[i]) for i, p in enumerate(prompts)}
     assert_all_freed(engine)
+
+
+def test_priority_refuses_a_waiting_request_ahead_of_a_swapped_one_that_can_never_start(tiny_hf):
+    """Swap mode: "lo" is swapped out for "mid"; "big", more important, waits for room, then a pin takes 5 of the
+    12 blocks and its 8 never fit: once nothing runs it fails alone (not a stall) and "lo" resumes."""
+    engine = make_engine(tiny_hf, num_blocks=12, num_cpu_blocks=64, preemption_mode="swap",
+                         scheduling_policy="priority")  # fmt: skip
+    system = _prompts(1, 20, seed=3)[0]  # 5 full blocks
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)
+    engine.add_request("mid", system + [1, 2, 3, 4], greedy, priority=0)  # its first 5 blocks are the system's
+    short = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.0)  # 6 blocks at most: fits beside the pin
+    engine.add_request("lo", [5, 6, 7, 8, 9, 10, 11, 12], short, priority=1)
+    outs = {}
+    for _ in range(40):
+        if engine.scheduler.swapped:
+            break
+        outs |= {o.request_id: o for o in engine.step()}
+    assert engine.scheduler.swapped, "lo was never swapped out"
+    engine.add_request("big", list(range(100, 130)), SamplingParams(max_tokens=2), priority=-1)  # 8 blocks
+    engine.pin_prefix(system)  # held by "mid": the pin holds at once
+    for _ in range(100):
+        if not engine.has_unfinished_requests():
+            break
+        outs |= {o.request_id: o for o in engine.step()}
+    assert not engine.has_unfinished_requests()
+    big, lo, mid = outs["big"], outs["lo"], outs["mid"]
+    assert big.outputs[0].finish_reason == "error" and "'big' can never be scheduled" in big.error
+    assert lo.error is None and mid.error is None
+    assert lo.outputs[0].token_ids == _lone(tiny_hf, [5, 6, 7, 8, 9, 10, 11, 12], short)[0]
+    assert mid.outputs[0].token_ids == _lone(tiny_hf, system + [1, 2, 3, 4], greedy)[0]
+    assert engine.block_manager.num_pinned_blocks == 5
+    engine.block_manager.check()
