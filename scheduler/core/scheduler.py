@@ -7,6 +7,10 @@ Each step it fills a token budget and a sequence budget in this order:
    when the pool cannot hold a group's new tokens it preempts the
    latest-admitted group not yet scheduled this step (or the group itself),
    requeued (waiting for recompute, swapped for swap) in arrival order;
+   in swap mode a group that must preempt itself while no other running group holds GPU blocks is
+   refused instead, its reason in ``refused``: the pool is as free as it gets (prefixes pinned after it
+   was queued hold the rest) and its tokens only grow, so it could never fit (swapped out, it would be
+   swapped back in and preempt itself, forever);
 2. swapped groups, FCFS, if nothing was preempted this step;
 3. waiting groups, FCFS with head-of-line blocking (no starvation), only when
    nothing was preempted and nothing is swapped out (under the priority policy: only
@@ -306,9 +310,12 @@ class Scheduler:
             queued = f"{len(self.waiting)} waiting, {len(self.swapped)} swapped"
             raise RuntimeError(f"scheduler stalled: {queued}, none runnable")
         group = self.waiting[0]
-        seq = group.seqs[0]
-        why = (f"request {group.request_id!r} can never be scheduled: its {seq.num_tokens} tokens do not fit in the "
-               f"{self.bm.config.num_blocks} KV blocks less the {self.bm.num_pinned_blocks} held by pinned prefixes")
+        self._refuse(group, step, f"its {group.seqs[0].num_tokens} tokens do not fit")
+
+    def _refuse(self, group: SequenceGroup, step: SchedulerOutput, what: str) -> None:
+        """Abort ``group`` alone (its blocks freed, reason "error"); why it can never run goes into ``refused``."""
+        why = (f"request {group.request_id!r} can never be scheduled: {what} in the {self.bm.config.num_blocks} "
+               f"KV blocks less the {self.bm.num_pinned_blocks} held by pinned prefixes")
         self.abort(group.request_id, reason="error")
         step.refused.append((group, why))
 
@@ -383,10 +390,22 @@ class Scheduler:
             # a group whose every sample was stopped (stop_samples) holds nothing until it is retired: never a victim
             victims = (g for g in reversed(pool) if g is not group and g not in scheduled and g.active())
             victim = next(victims, None)
+            if victim is None and self._never_grows(group):
+                self._refuse(group, step, f"its {max(s.num_tokens for s in group.active())} tokens cannot grow")
+                return False
             self._preempt(victim or group, step)
             if victim is None:
                 return False
         return True
+
+    def _never_grows(self, group: SequenceGroup) -> bool:
+        """In swap mode: whether ``group``, whose plan does not fit, is the only running group holding GPU blocks.
+
+        Then the pool is as free as it gets (only cached and pinned blocks besides its own) and its tokens only
+        grow, so its plan never fits: swapped out, it would be swapped back in and preempt itself forever.
+        """
+        alone = not any(g is not group and g.active() for g in self.running)
+        return self.config.preemption_mode == "swap" and alone
 
     def _fits(self, plan: list[tuple[Sequence, int]]) -> bool:
         """Whether the pool holds the blocks ``append`` will take for ``plan`` (new blocks and copy-on-write copies)."""

@@ -281,3 +281,47 @@ def test_priority_refuses_a_waiting_request_ahead_of_a_swapped_one_that_can_neve
     assert mid.outputs[0].token_ids == _lone(tiny_hf, system + [1, 2, 3, 4], greedy)[0]
     assert engine.block_manager.num_pinned_blocks == 5
     engine.block_manager.check()
+
+
+def _step_until(engine, done, bound: int) -> int:
+    """Step until ``done()`` or ``bound`` steps (a livelock fails the test instead of hanging it); steps taken."""
+    for steps in range(bound):
+        if done():
+            return steps
+        engine.step()
+    raise AssertionError(f"not done after {bound} steps")
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+@pytest.mark.parametrize("beside", [False, True])
+def test_swap_mode_refuses_a_request_a_later_pin_leaves_no_room_to_grow(tiny_hf, policy, beside):
+    """Swap mode: a pin taken after "grow" was queued leaves it 7 of the 12 blocks and it needs 8. Once no other
+    running request holds blocks (``beside``: "next" ran beside it and was swapped out for it) it fails alone with
+    its reason within a few steps, instead of swapping itself out and back in forever; "next" is served."""
+    engine = make_engine(tiny_hf, num_blocks=12, num_cpu_blocks=64, preemption_mode="swap", scheduling_policy=policy)
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)  # 32 tokens: 8 blocks
+    engine.add_request("grow", [5, 6, 7, 8, 9, 10, 11, 12], greedy)
+    engine.pin_prefix(_prompts(1, 20, seed=3)[0])  # 5 blocks, computed by a warm-up request, then held
+    short = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)
+    grow = engine.scheduler.requests["grow"]
+    if not beside:  # "next" arrives when the pool is full: it waits behind "grow", running alone
+        _step_until(engine, lambda: grow.seqs[0].num_tokens >= 25, bound=40)
+        assert not engine.scheduler.waiting and [g.request_id for g in engine.scheduler.running] == ["grow"]
+    engine.add_request("next", [20, 21, 22, 23, 24, 25], short)
+    seen = _preemptions(engine)
+    outs, steps = {}, 0
+    while engine.has_unfinished_requests():
+        assert steps < 40, f"livelock: {engine.scheduler.num_preemptions}"
+        outs |= {o.request_id: o for o in engine.step()}
+        steps += 1
+    failed = outs["grow"]
+    assert failed.outputs[0].finish_reason == "error"
+    assert "'grow' can never be scheduled" in failed.error and "less the 5 held by pinned prefixes" in failed.error
+    assert outs["next"].error is None
+    assert outs["next"].outputs[0].token_ids == _lone(tiny_hf, [20, 21, 22, 23, 24, 25], short)[0]
+    assert {victim for victim, _ in seen} <= {"next"}  # "grow" never swapped itself out
+    assert engine.scheduler.num_preemptions["swap"] == len(seen) <= 2 * beside
+    assert engine.block_manager.num_pinned_blocks == 5
+    assert engine.block_manager.gpu.num_used == 5  # every block freed but the pin's
+    engine.block_manager.check()
+
