@@ -325,3 +325,37 @@ def test_swap_mode_refuses_a_request_a_later_pin_leaves_no_room_to_grow(tiny_hf,
     assert engine.block_manager.gpu.num_used == 5  # every block freed but the pin's
     engine.block_manager.check()
 
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_swap_mode_still_swaps_out_a_request_that_preempts_itself_while_others_hold_blocks(tiny_hf, policy):
+    """A request that must preempt itself because others running hold the pool is swapped out (they will free it),
+    not refused: every request ends with its lone run's tokens."""
+    engine = make_engine(tiny_hf, num_blocks=30, num_cpu_blocks=128, preemption_mode="swap", scheduling_policy=policy,
+                         max_num_batched_tokens=32, max_num_seqs=8)  # fmt: skip
+    scheduler, selves, making_room = engine.scheduler, [], []
+    make_room, preempt = scheduler._make_room, scheduler._preempt
+
+    def traced_make_room(group, plan, step):
+        making_room.append(group)
+        try:
+            return make_room(group, plan, step)
+        finally:
+            making_room.pop()
+
+    def traced(group, step):
+        if making_room and group is making_room[-1]:  # a self-preemption: count the others holding blocks
+            selves.append(sum(1 for g in scheduler.running if g is not group and g.active()))
+        preempt(group, step)
+
+    scheduler._make_room = traced_make_room
+    scheduler._preempt = traced
+    prompts = _prompts(8, 14, seed=5)
+    params = [SamplingParams(max_tokens=18, temperature=0.9, top_k=50, seed=i, n=1 + i % 2, ignore_eos=True)
+              for i in range(8)]  # fmt: skip
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params[i], priority=[3, 0, 2, 1, 3, 0, 1, 2][i])
+    done = _drain(engine)
+    assert selves and all(selves)  # it preempted itself, others holding blocks
+    assert scheduler.num_preemptions["swap"] >= len(selves) and scheduler.num_preemptions["recompute"] == 0
+    assert done == {f"r{i}": _lone(tiny_hf, p, params[i]) for i, p in enumerate(prompts)}
+    assert_all_freed(engine)
