@@ -215,13 +215,11 @@ def wants_chunk(d: SampleDelta, with_logprobs: bool) -> bool:
     return bool(d.text or d.finish_reason or (with_logprobs and d.token_ids))
 
 
-def usage(results: list[TextRequestOutput], returned: list[list[TextCompletion]] | None = None, *,
-          generated: bool = True) -> dict:  # fmt: skip
+def usage(results: list[TextRequestOutput], returned: list[list[TextCompletion]], *, generated: bool = True) -> dict:
     """OpenAI's usage block: prompt tokens once per prompt (and their prefix-cache hits), the tokens of the samples
-    returned (``returned``, per result: with ``best_of > n`` the ``n`` kept, as vLLM counts them; default every
-    sample), none unless ``generated`` (an echo of the prompt alone)."""
+    returned (``returned``, per result: with ``best_of > n`` the ``n`` kept, as vLLM counts them), none unless
+    ``generated`` (an echo of the prompt alone)."""
     prompt = sum(len(r.prompt_token_ids) for r in results)
-    returned = returned if returned is not None else [r.outputs for r in results]
     completion = sum(len(c.token_ids) for kept in returned for c in kept) if generated else 0
     cached = sum(r.num_cached_tokens or 0 for r in results)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
