@@ -19,6 +19,7 @@ by the model's raw log-probabilities, as vLLM's V1 engine ranks them).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from functools import partial
 from typing import Annotated, Any, Literal
@@ -27,6 +28,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from pydantic_core import PydanticCustomError
 
 from scheduler.core.params import MAX_SAMPLES
+from scheduler.entrypoints.chat_rendering import ChatOptions
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
@@ -221,10 +223,8 @@ class ChatRendering(OpenAIModel):
         return [m.as_dict() for m in self.messages]
 
     def chat_options(self) -> dict[str, object]:
-        """The rendering options as ``LLM.chat_prompt`` takes them."""
-        names = ("add_generation_prompt", "continue_final_message", "add_special_tokens", "chat_template",
-                 "chat_template_kwargs")  # fmt: skip
-        return {name: getattr(self, name) for name in names}
+        """The rendering options (``ChatOptions``' fields) as ``LLM.chat_prompt`` takes them."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(ChatOptions)}
 
 
 class ChatCompletionRequest(SamplingFields, ChatRendering):
