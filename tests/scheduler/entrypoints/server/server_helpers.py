@@ -70,6 +70,15 @@ def wait_idle(served: Served, timeout: float = 20.0) -> None:
         time.sleep(0.01)
 
 
+def wait_aborted(served: Served, count: int, timeout: float = 20.0) -> None:
+    """Until the engine thread has recorded ``count`` aborts: it counts one (after its metrics) only once the
+    engine has let the request go, so an idle engine alone does not mean the abort is counted yet."""
+    deadline = time.monotonic() + timeout
+    while served.engine.num_aborted < count:
+        assert time.monotonic() < deadline, f"{served.engine.num_aborted} aborts recorded, {count} awaited"
+        time.sleep(0.01)
+
+
 def hold_steps(served: Served, monkeypatch, *, after_texts: int = 1, timeout: float = 30.0) -> None:
     """Hold the engine step after the one that released the ``after_texts``-th piece of text (a stream's chunk)
     until no request is in flight; once, the steps after it run freely.

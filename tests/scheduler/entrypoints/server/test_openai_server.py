@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_helpers import CHAT, hold_steps, refused, wait_idle
+from server_helpers import CHAT, hold_steps, refused, wait_aborted, wait_idle
 
 from scheduler.core.params import SamplingParams
 
@@ -149,6 +149,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(served, client, m
     assert served.llm.engine.block_manager.seq_ids()  # it holds blocks while it runs
     stream.close()
     wait_idle(served)
+    wait_aborted(served, before + 1)
     assert served.engine.num_aborted == before + 1  # aborted, not run to its 480 tokens
 
 
@@ -260,4 +261,5 @@ def test_a_client_that_gives_up_on_a_whole_response_aborts_it(served, monkeypatc
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(served.url + "/v1/completions", json=body, timeout=0.3)
     wait_idle(served)
+    wait_aborted(served, before + 1)
     assert served.engine.num_aborted == before + 1

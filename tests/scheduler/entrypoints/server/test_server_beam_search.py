@@ -10,7 +10,7 @@ from urllib.parse import urlparse
 
 import httpx
 import pytest
-from server_helpers import CHAT, hold_steps, refused, scrape, sse_events, wait_idle
+from server_helpers import CHAT, hold_steps, refused, scrape, sse_events, wait_aborted, wait_idle
 
 from scheduler.engine.beam_search import BeamSearchParams
 
@@ -219,6 +219,7 @@ def test_a_client_that_leaves_aborts_the_search_and_frees_every_beam(served, mon
                      b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))  # fmt: skip
         assert stepped.wait(30), "the search never reached the engine"
     wait_idle(served)
+    wait_aborted(served, aborted + 1)
     engine = served.llm.engine
     assert served.engine.num_aborted == aborted + 1 and not engine.beams
     assert engine.block_manager.gpu.num_used == 0 and engine.block_manager.stats().num_sequences == 0
