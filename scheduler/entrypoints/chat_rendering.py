@@ -4,7 +4,8 @@ As vLLM renders a chat: transformers' ``apply_chat_template`` writes the convers
 (``add_generation_prompt``, ``continue_final_message``, ``chat_template`` and the template's own
 variables, ``chat_template_kwargs``), then the tokenizer encodes that text, adding its special
 tokens (BOS) only with ``add_special_tokens``. The defaults give exactly the ids of
-``apply_chat_template(messages, add_generation_prompt=True)``.
+``apply_chat_template(messages, add_generation_prompt=True)``. ``tools`` (function definitions,
+OpenAI's ``{"type": "function", "function": {...}}`` objects) go to the template as its ``tools``.
 """
 
 from __future__ import annotations
@@ -66,14 +67,28 @@ def check_messages(messages: object) -> list[Mapping[str, object]]:
     return list(messages)
 
 
-def render_chat(tokenizer, messages: object, options: ChatOptions) -> list[int]:
-    """The token ids of ``messages`` rendered by the chat template as ``options`` say; a template that fails is
-    an InvalidArgumentError naming ``chat_template`` (the request's) or ``messages`` (the tokenizer's)."""
-    conversation = check_messages(messages)
+def check_tools(tools: object) -> list[Mapping[str, object]] | None:
+    """``tools`` as a list of mappings (None: no tools), else InvalidArgumentError naming ``tools``."""
+    if tools is None:
+        return None
+    if isinstance(tools, (str, bytes)) or not isinstance(tools, Sequence) or not tools:
+        raise InvalidArgumentError(describe("tools", tools, "None or a non-empty list of tool definitions"))
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, Mapping):
+            raise InvalidArgumentError(describe(f"tools[{i}]", tool, "a tool definition mapping"))
+    return list(tools)
+
+
+def render_chat(tokenizer, messages: object, options: ChatOptions, tools: object = None) -> list[int]:
+    """The token ids of ``messages`` (and ``tools``) rendered by the chat template as ``options`` say; a template
+    that fails is an InvalidArgumentError naming ``chat_template`` (the request's) or ``messages`` (the
+    tokenizer's)."""
+    conversation, tools = check_messages(messages), check_tools(tools)
     try:
         text = tokenizer.apply_chat_template(
-            conversation, chat_template=options.chat_template, add_generation_prompt=options.add_generation_prompt,
-            continue_final_message=options.continue_final_message, tokenize=False, **options.chat_template_kwargs,
+            conversation, tools=tools, chat_template=options.chat_template, tokenize=False,
+            add_generation_prompt=options.add_generation_prompt, continue_final_message=options.continue_final_message,
+            **options.chat_template_kwargs,
         )  # fmt: skip
     except Exception as e:  # jinja errors (syntax, raise_exception, missing keys), a final message not found
         name = "messages" if options.chat_template is None else "chat_template"

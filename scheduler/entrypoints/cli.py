@@ -9,7 +9,7 @@ import sys
 from paged_kv.errors import PagedKVError
 from scheduler.entrypoints.main_job import add_engine_options, checked_engine_config, engine_config
 from scheduler.entrypoints.pinned_prompt import pin_system_prompt, read_prompt
-from scheduler.entrypoints.server.config import DEFAULT_MAX_REQUEST_BYTES, ServerConfig
+from scheduler.entrypoints.server.config import DEFAULT_MAX_REQUEST_BYTES, TOOL_CALL_PARSERS, ServerConfig
 
 
 def serve_parser() -> argparse.ArgumentParser:
@@ -38,6 +38,12 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="render chats with a request's own chat_template (a Jinja template run on the server; "
                         "vLLM's flag); default off: such a request gets 400")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='serve tool_choice "auto" (the default when a request gives tools): the model answers '
+                        "freely and --tool-call-parser reads its tool calls (vLLM's flag); default off: such a "
+                        "request gets 400")
+    p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                   help="how \"auto\" reads tool calls out of the text: hermes, <tool_call>{...}</tool_call> tags")
     p.add_argument("--pin-prompt", default=None, metavar="FILE",
                    help="a system prompt (UTF-8 text file) kept on the device from start-up to shutdown: the "
                         "prefix every chat request with that system message starts with is never evicted")
@@ -51,6 +57,8 @@ def serve_args(argv: list[str]) -> argparse.Namespace:
     parser = serve_parser()
     args = parser.parse_args(argv)
     checked_engine_config(parser, args)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        parser.error("--enable-auto-tool-choice requires --tool-call-parser")
     try:
         args.pin_prompt_text = read_prompt(args.pin_prompt) if args.pin_prompt is not None else None
     except PagedKVError as e:
@@ -106,6 +114,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         max_logprobs=args.max_logprobs, api_keys=tuple(args.api_key or ()), max_request_bytes=args.max_request_bytes,
         log_requests=not args.disable_log_requests, enable_dev_endpoints=args.enable_dev_endpoints,
         trust_request_chat_template=args.trust_request_chat_template,
+        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
     )  # fmt: skip
 
 

@@ -60,16 +60,17 @@ class LLM:
     def chat_prompt(
         self, messages: Messages, *, add_generation_prompt: bool = True, continue_final_message: bool = False,
         chat_template: str | None = None, chat_template_kwargs: Mapping[str, object] | None = None,
-        add_special_tokens: bool = False,
+        add_special_tokens: bool = False, tools: Sequence[Mapping[str, object]] | None = None,
     ) -> list[int]:  # fmt: skip
         """Token ids of a conversation rendered by the chat template (vLLM's options: ``chat_rendering.ChatOptions``;
-        the defaults: ready for the answer, no BOS added to the rendered text)."""
+        the defaults: ready for the answer, no BOS added to the rendered text), with ``tools`` given to the
+        template as its function definitions."""
         options = ChatOptions(
             add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
             chat_template=chat_template, add_special_tokens=add_special_tokens,
             chat_template_kwargs={} if chat_template_kwargs is None else chat_template_kwargs,
         )  # fmt: skip
-        return render_chat(self.tokenizer, messages, options)
+        return render_chat(self.tokenizer, messages, options, tools)
 
     def generate(
         self, prompts: Prompt | Sequence[Prompt], sampling_params: Params = None, *, use_tqdm: bool = False,
@@ -128,15 +129,17 @@ class LLM:
         self, messages: Messages | Sequence[Messages], sampling_params: Params = None, *, use_tqdm: bool = False,
         add_generation_prompt: bool = True, continue_final_message: bool = False, chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, object] | None = None, add_special_tokens: bool = False,
+        tools: Sequence[Mapping[str, object]] | None = None,
     ) -> list[TextRequestOutput]:  # fmt: skip
         """Answer one conversation (a list of messages) or several; outputs in order, with ``.text``.
 
-        Each conversation is rendered as :meth:`chat_prompt` renders it with the same options (vLLM's
-        ``LLM.chat``); every one is checked before any is queued.
+        Each conversation is rendered as :meth:`chat_prompt` renders it with the same options and ``tools``
+        (vLLM's ``LLM.chat``: the tools are only rendered, no call is parsed out of the text); every one is
+        checked before any is queued.
         """
         options = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
                    "chat_template": chat_template, "chat_template_kwargs": chat_template_kwargs,
-                   "add_special_tokens": add_special_tokens}  # fmt: skip
+                   "add_special_tokens": add_special_tokens, "tools": tools}  # fmt: skip
         check_bool("use_tqdm", use_tqdm)
         if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
             raise InvalidArgumentError(describe("messages", messages, "a non-empty list of messages or of chats"))

@@ -174,8 +174,8 @@ async def _stream(ctx: ResponseContext, body: SamplingFields, first: Event, even
                     echoed.add((ev.key, d.index))
                     yield sse(ctx.echo_chunk(ev.key, d.index, prompts[ev.key], ev.prompt_logprobs, usage))
                 ctx.tally(ev.key, d)
-                if wants_chunk(d, ctx.logprobs is not None):
-                    yield sse(ctx.chunk(ev.key, d, usage))
+                if wants_chunk(d, ctx.logprobs is not None) and (chunk := ctx.chunk(ev.key, d, usage)) is not None:
+                    yield sse(chunk)
             ev = await anext(events, None)
         else:
             if usage:

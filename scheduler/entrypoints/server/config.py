@@ -8,6 +8,7 @@ from paged_kv.errors import InvalidArgumentError, check_bool, check_int, describ
 from scheduler.core.params import MAX_LOGPROBS
 
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # a request body past this gets 413 before it is parsed
+TOOL_CALL_PARSERS = ("hermes",)  # the readers of tool calls in a model's text (``hermes_parser``)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -23,6 +24,8 @@ class ServerConfig:
     log_requests: bool = True  # log every request's id, sizes and sampling parameters
     enable_dev_endpoints: bool = False  # serve vLLM's dev-mode endpoints (POST /reset_prefix_cache); off: 404
     trust_request_chat_template: bool = False  # render with a request's own chat_template; off: a 400 naming it
+    enable_auto_tool_choice: bool = False  # serve tool_choice "auto" (needs tool_call_parser); off: a 400 naming it
+    tool_call_parser: str | None = None  # how "auto" reads tool calls out of the text: one of TOOL_CALL_PARSERS
 
     def __post_init__(self) -> None:
         for field in ("served_model_names", "api_keys"):
@@ -37,3 +40,10 @@ class ServerConfig:
         check_bool("log_requests", self.log_requests)
         check_bool("enable_dev_endpoints", self.enable_dev_endpoints)
         check_bool("trust_request_chat_template", self.trust_request_chat_template)
+        check_bool("enable_auto_tool_choice", self.enable_auto_tool_choice)
+        if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+            expected = f"None or one of {TOOL_CALL_PARSERS}"
+            raise InvalidArgumentError(describe("tool_call_parser", self.tool_call_parser, expected))
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            expected = "False without a tool_call_parser (--enable-auto-tool-choice requires --tool-call-parser)"
+            raise InvalidArgumentError(describe("enable_auto_tool_choice", True, expected))

@@ -29,7 +29,7 @@ from scheduler.entrypoints.llm import LLM
 from scheduler.entrypoints.server.async_engine import AsyncEngine
 from scheduler.entrypoints.server.config import ServerConfig
 from scheduler.entrypoints.server.errors import ModelNotFound, Unauthorized
-from scheduler.entrypoints.server.protocol import ChatRendering, SamplingFields
+from scheduler.entrypoints.server.protocol import ChatCompletionRequest, ChatRendering, SamplingFields
 from scheduler.entrypoints.server.sampling import (
     FieldError,
     beam_search_params,
@@ -39,6 +39,7 @@ from scheduler.entrypoints.server.sampling import (
     structured_outputs,
 )
 from scheduler.entrypoints.server.serving import ResponseContext
+from scheduler.entrypoints.server.tool_calls import ToolOutput, check_tools, tool_constraint, tool_output
 
 log = logging.getLogger("paged_kv.server")
 Prompts = list[tuple[list[int], str | None]]  # each prompt's token ids and its text (None: given as ids)
@@ -104,7 +105,7 @@ class Frontend:
         if body.chat_template is not None and not self.config.trust_request_chat_template:
             expected = "no chat_template: this server runs without --trust-request-chat-template"
             raise FieldError("chat_template", describe("chat_template", "a template", expected))
-        return self.llm.chat_prompt(body.message_dicts(), **body.chat_options())
+        return self.llm.chat_prompt(body.message_dicts(), **body.chat_options(), tools=body.tool_dicts())
 
     def check_in_vocab(self, name: str, token_ids: Iterable[int]) -> None:
         """FieldError naming ``name`` for the largest of ``token_ids`` if it is out of the model's vocabulary."""
@@ -113,12 +114,24 @@ class Frontend:
         if top >= vocab:
             raise FieldError(name, describe(name, f"token id {top}", f"token ids in [0, {vocab})"))
 
-    def _compile(self, body: SamplingFields, spec: StructuredOutputsParams) -> None:
-        """Compile a request's grammar into the engine's cache; FieldError naming the field that asked for it."""
+    def _compile(self, param: str, spec: StructuredOutputsParams) -> None:
+        """Compile a request's grammar into the engine's cache; FieldError naming ``param``, the field that asked."""
         try:
             self.llm.engine.check_structured_outputs(spec)
         except InvalidArgumentError as e:
-            raise FieldError("response_format" if body.response_format else "structured_outputs", str(e)) from None
+            raise FieldError(param, str(e)) from None
+
+    def _constraints(self, body: SamplingFields) -> tuple[dict[str, object], str, ToolOutput | None]:
+        """The request's output constraint, the field that asks for it, and how its tool calls are read (chat)."""
+        constraints = structured_outputs(body)
+        param = "response_format" if body.response_format else "structured_outputs"
+        if not isinstance(body, ChatCompletionRequest):
+            return constraints, param, None
+        check_tools(body, self.config.enable_auto_tool_choice, constraints)
+        if body.chosen_tool == "auto":  # as vLLM's hermes parser asks: a tool tag may be a special token
+            body.skip_special_tokens = False
+        tool = tool_constraint(body)
+        return (tool, "tools", tool_output(body)) if tool else (constraints, param, tool_output(body))
 
     async def prepare(self, body: SamplingFields, kind: str, encode: Callable[[], Prompts], num_prompts: int,
                       limit: tuple[str, int | None], logprobs: int | None
@@ -129,7 +142,7 @@ class Frontend:
         """
         model = self.model_name(body.model)
         check_request(body, self.config.max_logprobs)
-        constraints = structured_outputs(body)
+        constraints, param, tools = self._constraints(body)
         if body.use_beam_search:
             check_beam_search(body, constraints)
         if num_prompts > self.engine.max_in_flight:  # never admitted: a 400, not a 503 forever
@@ -137,7 +150,7 @@ class Frontend:
             raise FieldError("prompt", describe("prompt", f"{num_prompts} prompts", expected))
         loop = asyncio.get_running_loop()
         if constraints:  # compile off the event loop (cached: the engine thread finds it); a bad one is a 400 here
-            await loop.run_in_executor(self.tokenizer_pool, self._compile, body, constraints["structured_outputs"])
+            await loop.run_in_executor(self.tokenizer_pool, self._compile, param, constraints["structured_outputs"])
         encoded = await loop.run_in_executor(self.tokenizer_pool, encode)
         prompts = [self._truncate(body, ids, text) for ids, text in encoded]
         self.check_in_vocab("prompt", (i for ids, _ in prompts for i in ids))
@@ -148,7 +161,7 @@ class Frontend:
                               prompt_logprobs=body.prompt_logprobs,
                               echo_only=getattr(body, "echo", False) and body.max_tokens == 0,
                               continuous_usage=body.continuous_usage,
-                              prompt_tokens=[len(ids) for ids, _ in prompts])  # fmt: skip
+                              prompt_tokens=[len(ids) for ids, _ in prompts], tools=tools)  # fmt: skip
         if self.config.log_requests:
             user = body.user or getattr(body, "safety_identifier", None)
             log.info("request %s: model %s, user %r, prompt tokens %s, %s", ctx.id, model, user,

@@ -24,11 +24,13 @@ import json
 from functools import partial
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from scheduler.core.params import MAX_SAMPLES
 from scheduler.entrypoints.chat_rendering import ChatOptions
+from scheduler.entrypoints.server.openai_model import OpenAIModel
+from scheduler.entrypoints.server.tool_protocol import MessageToolCall, ToolChoice, Tools
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
@@ -46,17 +48,6 @@ def _only(accepted: tuple[object, ...], value: object) -> object:
 def Neutral(*accepted: object) -> object:  # noqa: N802 (a type, as pydantic's constrained types are)
     """A field this server does not implement, accepted only as null or one of ``accepted`` (else a 400 naming it)."""
     return Annotated[Json, AfterValidator(partial(_only, accepted))]
-
-
-class OpenAIModel(BaseModel):
-    """Strict types, unknown fields refused, no NaN or infinity; ``null`` means the field's default."""
-
-    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_default(cls, data: object) -> object:
-        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
 class StreamOptions(OpenAIModel):
@@ -188,18 +179,31 @@ class TextPart(OpenAIModel):
 class ChatMessage(OpenAIModel):
     """One message of a conversation."""
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None  # given to the chat template
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message's: the call it answers
     refusal: Neutral() = None
-    tool_calls: Neutral([]) = None
     function_call: Neutral() = None
     audio: Neutral() = None
 
-    def as_dict(self) -> dict[str, str]:
-        """The message as the chat template takes it (text parts joined)."""
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls belong to an assistant message, not a {self.role} one")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a tool message needs tool_call_id, and only a tool message has one")
+        return self
+
+    def as_dict(self) -> dict[str, object]:
+        """The message as the chat template takes it (text parts joined, tool calls' arguments decoded)."""
         content = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
-        message = {"role": self.role, "content": content or ""}
+        message: dict[str, object] = {"role": self.role, "content": content or ""}
+        if self.tool_calls is not None:
+            message["tool_calls"] = [c.as_dict() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message | ({"name": self.name} if self.name is not None else {})
 
 
@@ -207,7 +211,7 @@ class ChatRendering(OpenAIModel):
     """A conversation and how the chat template renders it (shared by chat completions and ``/tokenize``)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    tools: Neutral([]) = None
+    tools: Tools | None = None  # given to the chat template (``tools=``), whatever the tool_choice
     # vLLM's rendering options (``chat_rendering.ChatOptions``; checked there, a bad one a 400 naming it)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -218,9 +222,13 @@ class ChatRendering(OpenAIModel):
     documents: Neutral([]) = None
     mm_processor_kwargs: Neutral({}) = None
 
-    def message_dicts(self) -> list[dict[str, str]]:
+    def message_dicts(self) -> list[dict[str, object]]:
         """Messages as the chat template takes them."""
         return [m.as_dict() for m in self.messages]
+
+    def tool_dicts(self) -> list[dict[str, object]] | None:
+        """The tools as the chat template takes them (as sent: unset keys left out)."""
+        return None if self.tools is None else [t.model_dump(exclude_none=True) for t in self.tools]
 
     def chat_options(self) -> dict[str, object]:
         """The rendering options (``ChatOptions``' fields) as ``LLM.chat_prompt`` takes them."""
@@ -233,7 +241,8 @@ class ChatCompletionRequest(SamplingFields, ChatRendering):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int = Field(0, ge=0)
-    parallel_tool_calls: bool = True  # no tool is ever called, one at a time or in parallel
+    tool_choice: ToolChoice | None = None  # unset: "auto" with tools, else "none" (``chosen_tool``)
+    parallel_tool_calls: bool = True  # false: "required" makes exactly one call (a named choice always makes one)
     prompt_cache_key: str | None = None  # a routing hint: every prompt is prefix-cached here
     safety_identifier: str | None = None  # an end-user id: logged with the request
     include_reasoning: bool = True  # vLLM: no reasoning parser runs, so no reasoning is split out
@@ -250,7 +259,6 @@ class ChatCompletionRequest(SamplingFields, ChatRendering):
     reasoning_effort: Neutral() = None
     service_tier: Neutral("auto", "default") = None
     store: Neutral(False) = None
-    tool_choice: Neutral("none") = None
     verbosity: Neutral() = None
     web_search_options: Neutral() = None
     # vLLM's chat features this server lacks
@@ -258,6 +266,11 @@ class ChatCompletionRequest(SamplingFields, ChatRendering):
     max_repetition_pattern_size: Neutral(0) = None
     min_repetition_pattern_size: Neutral(0) = None
     repetition_min_count: Neutral(0) = None
+
+    @property
+    def chosen_tool(self) -> ToolChoice:
+        """``tool_choice``, or its default: "auto" when tools are given, else "none" (OpenAI's, vLLM's)."""
+        return self.tool_choice if self.tool_choice is not None else ("auto" if self.tools else "none")
 
 
 class TokenizeCompletionRequest(OpenAIModel):

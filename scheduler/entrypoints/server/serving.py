@@ -30,6 +30,7 @@ from typing import TypeVar
 
 from scheduler.entrypoints.detokenizer import REPLACEMENT
 from scheduler.entrypoints.output_processor import SampleDelta, TextCompletion, TextRequestOutput
+from scheduler.entrypoints.server.tool_calls import ToolOutput
 
 Shown = TypeVar("Shown", TextCompletion, SampleDelta)  # a whole sample, or one step's delta of it
 LOGPROB_FLOOR = -9999.0  # what JSON shows of a log-probability of -inf (or NaN), as vLLM's
@@ -53,6 +54,7 @@ class ResponseContext:
     # (``prompt_tokens``, per prompt) and its choice's tokens streamed so far
     continuous_usage: bool = False
     prompt_tokens: list[int] = field(default_factory=list)
+    tools: ToolOutput | None = None  # a chat's tool choice other than "none": its messages hold tool calls
     id: str = field(init=False)
     created: int = field(default_factory=lambda: int(time.time()))
     # per choice: characters of the token texts already sent (a streamed text_offset continues from there)
@@ -128,7 +130,9 @@ class ResponseContext:
             ids, text, lps, tops = r.prompt_token_ids + ids, p_text + text, p_lps + lps, p_tops + tops
         body = {"index": index, "logprobs": self.logprobs_block(index, ids, lps, tops),
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}  # fmt: skip
-        if self.kind == "chat":
+        if self.kind == "chat" and self.tools is not None:
+            body["message"], body["finish_reason"] = self.tools.message(text, c.finish_reason)
+        elif self.kind == "chat":
             body["message"] = {"role": "assistant", "content": text}
         else:
             body["text"] = text
@@ -163,12 +167,16 @@ class ResponseContext:
         """A sample's delta as the client sees it: with ``echo_only``, no generated token, and "length" at its end."""
         return _prompt_alone(d, d.finish_reason and "length") if self.echo_only else d
 
-    def chunk(self, key: int, d: SampleDelta, include_usage: bool) -> dict:
-        """A streamed chunk carrying one sample's delta."""
+    def chunk(self, key: int, d: SampleDelta, include_usage: bool) -> dict | None:
+        """A streamed chunk carrying one sample's delta (None: a tool reader holds all of it back, nothing to say)."""
         index = key * self.n + d.index
         logprobs = self.logprobs_block(index, d.token_ids, d.logprobs, d.top_logprobs)
         choice = {"index": index, "logprobs": logprobs, "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
-        if self.kind == "chat":
+        if self.kind == "chat" and self.tools is not None:
+            choice["delta"], choice["finish_reason"] = self.tools.delta(index, d.text, d.finish_reason)
+            if not (choice["delta"] or choice["finish_reason"] or logprobs):
+                return None
+        elif self.kind == "chat":
             choice["delta"] = {"content": d.text} if d.text else {}
         else:
             choice["text"] = d.text

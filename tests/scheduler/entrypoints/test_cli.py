@@ -7,8 +7,9 @@ import argparse
 import pytest
 import torch
 
+from paged_kv.errors import InvalidArgumentError
 from scheduler.core.params import SamplingParams
-from scheduler.entrypoints.cli import main, serve_parser, server_config
+from scheduler.entrypoints.cli import main, serve_args, serve_parser, server_config
 from scheduler.entrypoints.llm import LLM
 from scheduler.entrypoints.main_job import KV_CACHE_DTYPES, engine_config, main_job_parser, parse_args
 from scheduler.entrypoints.server.config import ServerConfig
@@ -45,6 +46,25 @@ def test_trust_request_chat_template_is_off_unless_asked_and_its_help_says_so():
     (action,) = [a for a in serve_parser()._actions if "--trust-request-chat-template" in a.option_strings]
     assert action.default is False and "default off" in action.help
     assert not server_config(serve_parser().parse_args([])).trust_request_chat_template
+
+
+def test_auto_tool_choice_flags_reach_the_server_config_and_need_each_other(capsys):
+    assert not server_config(serve_args([])).enable_auto_tool_choice
+    config = server_config(serve_args(["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]))
+    assert (config.enable_auto_tool_choice, config.tool_call_parser) == (True, "hermes")
+    for argv in (["--enable-auto-tool-choice"], ["--tool-call-parser", "pythonic"]):
+        with pytest.raises(SystemExit):
+            serve_args(argv)
+    assert "--enable-auto-tool-choice requires --tool-call-parser" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("kw", "name"), [({"enable_auto_tool_choice": True}, "enable_auto_tool_choice"),
+                                          ({"tool_call_parser": "pythonic"}, "tool_call_parser"),
+                                          ({"enable_auto_tool_choice": 1, "tool_call_parser": "hermes"},
+                                           "enable_auto_tool_choice")])  # fmt: skip
+def test_bad_tool_options_are_typed_errors_naming_them(kw, name):
+    with pytest.raises(InvalidArgumentError, match=f"^{name}="):
+        ServerConfig(**kw)
 
 
 @pytest.mark.parametrize(("argv", "code"), [([], 2), (["nope"], 2), (["--help"], 0)])

@@ -81,6 +81,28 @@ def test_chat_options_render_as_transformers_renders(llm, messages, options):
     assert out.prompt_token_ids == ids and out.outputs[0].text == llm.generate([ids], GREEDY)[0].outputs[0].text
 
 
+TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+TOOL_TEMPLATE = "{% for t in tools %}[{{ t['function']['name'] }}]{% endfor %}{{ messages[-1]['content'] }}"
+
+
+@pytest.mark.parametrize("template", [None, TOOL_TEMPLATE])
+def test_chat_gives_tools_to_the_template_as_transformers_does(llm, template):
+    messages = CONTINUED[:1]
+    text = llm.tokenizer.apply_chat_template(messages, tools=TOOLS, chat_template=template, add_generation_prompt=True,
+                                             tokenize=False)  # fmt: skip
+    ids = llm.tokenizer(text, add_special_tokens=False)["input_ids"]
+    (out,) = llm.chat(messages, GREEDY, tools=TOOLS, chat_template=template)
+    assert llm.chat_prompt(messages, tools=TOOLS, chat_template=template) == out.prompt_token_ids == ids
+    assert (text == "[weather]hello there") == (template is not None)
+
+
+@pytest.mark.parametrize("tools", [[], "weather", [["weather"]]])
+def test_bad_tools_are_typed_errors_naming_them(llm, tools):
+    with pytest.raises(InvalidArgumentError, match=r"^tools(\[0\])?=.*expected"):
+        llm.chat(CONTINUED, GREEDY, tools=tools)
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_continue_final_message_ends_the_prompt_with_the_assistants_text(llm):
     ids = llm.chat_prompt(CONTINUED, add_generation_prompt=False, continue_final_message=True)
     closed = llm.chat_prompt(CONTINUED, add_generation_prompt=False)

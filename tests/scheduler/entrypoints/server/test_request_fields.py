@@ -215,8 +215,11 @@ CHAT_FIELDS = SHARED | {
     "reasoning_effort": ("low", REFUSED, {}),
     "service_tier": ("flex", REFUSED, {}),
     "store": (True, REFUSED, {}),
-    "tool_choice": ("auto", REFUSED, {}),
-    "tools": ([{"type": "function", "function": {"name": "f"}}], REFUSED, {}),
+    "tool_choice": ({"type": "function", "function": {"name": "f"}}, _ok(lambda s: s.params[0].structured_outputs
+                    and s.body["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "f"),
+                    {"tools": [{"type": "function", "function": {"name": "f"}}]}),  # fmt: skip
+    "tools": ([{"type": "function", "function": {"name": "f"}}], _ok(lambda s: s.body["choices"][0]["message"]
+                                                                     ["content"]), {"tool_choice": "none"}),
     "verbosity": ("low", REFUSED, {}),
     "web_search_options": ({}, REFUSED, {}),
     "echo": (True, REFUSED, {}),
@@ -275,7 +278,7 @@ def test_no_coercion_and_no_unknown_field(served, path, field, value):
 
 def test_null_is_the_default_and_neutral_values_are_accepted(served, captured):
     base = {"model": served.model, "messages": CHAT, "max_tokens": 3}
-    neutral = {"temperature": None, "tools": [], "tool_choice": "none", "store": False, "service_tier": "auto",
+    neutral = {"temperature": None, "tools": None, "tool_choice": "none", "store": False, "service_tier": "auto",
                "response_format": {"type": "text"}, "modalities": ["text"], "length_penalty": 1,
                "presence_penalty": 0, "logit_bias": {}, "stream_options": None}  # fmt: skip
     assert served.post("chat/completions", base | neutral).status_code == 200

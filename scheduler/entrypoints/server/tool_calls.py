@@ -1,0 +1,149 @@
+"""Tool calling on chat completions, as vLLM serves it: the request's checks, its output constraint, its answers.
+
+``tool_choice`` (unset: "auto" with ``tools``, else "none"):
+
+- "none": the tools are only rendered into the prompt; the answer is text.
+- a named function: the output is held (xgrammar) to that function's ``parameters`` schema; the
+  message has one call of it whose ``arguments`` are the whole text, and ``content`` "" (vLLM's).
+- "required": the output is held to a JSON array (at least one item; exactly one with
+  ``parallel_tool_calls: false``) of ``{"name": <a tool's name>, "parameters": <its schema>}``
+  objects; each becomes a call (arguments re-serialized), ``content`` "".
+- "auto": only with ``--enable-auto-tool-choice`` and ``--tool-call-parser`` (else a 400, as
+  vLLM); the output is free and the parser (hermes) reads calls and content out of it; special
+  tokens are kept in the text (vLLM's hermes parser asks the same: a tag may be a special token).
+
+``finish_reason`` is "tool_calls" when "auto" found a call, else the sample's own ("stop" or
+"length"; vLLM's whole response says the same for a named or "required" call). Streamed, a named
+call's arguments go out as generated (the first delta with index 0, id, type and name); a
+"required" or "auto" call goes out whole once complete; the finish reason is the whole response's.
+Each call's id is ``chatcmpl-tool-<random hex>``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+from paged_kv.errors import describe
+from scheduler.core.structured_params import StructuredOutputsParams
+from scheduler.entrypoints.server.hermes_parser import HermesReader
+from scheduler.entrypoints.server.protocol import ChatCompletionRequest
+from scheduler.entrypoints.server.sampling import FieldError
+from scheduler.entrypoints.server.tool_protocol import NamedToolChoice, Tool
+from scheduler.entrypoints.server.tool_streams import CallPiece, NamedReader, RequiredReader
+
+AUTO_FLAGS = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+Reader = NamedReader | RequiredReader | HermesReader
+
+
+def check_tools(body: ChatCompletionRequest, auto_enabled: bool, constraints: dict[str, object]) -> None:
+    """Refuse (FieldError naming the field) a tool choice this request or server cannot honour."""
+    choice = body.chosen_tool
+    if choice == "none":
+        return
+    shown = choice if isinstance(choice, str) else f"function {choice.function.name!r}"
+    if not body.tools:
+        raise FieldError("tool_choice", describe("tool_choice", shown, '"none" or unset when no tools are given'))
+    names = [t.function.name for t in body.tools]
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+        raise FieldError("tool_choice", describe("tool_choice", shown, f"a function of tools: one of {names}"))
+    if choice == "auto" and not auto_enabled:
+        raise FieldError("tool_choice", describe("tool_choice", shown, f'"none", "required" or a named function: '
+                                                 f"{AUTO_FLAGS} (or tool_choice \"none\")"))  # fmt: skip
+    if body.use_beam_search:
+        expected = '"none" with use_beam_search (the beams are not read for tool calls)'
+        raise FieldError("tool_choice", describe("tool_choice", shown, expected))
+    if choice != "auto" and constraints:
+        name = "structured_outputs" if body.structured_outputs is not None else "response_format"
+        expected = f"null or a text format when tool_choice is {shown} (the call's schema is the constraint)"
+        raise FieldError(name, describe(name, getattr(body, name), expected))
+
+
+def tool_constraint(body: ChatCompletionRequest) -> dict[str, object]:
+    """SamplingParams keywords of a named or "required" tool choice's constraint ({} for "none" and "auto")."""
+    choice = body.chosen_tool
+    if isinstance(choice, NamedToolChoice):
+        tool = next(t for t in body.tools if t.function.name == choice.function.name)
+        schema = tool.function.schema()
+    elif choice == "required":
+        schema = required_schema(body.tools, body.parallel_tool_calls)
+    else:
+        return {}
+    return {"structured_outputs": StructuredOutputsParams(json=schema)}
+
+
+def required_schema(tools: list[Tool], parallel: bool) -> dict[str, object]:
+    """"required"'s schema: an array of calls of the tools (one call unless ``parallel``), their ``$defs`` shared."""
+    items, defs = [], {}
+    for tool in tools:
+        parameters = dict(tool.function.schema())
+        for name, definition in parameters.pop("$defs", {}).items():
+            if defs.setdefault(name, definition) != definition:
+                expected = "one schema per $defs name across the tools (they share one array schema)"
+                raise FieldError("tools", describe("tools $defs name", name, expected))
+        items.append({"type": "object", "properties": {"name": {"enum": [tool.function.name]},
+                      "parameters": parameters}, "required": ["name", "parameters"]})  # fmt: skip
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+    return schema | ({} if parallel else {"maxItems": 1}) | ({"$defs": defs} if defs else {})
+
+
+def tool_call_id() -> str:
+    """A new tool call's id (vLLM's form)."""
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+@dataclass
+class ToolOutput:
+    """How the samples of a request with a tool choice other than "none" become messages and deltas."""
+
+    choice: str | NamedToolChoice  # "required", "auto" or a named function
+    readers: dict[int, Reader] = field(default_factory=dict)  # per streamed choice
+    called: set[int] = field(default_factory=set)  # streamed choices with an "auto" call
+
+    def reader(self) -> Reader:
+        """A fresh reader of one sample's text."""
+        if isinstance(self.choice, NamedToolChoice):
+            return NamedReader(self.choice.function.name)
+        return RequiredReader() if self.choice == "required" else HermesReader()
+
+    def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """A whole sample's message and finish reason."""
+        reader = self.reader()
+        pieces = reader.feed(text) + reader.finish()
+        calls: list[dict] = []
+        for p in (p for p in pieces if isinstance(p, CallPiece)):
+            if p.name is not None:
+                calls.append({"id": tool_call_id(), "type": "function", "function": {"name": p.name, "arguments": ""}})
+            calls[p.index]["function"]["arguments"] += p.arguments
+        content = "".join(p for p in pieces if isinstance(p, str))
+        message = {"role": "assistant", "content": (content or None) if self.choice == "auto" else ""}
+        message |= {"tool_calls": calls} if calls else {}
+        return message, self._finish(finish_reason, bool(calls))
+
+    def delta(self, choice: int, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """A streamed choice's delta for its next text (and its end, with ``finish_reason``) and finish reason."""
+        reader = self.readers.setdefault(choice, self.reader())
+        pieces = reader.feed(text) + (reader.finish() if finish_reason else [])
+        content = "".join(p for p in pieces if isinstance(p, str))
+        calls = [_delta_call(p) for p in pieces if isinstance(p, CallPiece)]
+        if calls:
+            self.called.add(choice)
+        delta = ({"content": content} if content else {}) | ({"tool_calls": calls} if calls else {})
+        return delta, self._finish(finish_reason, choice in self.called)
+
+    def _finish(self, finish_reason: str | None, called: bool) -> str | None:
+        return "tool_calls" if finish_reason and called and self.choice == "auto" else finish_reason
+
+
+def _delta_call(p: CallPiece) -> dict:
+    """A call's piece as a streamed ``tool_calls`` entry: its first with id, type and name."""
+    if p.name is None:
+        return {"index": p.index, "function": {"arguments": p.arguments}}
+    return {"index": p.index, "id": tool_call_id(), "type": "function",
+            "function": {"name": p.name, "arguments": p.arguments}}  # fmt: skip
+
+
+def tool_output(body: ChatCompletionRequest) -> ToolOutput | None:
+    """The request's ToolOutput (None for "none": a plain answer)."""
+    choice = body.chosen_tool
+    return None if choice == "none" else ToolOutput(choice)

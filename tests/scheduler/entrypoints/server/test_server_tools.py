@@ -1,0 +1,176 @@
+"""Tool calling on /v1/chat/completions with the official client: validation, rendering, named, "required", "auto".
+
+One server serves the module, with ``--enable-auto-tool-choice --tool-call-parser hermes`` and
+``--trust-request-chat-template``; a test that needs "auto" off swaps the frontend's options.
+The tiny model is random: a call's arguments follow its schema because the grammar holds them
+to it, and "auto" is made to write a hermes call by a regex constraint on its output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import httpx
+import jsonschema
+import pytest
+from server_helpers import CHAT, refused, serving, sse_events
+
+from scheduler.entrypoints.server.config import ServerConfig
+
+WEATHER = {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}, "days": {"enum": [1, 2, 3]}},
+           "required": ["unit", "days"], "additionalProperties": False}  # fmt: skip
+CLOCK = {"type": "object", "properties": {"utc": {"type": "boolean"}}, "required": ["utc"],
+         "additionalProperties": False}  # fmt: skip
+TOOLS = [{"type": "function", "function": {"name": "weather", "description": "the forecast", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "clock", "parameters": CLOCK}}]  # fmt: skip
+SCHEMAS = {"weather": WEATHER, "clock": CLOCK}
+CALLED = [*CHAT, {"role": "assistant", "content": None, "tool_calls": [
+              {"id": "call-1", "type": "function", "function": {"name": "weather", "arguments": '{"unit": "c"}'}}]},
+          {"role": "tool", "tool_call_id": "call-1", "content": "sunny"}]  # fmt: skip
+TOOL_TEMPLATE = (
+    "{% for t in tools %}[tool {{ t['function']['name'] }}: {{ t['function']['parameters'] | tojson }}]\n{% endfor %}"
+    "{% for m in messages %}[{{ m['role'] }}{% if m['tool_call_id'] %} {{ m['tool_call_id'] }}{% endif %}] "
+    "{{ m['content'] }}{% for c in m['tool_calls'] or [] %}<call {{ c['function']['name'] }} "
+    "unit={{ c['function']['arguments']['unit'] }}>{% endfor %}\n{% endfor %}[assistant]"
+)
+NAMED = {"type": "function", "function": {"name": "weather"}}
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir):
+    """A server with "auto" tool choice (hermes) and request chat templates enabled."""
+    config = ServerConfig(enable_auto_tool_choice=True, tool_call_parser="hermes", trust_request_chat_template=True)
+    with serving(tiny_model_dir, config) as s:
+        yield s
+
+
+def ask(served, **body) -> httpx.Response:
+    """A chat completion of CHAT (unless ``messages`` is given) with ``body``."""
+    return served.post("chat/completions", {"model": served.model, "messages": CHAT, "max_tokens": 256, **body})
+
+
+def streamed(served, **body) -> tuple[dict[int, dict], dict[int, str]]:
+    """A streamed request's calls and finish reason per choice, rebuilt from its deltas (each call's first delta
+    carries its index, id, type and name; the later ones only argument text)."""
+    r = ask(served, stream=True, **body)
+    assert r.status_code == 200, r.text
+    calls: dict[int, list[dict]] = {}
+    finish: dict[int, str] = {}
+    for event in sse_events(r.text):
+        for choice in event["choices"]:
+            for delta in choice["delta"].get("tool_calls", []):
+                mine = calls.setdefault(choice["index"], [])
+                if "id" in delta:
+                    assert delta["id"].startswith("chatcmpl-tool-") and delta["type"] == "function"
+                    assert delta["index"] == len(mine)
+                    mine.append({"name": delta["function"]["name"], "arguments": ""})
+                assert "name" not in delta["function"] or "id" in delta
+                mine[delta["index"]]["arguments"] += delta["function"]["arguments"]
+            if choice["finish_reason"] is not None:
+                finish[choice["index"]] = choice["finish_reason"]
+    return calls, finish
+
+
+def whole(choice) -> list[dict]:
+    """A non-streamed choice's calls as ``streamed`` rebuilds them."""
+    return [{"name": c.function.name, "arguments": c.function.arguments} for c in choice.message.tool_calls or []]
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"tools": [TOOLS[0], TOOLS[0]], "tool_choice": "none"}, "tools"),  # duplicate names
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}], "tool_choice": "none"}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 3}}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "a.b"}}]}, "tools"),
+    ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools"),
+    ({"tools": []}, "tools"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "use_beam_search": True, "n": 2}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": NAMED, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": TOOLS, "tool_choice": "required", "structured_outputs": {"regex": "a"}}, "structured_outputs"),
+    ({"messages": [*CHAT, {"role": "tool", "content": "x"}]}, "messages"),  # no tool_call_id
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": CALLED[2]["tool_calls"]}]}, "messages"),
+    ({"messages": [*CHAT, {**CALLED[2], "tool_calls": [{**CALLED[2]["tool_calls"][0], "function": {
+        "name": "weather", "arguments": "{unit"}}]}]}, "messages"),  # arguments not JSON
+])  # fmt: skip
+def test_a_bad_tool_field_is_a_400_naming_it(served, body, param):
+    refused(ask(served, **body), param)
+
+
+def test_auto_needs_the_flags_and_is_the_default_with_tools(served, monkeypatch):
+    front = served.app.state.frontend
+    monkeypatch.setattr(front, "config", dataclasses.replace(front.config, enable_auto_tool_choice=False))
+    for body in ({"tools": TOOLS}, {"tools": TOOLS, "tool_choice": "auto"}):
+        error = refused(ask(served, **body), "tool_choice")
+        assert "--enable-auto-tool-choice" in error["message"] and "--tool-call-parser" in error["message"]
+    assert ask(served, tools=TOOLS, tool_choice="none", max_tokens=2).status_code == 200
+
+
+@pytest.mark.parametrize("template", [None, TOOL_TEMPLATE])
+def test_tools_and_tool_messages_render_as_transformers_renders(served, template):
+    body = {"messages": CALLED, "tools": TOOLS} | ({"chat_template": template} if template else {})
+    tokens = httpx.post(f"{served.url}/tokenize", json=body, timeout=60)
+    assert tokens.status_code == 200, tokens.text
+    answer = ask(served, **body, tool_choice="none", max_tokens=1)
+    assert answer.json()["usage"]["prompt_tokens"] == len(tokens.json()["tokens"])
+    tok = served.llm.tokenizer
+    decoded = [*CALLED[:2], {**CALLED[2], "content": "", "tool_calls": [{**CALLED[2]["tool_calls"][0], "function": {
+        "name": "weather", "arguments": {"unit": "c"}}}]}, CALLED[3]]  # fmt: skip
+    text = tok.apply_chat_template(decoded, tools=TOOLS, chat_template=template, add_generation_prompt=True,
+                                   tokenize=False)  # fmt: skip
+    assert tokens.json()["tokens"] == tok(text, add_special_tokens=False)["input_ids"]
+    if template:  # the template reads the tools and the calls: they are in the prompt
+        assert "[tool weather:" in text and "<call weather unit=c>" in text and "[tool call-1] sunny" in text
+
+
+def test_a_named_function_is_called_with_arguments_that_follow_its_schema(served, client):
+    out = client.chat.completions.create(model=served.model, messages=CHAT, tools=TOOLS, tool_choice=NAMED, n=2,
+                                         temperature=1.0, seed=5, max_tokens=256)  # fmt: skip
+    ids = set()
+    for choice in out.choices:
+        [call] = choice.message.tool_calls
+        assert (call.function.name, call.type, choice.message.content) == ("weather", "function", "")
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+        assert choice.finish_reason == "stop" and call.id.startswith("chatcmpl-tool-")
+        ids.add(call.id)
+    assert len(ids) == 2
+
+
+@pytest.mark.parametrize("choice", [NAMED, "required"])
+def test_streamed_calls_are_the_whole_responses_calls(served, client, choice):
+    body = {"tools": TOOLS, "tool_choice": choice, "temperature": 0.0}
+    out = ask(served, **body)
+    assert out.status_code == 200, out.text
+    message = out.json()["choices"][0]
+    calls, finish = streamed(served, **body)
+    assert calls == {0: [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                         for c in message["message"]["tool_calls"]]}  # fmt: skip
+    assert finish == {0: message["finish_reason"]} and calls[0]
+
+
+def test_required_calls_follow_their_tools_schemas_and_parallel_false_makes_one(served, client):
+    for parallel in (True, False):
+        out = client.chat.completions.create(model=served.model, messages=CHAT, tools=TOOLS, tool_choice="required",
+                                             n=3, seed=11, max_tokens=400, parallel_tool_calls=parallel)  # fmt: skip
+        for choice in out.choices:
+            assert choice.finish_reason == "stop" and choice.message.tool_calls, choice
+            assert parallel or len(choice.message.tool_calls) == 1
+            for call in choice.message.tool_calls:
+                jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_auto_reads_hermes_calls_out_of_the_text_whole_and_streamed(served, client):
+    regex = r'Hi <tool_call>\{"name": "clock", "arguments": \{"utc": (true|false)\}\}</tool_call>'
+    body = {"tools": TOOLS, "tool_choice": "auto", "structured_outputs": {"regex": regex}, "temperature": 0.0}
+    out = ask(served, **body).json()["choices"][0]
+    [call] = out["message"]["tool_calls"]
+    assert out["message"]["content"] == "Hi " and out["finish_reason"] == "tool_calls"
+    assert call["function"]["name"] == "clock" and json.loads(call["function"]["arguments"]) in ({"utc": True},
+                                                                                                {"utc": False})
+    calls, finish = streamed(served, **body)
+    assert calls == {0: [{"name": "clock", "arguments": call["function"]["arguments"]}]}
+    assert finish == {0: "tool_calls"}
+    plain = ask(served, **{**body, "structured_outputs": {"regex": "no tools here"}}).json()["choices"][0]
+    assert plain["message"] == {"role": "assistant", "content": "no tools here"} and plain["finish_reason"] == "stop"
