@@ -1,0 +1,67 @@
+"""A tool choice's constraint and answers without a server: "required"'s schema, messages and deltas."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from scheduler.entrypoints.server.protocol import ChatCompletionRequest
+from scheduler.entrypoints.server.sampling import FieldError
+from scheduler.entrypoints.server.tool_calls import ToolOutput, required_schema, tool_output
+
+POINT = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+SHAPE = {"type": "object", "properties": {"at": {"$ref": "#/$defs/point"}}, "required": ["at"],
+         "$defs": {"point": POINT}}  # fmt: skip
+
+
+def request(tools: list[dict], **kw) -> ChatCompletionRequest:
+    """A validated chat request with these tools."""
+    tools = [{"type": "function", "function": {"name": n, "parameters": p}} for n, p in tools]
+    return ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "tools": tools, **kw})
+
+
+def test_required_schema_takes_one_call_or_more_of_the_tools_with_their_defs_shared():
+    body = request([("draw", SHAPE), ("erase", POINT)])
+    schema = required_schema(body.tools, parallel=True)
+    jsonschema.validate([{"name": "draw", "parameters": {"at": {"x": 1}}}, {"name": "erase", "parameters": {"x": 2}}],
+                        schema)  # fmt: skip
+    for bad in ([], [{"name": "draw", "parameters": {"at": {"x": "1"}}}], [{"name": "erase", "parameters": {}}],
+                [{"name": "paint", "parameters": {"x": 1}}]):  # fmt: skip
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    with pytest.raises(jsonschema.ValidationError):  # parallel_tool_calls false: one call only
+        jsonschema.validate([{"name": "erase", "parameters": {"x": 2}}] * 2, required_schema(body.tools, False))
+    assert "$defs" not in schema["items"]["anyOf"][0]["properties"]["parameters"]
+
+
+def test_two_tools_with_different_defs_under_one_name_are_refused_naming_tools():
+    other = {**SHAPE, "$defs": {"point": {"type": "string"}}}
+    with pytest.raises(FieldError) as err:
+        required_schema(request([("draw", SHAPE), ("move", other)]).tools, parallel=True)
+    assert err.value.param == "tools" and "point" in str(err.value)
+
+
+ERASE = [("erase", {"x": 1})]
+
+
+@pytest.mark.parametrize(("choice", "text", "content", "calls", "finish"), [
+    ("auto", 'ok <tool_call>{"name": "erase", "arguments": {"x": 1}}</tool_call>', "ok ", ERASE, "tool_calls"),
+    ("auto", "just text", "just text", [], "stop"),
+    ("required", '[{"name": "erase", "parameters": {"x": 1}}]', "", ERASE, "stop"),
+    ({"type": "function", "function": {"name": "erase"}}, '{"x": 1}', "", ERASE, "stop"),
+])  # fmt: skip
+def test_a_message_and_its_deltas_hold_the_same_content_calls_and_finish(choice, text, content, calls, finish):
+    out = tool_output(request([("erase", POINT)], tool_choice=choice))
+    message, whole_finish = out.message(text, "stop")
+    made = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message.get("tool_calls", [])]
+    assert (message["content"], made, whole_finish) == (content, calls, finish)
+    streamed, chunks = ToolOutput(out.choice), []
+    for i in range(0, len(text), 3):
+        chunks.append(streamed.delta(1, text[i : i + 3], "stop" if i + 3 >= len(text) else None))
+    said = "".join(d.get("content", "") for d, _ in chunks)
+    args = "".join(c["function"]["arguments"] for d, _ in chunks for c in d.get("tool_calls", []))
+    assert said == (content or "") and chunks[-1][1] == finish
+    assert args == "".join(c["function"]["arguments"] for c in message.get("tool_calls", []))
+    assert tool_output(request([("erase", POINT)], tool_choice="none")) is None
