@@ -11,6 +11,12 @@ field's default. A field is one of:
 - a structured-output field (``sampling.STRUCTURED_FIELDS``): given to ``sampling.structured_outputs``;
 - ``Neutral``: a feature this server lacks, accepted only at the value that asks for nothing.
 
+Tool calling (``tool_calls``): ``tools``, ``tool_choice`` and ``parallel_tool_calls``, and the
+``tool`` role and an assistant's ``tool_calls`` in ``messages``, have their shapes here
+(``tool_protocol``: strict, OpenAI's function names, ``parameters`` a JSON schema, unique names); the
+checks that need the server's options or several fields (a named function among ``tools``, "auto"
+only with ``--enable-auto-tool-choice``, no beam search, no second constraint) are ``tool_calls``'.
+
 With ``use_beam_search`` (vLLM's), ``n`` is the beam width and ``length_penalty`` ranks the
 hypotheses; a field that would not apply to a beam search is refused unless neutral
 (``sampling.BEAM_NEUTRAL``), and ``temperature`` is accepted and ignored (the beams are ranked

@@ -14,7 +14,8 @@ response, as vLLM lays them out: ``None`` for the first token, then ``{token id:
 decoded_token}}``. A log-probability of -inf (a token a grammar rules out) is sent as
 ``LOGPROB_FLOOR``, as vLLM sends it: JSON has no infinity. A stream with ``include_usage`` ends with a usage
 chunk; with vLLM's ``continuous_usage_stats`` each chunk before it carries its prompt's tokens and its choice's
-tokens streamed so far.
+tokens streamed so far. A chat with a tool choice other than "none" gets its messages, deltas and finish
+reasons from its ``tool_calls.ToolOutput`` (a delta it holds back entirely sends no chunk).
 """
 
 from __future__ import annotations
