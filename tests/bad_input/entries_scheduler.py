@@ -289,7 +289,8 @@ def _rows() -> list[Entry]:
             "chat_template": Arg("opt_str", None, bad={WRONG_TYPE: [3, b"{{ 1 }}", ["x"], ""]}),
             "chat_template_kwargs": Arg("obj", None, bad={WRONG_TYPE: ["x", 3, [("a", 1)], {3: 1},
                                                                     {"messages": []}]}),
-            "add_special_tokens": Arg("bool", False)}, tiny_llm),
+            "add_special_tokens": Arg("bool", False),
+            "tools": Arg("obj", None, bad={WRONG_TYPE: ["x", 3, [], ["f"], [3], b"[]"]})}, tiny_llm),
         Entry("scheduler.LLM.generate", "generate", {
             "prompts": Arg("obj", lambda: ["hello"], bad={WRONG_TYPE: [None, 3, [3.5], [None]],
                 BOOL_FOR_INT: [[[True]]], NONINTEGRAL: [[[1.5]]], OUT_OF_RANGE: [[[-1]], [[10**6]]]}),
@@ -322,7 +323,8 @@ def _rows() -> list[Entry]:
             "chat_template": Arg("opt_str", None, bad={WRONG_TYPE: [3, b"{{ 1 }}", ["x"], ""]}),
             "chat_template_kwargs": Arg("obj", None, bad={WRONG_TYPE: ["x", 3, [("a", 1)], {3: 1},
                                                                     {"messages": []}]}),
-            "add_special_tokens": Arg("bool", False)}, tiny_llm),
+            "add_special_tokens": Arg("bool", False),
+            "tools": Arg("obj", None, bad={WRONG_TYPE: ["x", 3, [], ["f"], [3], b"[]"]})}, tiny_llm),
         Entry("scheduler.LLMEngine.abort", "abort",
             {"request_id": Arg("obj", "r0", bad={BAD_ID: ["zz", ["r0"], None]})}, engine),
         Entry("scheduler.LLMEngine.fail", "fail", {
