@@ -248,7 +248,7 @@ class ChatCompletionRequest(SamplingFields, ChatRendering):
     logprobs: bool = False
     top_logprobs: int = Field(0, ge=0)
     tool_choice: ToolChoice | None = None  # unset: "auto" with tools, else "none" (``chosen_tool``)
-    parallel_tool_calls: bool = True  # false: "required" makes exactly one call (a named choice always makes one)
+    parallel_tool_calls: bool = True  # false: "required" makes one call (named: always one; "auto" ignores it)
     prompt_cache_key: str | None = None  # a routing hint: every prompt is prefix-cached here
     safety_identifier: str | None = None  # an end-user id: logged with the request
     include_reasoning: bool = True  # vLLM: no reasoning parser runs, so no reasoning is split out
