@@ -7,10 +7,11 @@ Each step it fills a token budget and a sequence budget in this order:
    when the pool cannot hold a group's new tokens it preempts the
    latest-admitted group not yet scheduled this step (or the group itself),
    requeued (waiting for recompute, swapped for swap) in arrival order;
-   in swap mode a group that must preempt itself while no other running group holds GPU blocks is
-   refused instead, its reason in ``refused``: the pool is as free as it gets (prefixes pinned after it
-   was queued hold the rest) and its tokens only grow, so it could never fit (swapped out, it would be
-   swapped back in and preempt itself, forever);
+   a group that must preempt itself while no other running group holds GPU blocks is refused instead when it
+   can never fit, its reason in ``refused``: the pool is as free as it gets (prefixes pinned after it was
+   queued hold the rest) and its tokens only grow. That is certain in swap mode (swapped out, it would be
+   swapped back in as it is, forever) and, in recompute mode, for one active sequence (its restart needs the
+   same blocks, chunked or not) or for a group that already restarted alone from the same tokens;
 2. swapped groups, FCFS, if nothing was preempted this step;
 3. waiting groups, FCFS with head-of-line blocking (no starvation), only when
    nothing was preempted and nothing is swapped out (under the priority policy: only
@@ -390,22 +391,31 @@ class Scheduler:
             # a group whose every sample was stopped (stop_samples) holds nothing until it is retired: never a victim
             victims = (g for g in reversed(pool) if g is not group and g not in scheduled and g.active())
             victim = next(victims, None)
-            if victim is None and self._never_grows(group):
+            if victim is None and self._alone(group) and self._never_grows(group):
                 self._refuse(group, step, f"its {max(s.num_tokens for s in group.active())} tokens cannot grow")
                 return False
+            if victim is None and self._alone(group):
+                group.restarted_alone_at = group.num_tokens
             self._preempt(victim or group, step)
             if victim is None:
                 return False
         return True
 
-    def _never_grows(self, group: SequenceGroup) -> bool:
-        """In swap mode: whether ``group``, whose plan does not fit, is the only running group holding GPU blocks.
+    def _alone(self, group: SequenceGroup) -> bool:
+        """Whether no running group but ``group`` holds GPU blocks: the pool is as free as it gets for it (only
+        cached and pinned blocks besides its own)."""
+        return not any(g is not group and g.active() for g in self.running)
 
-        Then the pool is as free as it gets (only cached and pinned blocks besides its own) and its tokens only
-        grow, so its plan never fits: swapped out, it would be swapped back in and preempt itself forever.
+    def _never_grows(self, group: SequenceGroup) -> bool:
+        """Whether ``group``, alone and whose plan does not fit, can never fit, its tokens only growing.
+
+        Swapped out, it would be swapped back in as it is. Recomputed, one active sequence needs the same blocks
+        again; several may be restarted packed tighter (forked at a longer common prefix, or, chunked, computed
+        one after another), unless it already restarted alone from these very tokens: the restart repeats.
         """
-        alone = not any(g is not group and g.active() for g in self.running)
-        return self.config.preemption_mode == "swap" and alone
+        if self.config.preemption_mode == "swap" or len(group.active()) == 1:
+            return True
+        return group.restarted_alone_at == group.num_tokens
 
     def _fits(self, plan: list[tuple[Sequence, int]]) -> bool:
         """Whether the pool holds the blocks ``append`` will take for ``plan`` (new blocks and copy-on-write copies)."""

@@ -155,6 +155,9 @@ class SequenceGroup:
     # ``fork_at`` tokens they all start with; then they are forked from it there (the shared prefix runs once)
     parked: list[Sequence] = field(default_factory=list)
     fork_at: int = 0
+    # its tokens (all sequences) when it last preempted itself for recompute with no other running group
+    # holding blocks: preempted so again with no token since, its restart repeats, so it never fits
+    restarted_alone_at: int | None = None
     # with params.prompt_logprobs: entry i scores prompt token i (entry 0 is None: the first token has no
     # context); written by the engine after each step that computed prompt positions, in order
     prompt_logprobs: list[dict[int, float] | None] | None = None
@@ -170,6 +173,11 @@ class SequenceGroup:
         """The request's prompt."""
         seq = self.seqs[0]
         return seq.token_ids[: seq.prompt_len]
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of all its sequences, finished ones included: only grows."""
+        return sum(s.num_tokens for s in self.seqs)
 
     @property
     def num_samples(self) -> int:
