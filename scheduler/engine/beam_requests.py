@@ -38,9 +38,11 @@ class BeamRequests:
         req = self.live.get(group.request_id)
         return req is not None and req.group is group
 
-    def add(self, group: SequenceGroup, params: BeamSearchParams) -> BeamRequest:
-        """Track a queued group as a beam search (the caller forks its beams: it was added with fork_samples off)."""
-        req = self.live[group.request_id] = BeamRequest(group, params, stop_ids(params, self.scheduler.eos_token_ids))
+    def add(self, group: SequenceGroup, params: BeamSearchParams, *, measure: bool = False) -> BeamRequest:
+        """Track a queued group as a beam search (the caller forks its beams: it was added with fork_samples off);
+        ``measure``: meter its beams' blocks each step."""
+        eos = stop_ids(params, self.scheduler.eos_token_ids)
+        req = self.live[group.request_id] = BeamRequest(group, params, eos, measure=measure)
         return req
 
     def split(self, samples: list[Row]) -> tuple[list[Row], list[Row]]:
@@ -51,10 +53,13 @@ class BeamRequests:
         return beams, others
 
     def measure(self) -> None:
-        """Record the GPU blocks each search's beams hold, shared and as if unshared (and per shared meter)."""
+        """Record the GPU blocks each metered search's beams hold, shared and as if unshared (and per shared meter);
+        the others' block tables are not read."""
         bm = self.bm
         totals: dict[int, tuple[Meter, set[int], list[int]]] = {}  # id(meter) -> (meter, its blocks, [unshared])
         for req in self.live.values():
+            if req.meter is None:
+                continue
             tables = [bm.block_table(s.seq_id) for s in req.beams if s.seq_id in bm and not bm.is_swapped(s.seq_id)]
             blocks, unshared = {b for t in tables for b in t}, sum(map(len, tables))
             req.meter.record(len(blocks), unshared)

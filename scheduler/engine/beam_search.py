@@ -102,7 +102,7 @@ class BeamSearch:
         checked = [engine.check_beam_search(rid, prompt, p)[0] for rid, prompt, p in zip(ids, prompts, each)]
         requests = []
         for rid, prompt, p in zip(ids, checked, each):
-            req = engine.add_beam_search(rid, prompt, p)
+            req = engine.add_beam_search(rid, prompt, p, measure=True)
             req.total = total
             requests.append(req)
         return requests

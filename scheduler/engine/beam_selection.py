@@ -261,12 +261,15 @@ def candidates_of(requests: list[BeamRequest]) -> list[tuple[BeamRequest, Candid
 
 
 class BeamRequest:
-    """A beam search in the engine: its live beams in rank order, their scores, its hypotheses, its KV meter.
+    """A beam search in the engine: its live beams in rank order, their scores, its hypotheses, its KV meter if any.
 
     Invariant: ``scores[i]`` is the float32 cumulative log-probability of ``beams[i]``.
     """
 
-    def __init__(self, group: SequenceGroup, params: BeamSearchParams, eos: frozenset[int]) -> None:
+    def __init__(
+        self, group: SequenceGroup, params: BeamSearchParams, eos: frozenset[int], *, measure: bool = False
+    ) -> None:
+        """``measure``: keep a meter of the KV blocks its beams hold, read every step (else ``meter`` is None)."""
         self.group, self.params, self.eos = group, params, eos
         self.beams: list[Sequence] = list(group.seqs)
         self.scores = torch.zeros(1)  # [B] float32, on the CPU
@@ -275,8 +278,9 @@ class BeamRequest:
         self.done = False  # the engine has returned it (finished, aborted or failed)
         self.error: str | None = None  # why it failed, if it did
         self.num_steps = 0
-        self.meter = Meter()
-        self.total: Meter | None = None  # a meter shared with other requests (BeamSearch.generate's), or None
+        self.meter = Meter() if measure else None
+        # with a meter: one shared with other requests (BeamSearch.generate's), or None
+        self.total: Meter | None = None
 
     @property
     def num_candidates(self) -> int:

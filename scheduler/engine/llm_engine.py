@@ -180,14 +180,17 @@ class LLMEngine:
         return self.scheduler.add_request(request_id, prompt, params, fork_samples=fork_samples, priority=priority)
 
     def add_beam_search(
-        self, request_id: str, prompt_token_ids: Seq[int], params: BeamSearchParams, *, priority: int = 0
+        self, request_id: str, prompt_token_ids: Seq[int], params: BeamSearchParams, *, priority: int = 0,
+        measure: bool = False,
     ) -> BeamRequest:  # fmt: skip
         """Queue a beam search (transformers' semantics: :mod:`scheduler.engine.beam_selection`); raises, engine
         unchanged, on a bad one. It runs in the same steps as the sampled requests; :meth:`step` returns it once
-        done, its outputs the hypotheses best first. The returned state holds its scores and memory figures."""
+        done, its outputs the hypotheses best first. The returned state holds its scores and, with ``measure``,
+        its memory figures (its beams' block tables read each step)."""
+        check_bool("measure", measure)
         prompt, sampling = self.check_beam_search(request_id, prompt_token_ids, params)
         group = self.scheduler.add_request(request_id, prompt, sampling, fork_samples=False, priority=priority)
-        return self.beams.add(group, params)
+        return self.beams.add(group, params, measure=measure)
 
     def check_beam_search(
         self, request_id: str, prompt_token_ids: Seq[int], params: BeamSearchParams

@@ -245,7 +245,7 @@ def _rows() -> list[Entry]:
             "prompt_token_ids": Arg("ids", [1, 2], bad={**TOKENS, WRONG_TYPE: ["ab", 5, None, []]}),
             "params": Arg("obj", lambda: scheduler.BeamSearchParams(width=2, max_tokens=2),
                           bad={WRONG_TYPE: [None, "x", scheduler.SamplingParams()]}),
-            **({"priority": Arg("int", 0, bad={OUT_OF_RANGE: [1 << 63, -(1 << 63) - 1]})}
+            **({"priority": Arg("int", 0, bad={OUT_OF_RANGE: [1 << 63, -(1 << 63) - 1]}), "measure": Arg("bool", False)}
                if name == "add_beam_search" else {})}, engine)
           for name in ("add_beam_search", "check_beam_search")],
         Entry("scheduler.LLMEngine.pin_prefix", "pin_prefix", {
