@@ -16,8 +16,9 @@ log-probabilities, as vLLM's raw logprobs); ``stop_token_ids`` end hypotheses as
 knows only the tokenizer's EOS); a hypothesis holds its output tokens and per-token
 log-probabilities (vLLM: prompt + output tokens, top-``2W`` dicts), its text (from
 :meth:`~scheduler.entrypoints.llm.LLM.beam_search`) is the output's, its stop token's text left out
-unless ``include_stop_str_in_output``; and ``prompt + max_tokens`` past the model context is
-refused up front.
+unless ``include_stop_str_in_output``; its ``stop_reason`` is vLLM's (the stop token that ended it, EOS
+included), but the server's choices report a sampled request's (None for EOS, where vLLM's server gives
+the EOS id); and ``prompt + max_tokens`` past the model context is refused up front.
 """
 
 from __future__ import annotations

@@ -114,6 +114,7 @@ class BeamHypothesis:
     cumulative_logprob: float  # float32 running sum, as ranked
     score: float  # cumulative_logprob / len(token_ids) ** length_penalty
     finish_reason: str  # "stop" or "length"
+    stop_reason: int | None = None  # the stop token (EOS or a stop id) that ended it, its last token; None at length
     text: str | None = None  # the output as text, its stop token left out: LLM.beam_search fills it (no tokenizer here)
     # per output token, with params.logprobs > 0: {token: logprob} of the top ones of its beam's distribution
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
@@ -337,6 +338,7 @@ class BeamRequest:
                     token_ids=parent.output_token_ids + [token], logprobs=parent.logprobs + [cands.logprobs[r]],
                     cumulative_logprob=float(cands.scores[r]), score=penalized[r],
                     finish_reason="stop" if token in self.eos else "length",
+                    stop_reason=token if token in self.eos else None,
                     top_logprobs=parent.top_logprobs + ([top] if top is not None else []),
                 ))  # fmt: skip
         self.finished = sorted(self.finished + new, key=lambda h: -h.score)[: p.width]

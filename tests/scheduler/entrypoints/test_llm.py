@@ -284,3 +284,24 @@ def test_beam_search_keeps_the_stop_token_text_when_asked(llm):
     best = out.hypotheses[0]
     assert best.token_ids == cut.hypotheses[0].token_ids and best.finish_reason == "stop"
     assert best.text == req.outputs[0].text == cut.hypotheses[0].text + llm.tokenizer.decode([stop])
+
+
+def test_beam_search_hypotheses_carry_the_stop_token_that_ended_them(llm):
+    """vLLM's BeamSearchSequence.stop_reason: a hypothesis ended by a stop id or EOS holds that token's id, one
+    ended at max_tokens holds None."""
+    prompt = "hello world"
+    (first,) = llm.beam_search(prompt, BeamSearchParams(width=3, max_tokens=8, ignore_eos=True))
+    stop = first.hypotheses[0].token_ids[2]  # on the best path: some hypotheses end on it
+    (out,) = llm.beam_search(prompt, BeamSearchParams(width=3, max_tokens=8, ignore_eos=True, stop_token_ids=(stop,)))
+    assert {h.finish_reason for h in out.hypotheses} == {"stop", "length"}
+    assert [h.stop_reason for h in out.hypotheses] == [stop if h.finish_reason == "stop" else None
+                                                      for h in out.hypotheses]  # fmt: skip
+    assert all(h.token_ids[-1] == stop for h in out.hypotheses if h.finish_reason == "stop")
+    scheduler, eos_ids = llm.engine.scheduler, llm.engine.scheduler.eos_token_ids
+    scheduler.eos_token_ids = frozenset({stop})  # the same token as the model's EOS
+    try:
+        (eos,) = llm.beam_search(prompt, BeamSearchParams(width=3, max_tokens=8))
+    finally:
+        scheduler.eos_token_ids = eos_ids
+    assert [(h.token_ids, h.stop_reason) for h in eos.hypotheses] == [(h.token_ids, h.stop_reason)
+                                                                      for h in out.hypotheses]  # fmt: skip

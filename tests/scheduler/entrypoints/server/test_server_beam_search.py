@@ -40,7 +40,7 @@ def test_completions_give_the_offline_hypotheses_best_first(served, offline, cli
     """n=3 beams: the choices are LLM.beam_search's hypotheses in rank order (text, finish reason); usage counts the
     prompt once and every hypothesis' tokens; temperature is ignored."""
     ids = _prompt_ids(served)
-    params, extra = dict(width=3, max_tokens=8, ignore_eos=True), {"ignore_eos": True}
+    params, extra, stop = dict(width=3, max_tokens=8, ignore_eos=True), {"ignore_eos": True}, None
     if case == "length_penalty":
         params["length_penalty"] = extra["length_penalty"] = 0.3
     if case == "stop":  # a stop id on the best path: some hypotheses end on it, their text keeps its text
@@ -52,6 +52,8 @@ def test_completions_give_the_offline_hypotheses_best_first(served, offline, cli
                                   extra_body=BEAM | extra)  # fmt: skip
     assert [(c.index, c.text, c.finish_reason) for c in r.choices] == [(i, t, f) for i, (t, f, _, _) in enumerate(ref)]
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), sum(n for _, _, n, _ in ref))
+    # a choice's stop_reason is a normal request's: the stop id that ended it (None for EOS, or at length)
+    assert [c.model_extra["stop_reason"] for c in r.choices] == [stop if f == "stop" else None for _, f, _, _ in ref]
     if case == "stop":
         assert any(f == "stop" for _, f, _, _ in ref) and any(f == "length" for _, f, _, _ in ref)
     wait_idle(served)
