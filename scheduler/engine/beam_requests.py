@@ -7,8 +7,10 @@ whose selection raises fails alone, as a request whose sampling raises does; the
 it ("error", every live beam freed) and returns its output with ``error`` set.
 
 A beam search's :class:`~scheduler.core.outputs.RequestOutput` holds its hypotheses best first
-(index = rank, finish reason "stop" or "length"); while it runs, or once aborted, the hypotheses so
-far and then its live beams (finish reason None, or "abort" / "error"), ``width`` at most.
+(index = rank, finish reason "stop" or "length"); while it runs, the hypotheses so far and then its
+live beams (finish reason None), ``width`` at most. Cut short (aborted, or failed alone), it holds the
+same, every one ending with "abort" / "error" (hypotheses too: none is final before the search ends),
+as every running sample of an aborted request does.
 """
 
 from __future__ import annotations

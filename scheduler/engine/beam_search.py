@@ -18,7 +18,9 @@ log-probabilities (vLLM: prompt + output tokens, top-``2W`` dicts), its text (fr
 :meth:`~scheduler.entrypoints.llm.LLM.beam_search`) is the output's, its stop token's text left out
 unless ``include_stop_str_in_output``; its ``stop_reason`` is vLLM's (the stop token that ended it, EOS
 included), but the server's choices report a sampled request's (None for EOS, where vLLM's server gives
-the EOS id); and ``prompt + max_tokens`` past the model context is refused up front.
+the EOS id); an aborted search ends every output it returns with "abort" (vLLM's keeps "stop" on its
+finished hypotheses and ranks the aborted beams among them); and ``prompt + max_tokens`` past the model
+context is refused up front.
 """
 
 from __future__ import annotations

@@ -297,9 +297,11 @@ class BeamRequest:
         return torch.stack([self.ready[s.seq_id] for s in self.beams])
 
     def outputs(self) -> list[CompletionOutput]:
-        """The hypotheses best first, then (a search cut short) its live beams best first; ``width`` at most,
-        each indexed by its rank."""
-        hyps = [(h.token_ids, h.logprobs, h.top_logprobs, h.cumulative_logprob, h.finish_reason)
+        """The hypotheses best first, then (a search not done) its live beams best first; ``width`` at most,
+        each indexed by its rank. Cut short (aborted or failed), every one ends with its live beams' reason: no
+        hypothesis is final before the search ends."""
+        cut = next((s.finish_reason for s in self.beams if s.is_finished), None)  # live beams end only if cut short
+        hyps = [(h.token_ids, h.logprobs, h.top_logprobs, h.cumulative_logprob, cut or h.finish_reason)
                 for h in self.finished]  # fmt: skip
         live = [(s.output_token_ids, s.logprobs, s.top_logprobs, s.cumulative_logprob, s.finish_reason)
                 for s in self.beams]  # fmt: skip

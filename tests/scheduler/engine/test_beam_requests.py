@@ -249,3 +249,25 @@ def test_searches_of_one_prompt_share_its_cached_blocks_unless_salted(tiny_hf, b
         _assert_same_hypotheses(_hypotheses(done[rid]), ref)
     assert done["b0"].num_cached_tokens > 0 and done["b1"].num_cached_tokens > 0 and done["b2"].num_cached_tokens == 0
     assert_all_freed(engine)
+
+
+@pytest.mark.parametrize("num_found", [1, 2])
+def test_an_aborted_search_ends_every_output_with_abort(tiny_hf, num_found):
+    """Aborted once it holds ``num_found`` hypotheses (2: all ``width`` of them, while it still runs), a search's
+    outputs are what it had, hypotheses first, and every one ends with "abort", as every sample of an aborted
+    request still running does: no hypothesis is final before the search ends (a later one may displace it)."""
+    prompt = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(7)).tolist()
+    (ref,) = BeamSearch(make_engine(tiny_hf)).generate([prompt], BeamSearchParams(width=2, ignore_eos=True))
+    stops = tuple(dict.fromkeys(ref.hypotheses[0].token_ids[1:6]))  # tokens on the best path end hypotheses early
+    params = BeamSearchParams(width=2, ignore_eos=True, stop_token_ids=stops, early_stopping="never")
+    engine = make_engine(tiny_hf)
+    req = engine.add_beam_search("b", prompt, params)
+    while len(req.finished) < num_found:
+        assert not engine.step()
+    assert not req.done and len(req.beams) == 2  # the case: it runs on
+    found = [h.token_ids for h in req.finished]
+    live = [s.output_token_ids for s in req.beams]
+    out = engine.abort("b")
+    assert out.finished and [c.token_ids for c in out.outputs] == (found + live)[:2]
+    assert [c.finish_reason for c in out.outputs] == ["abort", "abort"]
+    assert_all_freed(engine)
