@@ -47,3 +47,15 @@ def assert_all_freed(engine):
     assert stats.num_used == 0 and stats.num_sequences == 0
     engine.block_manager.check()
     assert not engine.has_unfinished_requests()
+
+
+def after_each_schedule(engine, record) -> None:
+    """Call ``record(out)`` with every SchedulerOutput the engine's scheduler makes from now on."""
+    schedule = engine.scheduler.schedule
+
+    def traced():
+        out = schedule()
+        record(out)
+        return out
+
+    engine.scheduler.schedule = traced

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from beam_helpers import NEW, WIDTH
-from sched_helpers import assert_all_freed, make_engine
+from sched_helpers import after_each_schedule, assert_all_freed, make_engine
 
 from scheduler.engine.beam_search import BeamSearch, BeamSearchParams
 
@@ -24,16 +24,14 @@ def _count_table_reads(engine) -> list[int]:
 
 def _expected_memory(engine) -> dict[str, list[tuple[int, int]]]:
     """Per search, per step: (distinct GPU blocks its beams hold, blocks summed over beams), read after scheduling."""
-    seen, schedule, bm = {}, engine.scheduler.schedule, engine.block_manager
+    seen, bm = {}, engine.block_manager
 
-    def traced():
-        out = schedule()
+    def record(_):
         for rid, req in engine.beams.live.items():
             tables = [bm.block_table(s.seq_id) for s in req.beams if s.seq_id in bm and not bm.is_swapped(s.seq_id)]
             seen.setdefault(rid, []).append((len({b for t in tables for b in t}), sum(map(len, tables))))
-        return out
 
-    engine.scheduler.schedule = traced
+    after_each_schedule(engine, record)
     return seen
 
 
