@@ -391,10 +391,10 @@ class Scheduler:
             # a group whose every sample was stopped (stop_samples) holds nothing until it is retired: never a victim
             victims = (g for g in reversed(pool) if g is not group and g not in scheduled and g.active())
             victim = next(victims, None)
-            if victim is None and self._alone(group) and self._never_grows(group):
-                self._refuse(group, step, f"its {max(s.num_tokens for s in group.active())} tokens cannot grow")
-                return False
             if victim is None and self._alone(group):
+                if self._never_grows(group):
+                    self._refuse(group, step, f"its {max(s.num_tokens for s in group.active())} tokens cannot grow")
+                    return False
                 group.restarted_alone_at = group.num_tokens
             self._preempt(victim or group, step)
             if victim is None:
