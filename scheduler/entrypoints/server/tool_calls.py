@@ -7,16 +7,18 @@
   message has one call of it whose ``arguments`` are the whole text, and ``content`` "" (vLLM's).
 - "required": the output is held to a JSON array (at least one item; exactly one with
   ``parallel_tool_calls: false``) of ``{"name": <a tool's name>, "parameters": <its schema>}``
-  objects; each becomes a call (arguments re-serialized), ``content`` "".
+  objects; each becomes a call (its arguments the ``parameters`` value's text as written), ``content`` "".
 - "auto": only with ``--enable-auto-tool-choice`` and ``--tool-call-parser`` (else a 400, as
   vLLM); the output is free and the parser (hermes) reads calls and content out of it; special
   tokens are kept in the text (vLLM's hermes parser asks the same: a tag may be a special token).
 
 ``finish_reason`` is "tool_calls" when "auto" found a call, else the sample's own ("stop" or
-"length"; vLLM's whole response says the same for a named or "required" call). Streamed, a named
-call's arguments go out as generated (the first delta with index 0, id, type and name); a
-"required" or "auto" call goes out whole once complete; the finish reason is the whole response's.
-Each call's id is ``chatcmpl-tool-<random hex>``.
+"length"; vLLM's whole response says the same for a named or "required" call). Streamed, a call's
+first delta has its index, id, type and name, the next ones its arguments' text as it is generated
+(a named call's from the first token; a "required" call's once its name's string closes; an "auto"
+call's once its block opens with its name and arguments, else whole at its closing tag: see
+``hermes_parser``); the finish reason is the whole response's. Each call's id is
+``chatcmpl-tool-<random hex>``.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from scheduler.entrypoints.server.hermes_parser import HermesReader
 from scheduler.entrypoints.server.protocol import ChatCompletionRequest
 from scheduler.entrypoints.server.sampling import FieldError
 from scheduler.entrypoints.server.tool_protocol import NamedToolChoice, Tool
-from scheduler.entrypoints.server.tool_streams import CallPiece, NamedReader, RequiredReader
+from scheduler.entrypoints.server.tool_streams import CallPiece, NamedReader, RequiredReader, joined
 
 AUTO_FLAGS = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
 Reader = NamedReader | RequiredReader | HermesReader
@@ -110,11 +112,8 @@ class ToolOutput:
         """A whole sample's message and finish reason."""
         reader = self.reader()
         pieces = reader.feed(text) + reader.finish()
-        calls: list[dict] = []
-        for p in (p for p in pieces if isinstance(p, CallPiece)):
-            if p.name is not None:
-                calls.append({"id": tool_call_id(), "type": "function", "function": {"name": p.name, "arguments": ""}})
-            calls[p.index]["function"]["arguments"] += p.arguments
+        calls = [{"id": tool_call_id(), "type": "function", "function": {"name": p.name, "arguments": p.arguments}}
+                 for p in joined(pieces)]  # fmt: skip
         content = "".join(p for p in pieces if isinstance(p, str))
         message = {"role": "assistant", "content": (content or None) if self.choice == "auto" else ""}
         message |= {"tool_calls": calls} if calls else {}
@@ -125,7 +124,7 @@ class ToolOutput:
         reader = self.readers.setdefault(choice, self.reader())
         pieces = reader.feed(text) + (reader.finish() if finish_reason else [])
         content = "".join(p for p in pieces if isinstance(p, str))
-        calls = [_delta_call(p) for p in pieces if isinstance(p, CallPiece)]
+        calls = [_delta_call(p) for p in joined(pieces)]
         if calls:
             self.called.add(choice)
         delta = ({"content": content} if content else {}) | ({"tool_calls": calls} if calls else {})

@@ -1,9 +1,15 @@
 """A sample's text, piece by piece, as content and tool calls: the named function's and "required"'s readers.
 
 A reader takes a sample's text in the pieces it is generated in (``feed``) and then its end
-(``finish``), and returns what they make: content text (``str``) and :class:`CallPiece` s. Fed the
-whole text at once, a reader returns the same content and calls as fed piece by piece: the
-non-streamed message and the streamed deltas come from one reading.
+(``finish``), and returns what they make: content text (``str``) and :class:`CallPiece` s, a call's
+name first, then its arguments' text as it is written. Fed the whole text at once, a reader returns
+the same content and calls (:func:`joined`) as fed piece by piece: the non-streamed message and the
+streamed deltas come from one reading.
+
+"required"'s output is held to an array of ``{"name", "parameters"}`` objects, in that order
+(xgrammar keeps a schema's property order); a call is named as soon as its name's string closes,
+and its arguments are the ``parameters`` value's raw text, streamed as it is written (parameters
+written before the name would be held until the name is known).
 """
 
 from __future__ import annotations
@@ -11,11 +17,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from scheduler.entrypoints.server.object_scanner import Event, ObjectScanner
+
 
 @dataclass(frozen=True)
 class CallPiece:
     """A piece of tool call ``index``: its first piece carries the function's ``name``, the others None;
-    the call's ``arguments`` are its pieces' arguments joined (JSON text)."""
+    the call's ``arguments`` are its pieces' arguments joined (JSON text, unless the sample was cut off in it)."""
 
     index: int
     name: str | None
@@ -54,51 +62,88 @@ class NamedReader:
 
 @dataclass
 class RequiredReader:
-    """"required"'s JSON array of ``{"name", "parameters"}`` objects: each call whole once its object closes."""
+    """"required"'s JSON array of ``{"name", "parameters"}`` objects: each call's name once its string closes, then
+    its parameters' raw text as it is written (the text before the name, if any, held until the name is known)."""
 
-    _text: list[str] = field(default_factory=list)  # the current element's characters
-    _depth: int = 0  # brackets open, the array's included
-    _in_string: bool = False
-    _escaped: bool = False
+    _state: str = "open"  # open (before the array), items (between its elements), done (after it)
+    _element: _Element | None = None  # the element being read
     _calls: int = 0
 
     def feed(self, text: str) -> list[str | CallPiece]:
-        """The calls whose objects close in ``text``."""
+        """The call pieces ``text`` makes."""
         out: list[str | CallPiece] = []
-        for ch in text:
-            if self._depth >= 2 or (self._depth == 1 and ch == "{"):
-                self._text.append(ch)
-            self._step(ch)
-            if self._depth == 1 and self._text:
-                out += self._element("".join(self._text))
-                self._text.clear()
+        while text:
+            if self._element is None:
+                text = self._between(text)
+                continue
+            events, used = self._element.scanner.feed(text)
+            pieces = self._element.read(events, self._calls)
+            self._calls += sum(p.name is not None for p in pieces)
+            out += pieces
+            if self._element.scanner.finished:
+                self._element = None
+            text = text[used:]
         return out
 
     def finish(self) -> list[str | CallPiece]:
-        """Nothing more: an element cut off (the sample ran out of tokens) is no call."""
+        """Nothing more: an element cut off (the sample ran out of tokens) is a call as far as it was written, if
+        its name was."""
         return []
 
-    def _step(self, ch: str) -> None:
-        if self._in_string:  # a bracket in a string is text; an escaped quote does not close it
-            if self._escaped:
-                self._escaped = False
-            elif ch == "\\":
-                self._escaped = True
-            elif ch == '"':
-                self._in_string = False
-        elif ch == '"':
-            self._in_string = True
-        elif ch in "[{":
-            self._depth += 1
-        elif ch in "]}":
-            self._depth -= 1
+    def _between(self, text: str) -> str:
+        """Skip the array's text outside its elements; the rest of ``text`` from the next element's ``{``."""
+        for i, ch in enumerate(text):
+            if self._state == "items" and ch == "{":
+                self._element = _Element()
+                return text[i:]
+            if (self._state, ch) in (("open", "["), ("items", "]")):
+                self._state = "items" if ch == "[" else "done"
+        return ""
 
-    def _element(self, text: str) -> list[str | CallPiece]:
+
+@dataclass
+class _Element:
+    """One element of "required"'s array: a call from its name's end, its parameters' text held until then."""
+
+    scanner: ObjectScanner = field(default_factory=ObjectScanner)
+    key: str | None = None  # the member being read
+    name: str = ""  # the name's raw text (a JSON string)
+    held: str = ""  # the parameters' text read before the name
+    index: int | None = None  # the call's index, once named
+
+    def read(self, events: list[Event], index: int) -> list[CallPiece]:
+        """The pieces of the call (``index`` once named) that ``events`` make."""
+        out: list[CallPiece] = []
+        for kind, text in events:
+            if kind == "key":
+                self.key = text
+            elif self.key == "name" and self.index is None:
+                self.name += text
+                out += self._named(index) if kind == "end" else []
+            elif self.key == "parameters" and kind == "text":
+                if self.index is None:
+                    self.held += text
+                else:
+                    out.append(CallPiece(self.index, None, text))
+        return out
+
+    def _named(self, index: int) -> list[CallPiece]:
+        """The call's first piece once its name is a non-empty string: the name and the parameters' text so far."""
         try:
-            call = call_of(json.loads(text), "parameters")
+            name = json.loads(self.name)
         except ValueError:
             return []
-        if call is None:
+        if not (isinstance(name, str) and name):
             return []
-        self._calls += 1
-        return [CallPiece(self._calls - 1, call.name, call.arguments)]
+        self.index, held, self.held = index, self.held, ""
+        return [CallPiece(index, name, held)]
+
+
+def joined(pieces: list[str | CallPiece]) -> list[CallPiece]:
+    """The call pieces among ``pieces``, those of one call joined into one (in order of their first)."""
+    calls: dict[int, CallPiece] = {}
+    for p in pieces:
+        if isinstance(p, CallPiece):
+            first = calls.get(p.index, p)
+            calls[p.index] = p if first is p else CallPiece(p.index, first.name, first.arguments + p.arguments)
+    return list(calls.values())

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler.entrypoints.server.hermes_parser import HermesReader, parse_hermes
+from scheduler.entrypoints.server.tool_streams import CallPiece, joined
 
 WEATHER = '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
 TIME = '<tool_call>{"name": "time", "arguments": {"zone": "\u00e9t\u00e9"}}</tool_call>'
@@ -58,21 +59,63 @@ def test_a_block_left_open_at_the_end_is_read_as_closed():
     assert parse_hermes("x <tool_call>{") == ("x <tool_call>{", [])
 
 
-def test_piecewise_reading_holds_back_a_partial_tag_and_sends_each_call_once_closed():
+def feed(text: str, cuts: list[int]) -> list:
+    """Everything a reader returns for ``text`` split at ``cuts``, then its end."""
+    bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
+    reader = HermesReader()
+    return [p for a, b in zip(bounds, bounds[1:]) for p in reader.feed(text[a:b])] + reader.finish()
+
+
+def test_piecewise_reading_holds_back_a_partial_tag_and_streams_a_call_name_first():
     reader = HermesReader()
     assert reader.feed("Hi <tool") == ["Hi "]
     assert reader.feed('_call>{"name": "time", ') == []
-    [call] = reader.feed('"arguments": {}}</tool_call> ok')[:1]
-    assert (call.index, call.name, call.arguments) == (0, "time", "{}")
-    assert reader.finish() == []
+    assert reader.feed('"arguments": {"zone": "a\\"}') == [CallPiece(0, "time", '{"zone": "a\\"}')]
+    assert reader.feed('"}}</tool_c') == [CallPiece(0, None, '"}')]  # the object's own brace is no argument
+    assert reader.feed("all> ok") + reader.finish() == [" ok"]
+
+
+def test_a_call_streamed_piece_by_piece_joins_into_the_whole_texts_call():
+    text = '<tool_call>\n{"name": "weather", "arguments": {"q": "{\\"}]", "n": [1, {"x": {}}]}}\n</tool_call>'
+    pieces = feed(text, list(range(len(text))))
+    assert pieces[0] == CallPiece(0, "weather", "{") and len(pieces) > 10
+    assert all(p.name is None for p in pieces[1:])
+    assert joined(pieces) == parse_hermes(text)[1] == [CallPiece(0, "weather", text[text.index("{\"q"):-14])]
+
+
+@pytest.mark.parametrize("body", [
+    '{"arguments": {"a": 1}, "name": "f"}',  # arguments first
+    '{"name": "f", "id": 3, "arguments": {"a": 1}}',  # another key between
+])  # fmt: skip
+def test_a_block_not_led_by_name_then_arguments_goes_out_whole_at_its_end(body):
+    reader = HermesReader()
+    assert reader.feed("<tool_call>" + body) == []
+    assert joined(reader.feed("</tool_call>") + reader.finish()) == [CallPiece(0, "f", '{"a": 1}')]
+
+
+def test_a_block_malformed_after_its_call_began_keeps_the_call_and_drops_the_rest():
+    """What a stream sends (as vLLM's: the rest of the block is no delta): never content and a call for one block's
+    text. Read whole, the same text is content, as any closed block that is not a call is."""
+    text = 'a <tool_call>{"name": "f", "arguments": {"x": 1}, oops}</tool_call> b'
+    streamed = feed(text, [text.index('{"x"') + 1])
+    assert streamed == ["a ", CallPiece(0, "f", "{"), CallPiece(0, None, '"x": 1}'), " b"]
+    assert parse_hermes(text) == (text, [])
+
+
+def test_a_call_cut_off_by_the_end_of_the_text_is_a_call_as_far_as_it_was_written_whole_or_streamed():
+    text = 'a <tool_call>{"name": "f", "arguments": {"x": 1'
+    assert parse_hermes(text) == ("a ", [CallPiece(0, "f", '{"x": 1')])
+    assert feed(text, [text.index('{"x"') + 1]) == ["a ", CallPiece(0, "f", "{"), CallPiece(0, None, '"x": 1')]
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.integers(0, 200), max_size=8))
+@given(st.lists(st.integers(0, 300), max_size=8))
 def test_any_split_reads_as_the_whole_text(cuts):
-    text = "Sure: " + WEATHER + " and <tool_call>{bad}</tool_call> <tool_" + TIME + " <tool_c"
-    bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
-    reader = HermesReader()
-    pieces = [p for a, b in zip(bounds, bounds[1:]) for p in reader.feed(text[a:b])] + reader.finish()
+    text = ("Sure: " + WEATHER + " and <tool_call>{bad}</tool_call> <tool_" + TIME + " <tool_c"
+            + '<tool_call>{"arguments": {"s": "\\"}"}, "name": "g"}</tool_call><tool_call>{"name": "h", "arguments": '
+            + '{"t": [{"u": "</tool"}]}}</tool_call> <tool_call>{"name": "i", "arguments": "x"}</tool_call>'
+            )  # fmt: skip
+    pieces = feed(text, cuts)
     content = "".join(p for p in pieces if isinstance(p, str))
-    assert (content or None, [p for p in pieces if not isinstance(p, str)]) == parse_hermes(text)
+    assert (content or None, joined(pieces)) == parse_hermes(text)
+    assert [c.name for c in joined(pieces)] == ["weather", "time", "g", "h"]

@@ -14,9 +14,13 @@ import json
 import httpx
 import jsonschema
 import pytest
-from server_helpers import CHAT, refused, serving, sse_events
+import xgrammar as xgr
+from server_helpers import CHAT, refused, serving
 
+from scheduler.core.structured_params import StructuredOutputsParams
 from scheduler.entrypoints.server.config import ServerConfig
+from scheduler.entrypoints.server.tool_calls import required_schema
+from scheduler.entrypoints.server.tool_protocol import Tool
 
 WEATHER = {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}, "days": {"enum": [1, 2, 3]}},
            "required": ["unit", "days"], "additionalProperties": False}  # fmt: skip
@@ -35,6 +39,7 @@ TOOL_TEMPLATE = (
     "unit={{ c['function']['arguments']['unit'] }}>{% endfor %}\n{% endfor %}[assistant]"
 )
 NAMED = {"type": "function", "function": {"name": "weather"}}
+AUTO_CALL = r'Hi <tool_call>\{"name": "clock", "arguments": \{"utc": (true|false)\}\}</tool_call>'  # "auto" calls
 
 
 @pytest.fixture(scope="module")
@@ -50,30 +55,8 @@ def ask(served, **body) -> httpx.Response:
     return served.post("chat/completions", {"model": served.model, "messages": CHAT, "max_tokens": 256, **body})
 
 
-def streamed(served, **body) -> tuple[dict[int, dict], dict[int, str]]:
-    """A streamed request's calls and finish reason per choice, rebuilt from its deltas (each call's first delta
-    carries its index, id, type and name; the later ones only argument text)."""
-    r = ask(served, stream=True, **body)
-    assert r.status_code == 200, r.text
-    calls: dict[int, list[dict]] = {}
-    finish: dict[int, str] = {}
-    for event in sse_events(r.text):
-        for choice in event["choices"]:
-            for delta in choice["delta"].get("tool_calls", []):
-                mine = calls.setdefault(choice["index"], [])
-                if "id" in delta:
-                    assert delta["id"].startswith("chatcmpl-tool-") and delta["type"] == "function"
-                    assert delta["index"] == len(mine)
-                    mine.append({"name": delta["function"]["name"], "arguments": ""})
-                assert "name" not in delta["function"] or "id" in delta
-                mine[delta["index"]]["arguments"] += delta["function"]["arguments"]
-            if choice["finish_reason"] is not None:
-                finish[choice["index"]] = choice["finish_reason"]
-    return calls, finish
-
-
 def whole(choice) -> list[dict]:
-    """A non-streamed choice's calls as ``streamed`` rebuilds them."""
+    """A non-streamed choice's calls, each its name and arguments."""
     return [{"name": c.function.name, "arguments": c.function.arguments} for c in choice.message.tool_calls or []]
 
 
@@ -138,16 +121,35 @@ def test_a_named_function_is_called_with_arguments_that_follow_its_schema(served
     assert len(ids) == 2
 
 
-@pytest.mark.parametrize("choice", [NAMED, "required"])
-def test_streamed_calls_are_the_whole_responses_calls(served, choice):
-    body = {"tools": TOOLS, "tool_choice": choice, "temperature": 0.0}
-    out = ask(served, **body)
-    assert out.status_code == 200, out.text
-    message = out.json()["choices"][0]
-    calls, finish = streamed(served, **body)
-    assert calls == {0: [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
-                         for c in message["message"]["tool_calls"]]}  # fmt: skip
-    assert finish == {0: message["finish_reason"]} and calls[0]
+def test_the_required_constraint_writes_each_calls_name_before_its_parameters(served):
+    """xgrammar keeps a schema's property order (its default): "required"'s reader names a call as soon as
+    its name's string closes, before any of its parameters."""
+    tools = [Tool.model_validate(t) for t in TOOLS]
+    grammar = served.llm.engine.structured.grammar(StructuredOutputsParams(json=required_schema(tools, True)))
+    assert xgr.GrammarMatcher(grammar).accept_string('[{"name": "clock", "parameters": {"utc": true}}]')
+    assert not xgr.GrammarMatcher(grammar).accept_string('[{"parameters"')
+
+
+@pytest.mark.parametrize("kind", ["named", "required", "auto"])
+def test_streamed_calls_are_the_whole_responses_arriving_in_pieces(served, client, kind):
+    kw = {"model": served.model, "messages": CHAT, "tools": TOOLS, "temperature": 0.0, "max_tokens": 256}
+    auto = {"tool_choice": "auto", "extra_body": {"structured_outputs": {"regex": AUTO_CALL}}}
+    kw |= {"named": {"tool_choice": NAMED}, "required": {"tool_choice": "required"}, "auto": auto}[kind]
+    out = client.chat.completions.create(**kw).choices[0]
+    calls, pieces, finish = [], [], None
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        [choice] = chunk.choices
+        finish = choice.finish_reason or finish
+        for delta in choice.delta.tool_calls or []:
+            if delta.id is not None:  # a call's first delta: its index, id, type and name
+                assert (delta.index, delta.type, delta.id[:14]) == (len(calls), "function", "chatcmpl-tool-")
+                calls.append({"name": delta.function.name, "arguments": ""})
+                pieces.append(0)
+            assert delta.id is not None or delta.function.name is None
+            calls[delta.index]["arguments"] += delta.function.arguments
+            pieces[delta.index] += bool(delta.function.arguments)
+    assert calls == whole(out) and finish == out.finish_reason
+    assert pieces[0] > 1, pieces  # the arguments came as they were generated, not whole
 
 
 def test_required_calls_follow_their_tools_schemas_and_parallel_false_makes_one(served, client):
@@ -161,9 +163,8 @@ def test_required_calls_follow_their_tools_schemas_and_parallel_false_makes_one(
                 jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
 
 
-def test_auto_reads_hermes_calls_out_of_the_text_whole_and_streamed(served, captured):
-    regex = r'Hi <tool_call>\{"name": "clock", "arguments": \{"utc": (true|false)\}\}</tool_call>'
-    body = {"tools": TOOLS, "tool_choice": "auto", "structured_outputs": {"regex": regex}, "temperature": 0.0}
+def test_auto_reads_hermes_calls_out_of_the_text(served, captured):
+    body = {"tools": TOOLS, "tool_choice": "auto", "structured_outputs": {"regex": AUTO_CALL}, "temperature": 0.0}
     out = ask(served, **body).json()["choices"][0]
     [(_, [params])] = captured
     assert params.skip_special_tokens is False  # as vLLM's hermes parser asks: a tag may be a special token
@@ -171,8 +172,5 @@ def test_auto_reads_hermes_calls_out_of_the_text_whole_and_streamed(served, capt
     assert out["message"]["content"] == "Hi " and out["finish_reason"] == "tool_calls"
     assert call["function"]["name"] == "clock" and json.loads(call["function"]["arguments"]) in ({"utc": True},
                                                                                                 {"utc": False})
-    calls, finish = streamed(served, **body)
-    assert calls == {0: [{"name": "clock", "arguments": call["function"]["arguments"]}]}
-    assert finish == {0: "tool_calls"}
     plain = ask(served, **{**body, "structured_outputs": {"regex": "no tools here"}}).json()["choices"][0]
     assert plain["message"] == {"role": "assistant", "content": "no tools here"} and plain["finish_reason"] == "stop"
