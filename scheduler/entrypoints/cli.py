@@ -44,6 +44,9 @@ def serve_parser() -> argparse.ArgumentParser:
                         "request gets 400")
     p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                    help="how \"auto\" reads tool calls out of the text: hermes, <tool_call>{...}</tool_call> tags")
+    p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                   help='a chat request with tool_choice "none" is rendered without its tools (vLLM\'s flag); '
+                        "default off: the chat template gets them whatever the tool choice")
     p.add_argument("--pin-prompt", default=None, metavar="FILE",
                    help="a system prompt (UTF-8 text file) kept on the device from start-up to shutdown: the "
                         "prefix every chat request with that system message starts with is never evicted")
@@ -115,6 +118,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         log_requests=not args.disable_log_requests, enable_dev_endpoints=args.enable_dev_endpoints,
         trust_request_chat_template=args.trust_request_chat_template,
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
     )  # fmt: skip
 
 

@@ -26,6 +26,7 @@ class ServerConfig:
     trust_request_chat_template: bool = False  # render with a request's own chat_template; off: a 400 naming it
     enable_auto_tool_choice: bool = False  # serve tool_choice "auto" (needs tool_call_parser); off: a 400 naming it
     tool_call_parser: str | None = None  # how "auto" reads tool calls out of the text: one of TOOL_CALL_PARSERS
+    exclude_tools_when_tool_choice_none: bool = False  # a chat with tool_choice "none" renders without its tools
 
     def __post_init__(self) -> None:
         for field in ("served_model_names", "api_keys"):
@@ -41,6 +42,7 @@ class ServerConfig:
         check_bool("enable_dev_endpoints", self.enable_dev_endpoints)
         check_bool("trust_request_chat_template", self.trust_request_chat_template)
         check_bool("enable_auto_tool_choice", self.enable_auto_tool_choice)
+        check_bool("exclude_tools_when_tool_choice_none", self.exclude_tools_when_tool_choice_none)
         if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
             expected = f"None or one of {TOOL_CALL_PARSERS}"
             raise InvalidArgumentError(describe("tool_call_parser", self.tool_call_parser, expected))

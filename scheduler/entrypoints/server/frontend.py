@@ -101,11 +101,15 @@ class Frontend:
                 "root": self.llm.model_name, "parent": None, "max_model_len": self.max_model_len}  # fmt: skip
 
     def chat_prompt(self, body: ChatRendering) -> list[int]:
-        """A conversation's prompt ids, rendered as the request asks; its own ``chat_template`` only when trusted."""
+        """A conversation's prompt ids, rendered as the request asks; its own ``chat_template`` only when trusted;
+        its tools left out for tool_choice "none" with --exclude-tools-when-tool-choice-none (a chat completion's:
+        /tokenize has no tool choice and always renders them, as vLLM's)."""
         if body.chat_template is not None and not self.config.trust_request_chat_template:
             expected = "no chat_template: this server runs without --trust-request-chat-template"
             raise FieldError("chat_template", describe("chat_template", "a template", expected))
-        return self.llm.chat_prompt(body.message_dicts(), **body.chat_options(), tools=body.tool_dicts())
+        none = isinstance(body, ChatCompletionRequest) and body.chosen_tool == "none"
+        tools = None if none and self.config.exclude_tools_when_tool_choice_none else body.tool_dicts()
+        return self.llm.chat_prompt(body.message_dicts(), **body.chat_options(), tools=tools)
 
     def check_in_vocab(self, name: str, token_ids: Iterable[int]) -> None:
         """FieldError naming ``name`` for the largest of ``token_ids`` if it is out of the model's vocabulary."""

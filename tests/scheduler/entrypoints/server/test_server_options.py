@@ -86,7 +86,8 @@ def test_requests_are_logged_unless_disabled(served, guarded, caplog):
                                               ("max_logprobs", 65), ("max_in_flight", 0), ("max_model_len", 0),
                                               ("max_request_bytes", 0), ("log_requests", 1),
                                               ("enable_dev_endpoints", "yes"),
-                                              ("trust_request_chat_template", 1)])  # fmt: skip
+                                              ("trust_request_chat_template", 1),
+                                              ("exclude_tools_when_tool_choice_none", "no")])  # fmt: skip
 def test_bad_options_are_refused_naming_them(field, value):
     with pytest.raises(PagedKVError, match=field):
         ServerConfig(**{field: value})

@@ -33,7 +33,8 @@ CALLED = [*CHAT, {"role": "assistant", "content": None, "tool_calls": [
               {"id": "call-1", "type": "function", "function": {"name": "weather", "arguments": '{"unit": "c"}'}}]},
           {"role": "tool", "tool_call_id": "call-1", "content": "sunny"}]  # fmt: skip
 TOOL_TEMPLATE = (
-    "{% for t in tools %}[tool {{ t['function']['name'] }}: {{ t['function']['parameters'] | tojson }}]\n{% endfor %}"
+    "{% for t in tools or [] %}[tool {{ t['function']['name'] }}: {{ t['function']['parameters'] | tojson }}]\n"
+    "{% endfor %}"
     "{% for m in messages %}[{{ m['role'] }}{% if m['tool_call_id'] %} {{ m['tool_call_id'] }}{% endif %}] "
     "{{ m['content'] }}{% for c in m['tool_calls'] or [] %}<call {{ c['function']['name'] }} "
     "unit={{ c['function']['arguments']['unit'] }}>{% endfor %}\n{% endfor %}[assistant]"
@@ -106,6 +107,28 @@ def test_tools_and_tool_messages_render_as_transformers_renders(served, template
     assert tokens.json()["tokens"] == tok(text, add_special_tokens=False)["input_ids"]
     if template:  # the template reads the tools and the calls: they are in the prompt
         assert "[tool weather:" in text and "<call weather unit=c>" in text and "[tool call-1] sunny" in text
+
+
+def test_exclude_tools_when_tool_choice_none_renders_a_none_chat_without_its_tools(served, monkeypatch):
+    front = served.app.state.frontend
+
+    def prompt_tokens(exclude: bool, **body) -> int:
+        config = dataclasses.replace(front.config, exclude_tools_when_tool_choice_none=exclude)
+        monkeypatch.setattr(front, "config", config)
+        out = ask(served, tools=TOOLS, chat_template=TOOL_TEMPLATE, max_tokens=1, **body)
+        assert out.status_code == 200, out.text
+        return out.json()["usage"]["prompt_tokens"]
+
+    def tokenized(**body) -> int:
+        out = httpx.post(f"{served.url}/tokenize", json={"messages": CHAT, "chat_template": TOOL_TEMPLATE, **body})
+        assert out.status_code == 200, out.text
+        return len(out.json()["tokens"])
+
+    with_tools, without = tokenized(tools=TOOLS), tokenized()
+    assert with_tools > without  # the template prints the tools
+    assert prompt_tokens(True, tool_choice="none") == without
+    assert prompt_tokens(False, tool_choice="none") == prompt_tokens(True, tool_choice=NAMED) == with_tools
+    assert prompt_tokens(True) == with_tools  # unset with tools: "auto"
 
 
 def test_a_named_function_is_called_with_arguments_that_follow_its_schema(served, client):
