@@ -13,13 +13,18 @@ import sys
 from openai import APIConnectionError, OpenAI
 
 
-def main() -> None:
-    """Ask one question and print the answer as it streams."""
+def connect() -> tuple[OpenAI, str]:
+    """A client of the server at ``PAGED_KV_URL`` and the name of the model it serves (exits if none answers)."""
     client = OpenAI(base_url=os.environ.get("PAGED_KV_URL", "http://127.0.0.1:8000/v1"), api_key="unused")
     try:
-        model = client.models.list().data[0].id
+        return client, client.models.list().data[0].id
     except APIConnectionError:
         sys.exit(f"no server at {client.base_url}: start one with `.venv/bin/paged-kv serve`")
+
+
+def main() -> None:
+    """Ask one question and print the answer as it streams."""
+    client, model = connect()
     stream = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "Give me one sentence about the ocean."}],
         max_tokens=48, temperature=0, stream=True, stream_options={"include_usage": True},

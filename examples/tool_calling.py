@@ -3,16 +3,14 @@
 Start the server first (``.venv/bin/paged-kv serve``), then run this. The request names the
 function to call (``tool_choice``), so the server holds the answer to the function's parameters
 schema: the call's arguments stream in as the engine samples them, then are parsed as JSON.
-``PAGED_KV_URL`` overrides the default address ``http://127.0.0.1:8000/v1``.
+``PAGED_KV_URL`` overrides the default address ``http://127.0.0.1:8000/v1`` (as for ``openai_client.py``).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import sys
 
-from openai import APIConnectionError, OpenAI
+from openai_client import connect  # this folder's: the client and the served model
 
 WEATHER = {
     "type": "function",
@@ -31,11 +29,7 @@ WEATHER = {
 
 def main() -> None:
     """Ask for the weather with get_weather as the tool to call; print the call as it streams, then its arguments."""
-    client = OpenAI(base_url=os.environ.get("PAGED_KV_URL", "http://127.0.0.1:8000/v1"), api_key="unused")
-    try:
-        model = client.models.list().data[0].id
-    except APIConnectionError:
-        sys.exit(f"no server at {client.base_url}: start one with `.venv/bin/paged-kv serve`")
+    client, model = connect()
     stream = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "What is the weather like in Paris?"}],
         tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}},
