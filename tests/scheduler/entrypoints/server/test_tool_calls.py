@@ -65,3 +65,16 @@ def test_a_message_and_its_deltas_hold_the_same_content_calls_and_finish(choice,
     assert said == (content or "") and chunks[-1][1] == finish
     assert args == "".join(c["function"]["arguments"] for c in message.get("tool_calls", []))
     assert tool_output(request([("erase", POINT)], tool_choice="none")) is None
+
+
+def test_a_required_calls_first_delta_names_it_and_one_delta_holds_one_entry_per_call():
+    out = tool_output(request([("erase", POINT)], tool_choice="required"))
+    text = '[{"name": "erase", "parameters": {"x": 12}}]'
+    named = text.index("erase") + len('erase"')
+    first, _ = out.delta(0, text[:named], None)
+    [call] = first["tool_calls"]
+    assert call["function"] == {"name": "erase", "arguments": ""} and call["id"].startswith("chatcmpl-tool-")
+    later, _ = out.delta(0, text[named : text.index(": 12")], None)
+    assert later == {"tool_calls": [{"index": 0, "function": {"arguments": '{"x"'}}]}
+    whole, _ = ToolOutput("required").delta(0, text, "stop")
+    assert [c["function"] for c in whole["tool_calls"]] == [{"name": "erase", "arguments": '{"x": 12}'}]
