@@ -41,9 +41,10 @@ advances ``num_computed`` to ``start + n`` at once (the step writes their KV); o
 scheduler writes ``num_computed``. A group admitted with ``n > 1`` samples forks them from
 its first sequence in the step that reaches its last prompt token: they share its blocks and
 sample from its logits row. A group of several sequences preempted for recompute is
-recomputed as a group: its first sequence alone up to the whole blocks they all start with,
-then the others are forked from it there (``SequenceGroup.parked``), so the shared prefix is
-computed and held once.
+recomputed as a group: its first sequence alone up to the whole blocks they all start with (or,
+sharing none, the tokens they all start with), then the others are forked from it there
+(``SequenceGroup.parked``), so the shared prefix is computed and held once and no step computes
+more than one sequence's tokens.
 
 A step that fails after ``schedule`` leaves its sequences' ``num_computed`` advanced with no KV
 written (or no token sampled): only an abort repairs that. The engine aborts the requests the
@@ -444,17 +445,22 @@ class Scheduler:
         for seq in group.parked:
             if seq.block_hashes is not None and seq.block_hashes.num_tokens < group.fork_at:
                 seq.block_hashes.extend(seq.token_ids[seq.block_hashes.num_tokens : group.fork_at])
-            # root holds exactly fork_at tokens: whole blocks, all shared
+            # root holds exactly fork_at tokens, all shared (a partial last block is copied on the first write)
             self.bm.fork(root.seq_id, seq.seq_id, hashes=seq.block_hashes)
             seq.num_computed, seq.status = group.fork_at, root.status
         group.parked, group.fork_at = [], 0
 
     def _park(self, group: SequenceGroup) -> None:
         """Before recomputing a group of several sequences: park all but the first until it reaches their shared
-        whole blocks (each sequence keeps at least one token of its own to compute)."""
+        whole blocks, or, if they share none, the tokens they share (the partial block is copied on write); each
+        sequence keeps at least one token of its own to compute.
+
+        No step then computes more than one sequence's tokens: without chunked prefill a request is admitted
+        against that budget alone, so recomputing diverged samples side by side could never be scheduled.
+        """
         seqs, bs = group.unfinished(), self.bm.block_size
         shared = min(_common_prefix_len([s.token_ids for s in seqs]), min(s.num_tokens for s in seqs) - 1)
-        group.fork_at = shared // bs * bs if len(seqs) > 1 else 0
+        group.fork_at = (shared // bs * bs or shared) if len(seqs) > 1 else 0
         group.parked = seqs[1:] if group.fork_at else []
 
     # -- preemption -------------------------------------------------------

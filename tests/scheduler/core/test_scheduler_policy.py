@@ -276,3 +276,20 @@ def test_stopping_a_sample_of_a_group_waiting_for_recompute(tiny_hf, which, queu
     done = _stop_run(engine, "b", pick)
     other = 1 - stopped[0]
     assert done["b"][stopped[0]][1] == "stop" and done["b"][other] == (other, "length", 20)
+
+
+def test_a_group_recomputed_without_chunked_prefill_fits_the_budget_of_one_sample(tiny_hf):
+    """Without chunked prefill, an n=2 request of a one-token prompt (its samples share no whole block) preempted for
+    recompute needs only one sample's tokens per step, as admitted: it is not refused as never fitting (found by
+    tests/scheduler/engine/test_engine_properties.py), and every request gives its lone tokens."""
+    params = [SamplingParams(max_tokens=2), SamplingParams(max_tokens=9),
+              SamplingParams(max_tokens=7, n=2, temperature=1.0, seed=0)]  # fmt: skip
+    config = dict(num_blocks=12, block_size=2, prefix=False, max_num_batched_tokens=9, max_num_seqs=3,
+                  enable_chunked_prefill=False)  # fmt: skip
+    engine = make_engine(tiny_hf, **config)
+    outs = engine.generate([[0]] * 3, params, use_tqdm=False)
+    assert engine.scheduler.num_preemptions["recompute"] > 0
+    assert [o.error for o in outs] == [None] * 3
+    lone = [make_engine(tiny_hf, block_size=2).generate([[0]], p, use_tqdm=False)[0] for p in params]
+    assert [[c.token_ids for c in o.outputs] for o in outs] == [[c.token_ids for c in o.outputs] for o in lone]
+    assert_all_freed(engine)

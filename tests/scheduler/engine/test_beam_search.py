@@ -155,8 +155,8 @@ def test_pruned_and_finished_beams_free_their_blocks_at_once(tiny_hf, beam_promp
 
 PREEMPTION = {
     # chunked re-prefill after recompute: some beams of a group reach their last token steps before the others
-    # (a budget of 32 tokens splits the beams' own suffixes after their group's shared prefix is recomputed)
-    "recompute": dict(num_blocks=36, max_num_batched_tokens=32, max_num_seqs=28),
+    # (a budget of 28 tokens splits the beams' own suffixes after their group's shared prefix is recomputed)
+    "recompute": dict(num_blocks=36, max_num_batched_tokens=28, max_num_seqs=28),
     "swap": dict(
         num_blocks=36, num_cpu_blocks=128, preemption_mode="swap", max_num_batched_tokens=160, max_num_seqs=28
     ),
