@@ -3,9 +3,9 @@ aborts and steps under random small configs.
 
 Every request that finishes gives what it gives alone on a fresh engine with a big pool; a live or
 aborted request's tokens so far are a prefix of that; an aborted id never comes back; every
-request ends; nothing leaks; the block manager's invariants hold after every step; the engine
-refuses (at admission) exactly the requests whose samples could never fit, and fails none
-("error") later.
+request ends; nothing leaks; every step keeps to its budgets and the block manager's invariants
+hold after it; the engine refuses (at admission) exactly the requests whose samples could never
+fit, and fails none ("error") later.
 """
 
 from __future__ import annotations
@@ -55,6 +55,14 @@ class Run:
         self.live: dict[str, tuple] = {}  # id -> (Request, its params) or (Beam, None)
         self.ended: set[str] = set()
         self.ids = 0
+        schedule = engine.scheduler.schedule
+
+        def within_budgets():  # every step keeps to its token and sequence budgets
+            out = schedule()
+            assert out.num_batched_tokens <= cfg.budget and len(out.scheduled) <= cfg.max_seqs
+            return out
+
+        engine.scheduler.schedule = within_budgets
 
     def add(self, req: Request | Beam) -> None:
         """Add a request or a beam search under a new id: refused (InvalidArgumentError) iff it can never fit."""
