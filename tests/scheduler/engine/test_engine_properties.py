@@ -162,7 +162,7 @@ def greedy(prompt: tuple[int, ...], max_tokens: int) -> Request:
     return Request(prompt, max_tokens, n=1, seed=None, stop_pick=None, salt=None, priority=0)
 
 
-@settings(max_examples=150, derandomize=True, database=None, deadline=None,
+@settings(max_examples=200, derandomize=True, database=None, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])  # fmt: skip
 @given(cfg=configs(), ops=st.lists(operations, min_size=2, max_size=30))
 @example(  # diverged samples recomputed without chunked prefill (test_scheduler_policy)
