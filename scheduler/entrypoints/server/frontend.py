@@ -39,7 +39,7 @@ from scheduler.entrypoints.server.sampling import (
     structured_outputs,
 )
 from scheduler.entrypoints.server.serving import ResponseContext
-from scheduler.entrypoints.server.tool_calls import ToolOutput, check_tools, tool_constraint, tool_output
+from scheduler.entrypoints.server.tool_calling.choice import ToolOutput, check_tools, tool_constraint, tool_output
 
 log = logging.getLogger("paged_kv.server")
 Prompts = list[tuple[list[int], str | None]]  # each prompt's token ids and its text (None: given as ids)

@@ -11,11 +11,11 @@ field's default. A field is one of:
 - a structured-output field (``sampling.STRUCTURED_FIELDS``): given to ``sampling.structured_outputs``;
 - ``Neutral``: a feature this server lacks, accepted only at the value that asks for nothing.
 
-Tool calling (``tool_calls``): ``tools``, ``tool_choice`` and ``parallel_tool_calls``, and the
+Tool calling (``tool_calling``): ``tools``, ``tool_choice`` and ``parallel_tool_calls``, and the
 ``tool`` role and an assistant's ``tool_calls`` in ``messages``, have their shapes here
-(``tool_protocol``: strict, OpenAI's function names, ``parameters`` a JSON schema, unique names); the
-checks that need the server's options or several fields (a named function among ``tools``, "auto"
-only with ``--enable-auto-tool-choice``, no beam search, no second constraint) are ``tool_calls``'.
+(``tool_calling.protocol``: strict, OpenAI's function names, ``parameters`` a JSON schema, unique names);
+the checks that need the server's options or several fields (a named function among ``tools``, "auto"
+only with ``--enable-auto-tool-choice``, no beam search, no second constraint) are ``tool_calling.choice``'s.
 
 With ``use_beam_search`` (vLLM's), ``n`` is the beam width and ``length_penalty`` ranks the
 hypotheses; a field that would not apply to a beam search is refused unless neutral
@@ -36,7 +36,7 @@ from pydantic_core import PydanticCustomError
 from scheduler.core.params import MAX_SAMPLES
 from scheduler.entrypoints.chat_rendering import ChatOptions
 from scheduler.entrypoints.server.openai_model import OpenAIModel
-from scheduler.entrypoints.server.tool_protocol import MessageToolCall, ToolChoice, Tools
+from scheduler.entrypoints.server.tool_calling.protocol import MessageToolCall, ToolChoice, Tools
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]

@@ -15,7 +15,7 @@ decoded_token}}``. A log-probability of -inf (a token a grammar rules out) is se
 ``LOGPROB_FLOOR``, as vLLM sends it: JSON has no infinity. A stream with ``include_usage`` ends with a usage
 chunk; with vLLM's ``continuous_usage_stats`` each chunk before it carries its prompt's tokens and its choice's
 tokens streamed so far. A chat with a tool choice other than "none" gets its messages, deltas and finish
-reasons from its ``tool_calls.ToolOutput`` (a delta it holds back entirely sends no chunk).
+reasons from its ``tool_calling.choice.ToolOutput`` (a delta it holds back entirely sends no chunk).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import TypeVar
 
 from scheduler.entrypoints.detokenizer import REPLACEMENT
 from scheduler.entrypoints.output_processor import SampleDelta, TextCompletion, TextRequestOutput
-from scheduler.entrypoints.server.tool_calls import ToolOutput
+from scheduler.entrypoints.server.tool_calling.choice import ToolOutput
 
 Shown = TypeVar("Shown", TextCompletion, SampleDelta)  # a whole sample, or one step's delta of it
 LOGPROB_FLOOR = -9999.0  # what JSON shows of a log-probability of -inf (or NaN), as vLLM's

@@ -9,7 +9,7 @@ import pytest
 
 from scheduler.entrypoints.server.protocol import ChatCompletionRequest
 from scheduler.entrypoints.server.sampling import FieldError
-from scheduler.entrypoints.server.tool_calls import ToolOutput, required_schema, tool_output
+from scheduler.entrypoints.server.tool_calling.choice import ToolOutput, required_schema, tool_output
 
 POINT = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
 SHAPE = {"type": "object", "properties": {"at": {"$ref": "#/$defs/point"}}, "required": ["at"],

@@ -19,8 +19,8 @@ from server_helpers import CHAT, refused, serving
 
 from scheduler.core.structured_params import StructuredOutputsParams
 from scheduler.entrypoints.server.config import ServerConfig
-from scheduler.entrypoints.server.tool_calls import required_schema
-from scheduler.entrypoints.server.tool_protocol import Tool
+from scheduler.entrypoints.server.tool_calling.choice import required_schema
+from scheduler.entrypoints.server.tool_calling.protocol import Tool
 
 WEATHER = {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}, "days": {"enum": [1, 2, 3]}},
            "required": ["unit", "days"], "additionalProperties": False}  # fmt: skip

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from scheduler.entrypoints.server.object_scanner import Event, ObjectScanner
+from scheduler.entrypoints.server.tool_calling.object_scanner import Event, ObjectScanner
 
 
 @dataclass(frozen=True)

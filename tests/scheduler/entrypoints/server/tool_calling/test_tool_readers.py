@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.entrypoints.server.tool_streams import CallPiece, NamedReader, RequiredReader, joined
+from scheduler.entrypoints.server.tool_calling.readers import CallPiece, NamedReader, RequiredReader, joined
 
 REQUIRED = ('[{"name": "weather", "parameters": {"city": "Pa]ri}s\\"{"}}, '
             '{"name": "time", "parameters": {"zone": [1, {"a": 2}]}}]')  # fmt: skip

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.entrypoints.server.object_scanner import ObjectScanner
+from scheduler.entrypoints.server.tool_calling.object_scanner import ObjectScanner
 
 TEXT = ' {"na\\"me": "we]a\\"th{er" , "args" :{"a": [1, {"b": "}"}]} , "n": -1.5e3 , "t":true,"z":null}tail'
 

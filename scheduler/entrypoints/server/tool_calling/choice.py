@@ -17,7 +17,7 @@
 first delta has its index, id, type and name, the next ones its arguments' text as it is generated
 (a named call's from the first token; a "required" call's once its name's string closes; an "auto"
 call's once its block opens with its name and arguments, else whole at its closing tag: see
-``hermes_parser``); the finish reason is the whole response's. Each call's id is
+``hermes``); the finish reason is the whole response's. Each call's id is
 ``chatcmpl-tool-<random hex>``.
 """
 
@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 
 from paged_kv.errors import describe
 from scheduler.core.structured_params import StructuredOutputsParams
-from scheduler.entrypoints.server.hermes_parser import HermesReader
 from scheduler.entrypoints.server.protocol import ChatCompletionRequest
 from scheduler.entrypoints.server.sampling import FieldError
-from scheduler.entrypoints.server.tool_protocol import NamedToolChoice, Tool
-from scheduler.entrypoints.server.tool_streams import CallPiece, NamedReader, RequiredReader, joined
+from scheduler.entrypoints.server.tool_calling.hermes import HermesReader
+from scheduler.entrypoints.server.tool_calling.protocol import NamedToolChoice, Tool
+from scheduler.entrypoints.server.tool_calling.readers import CallPiece, NamedReader, RequiredReader, joined
 
 AUTO_FLAGS = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
 Reader = NamedReader | RequiredReader | HermesReader

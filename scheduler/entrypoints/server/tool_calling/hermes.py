@@ -23,8 +23,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from scheduler.entrypoints.server.object_scanner import ObjectScanner
-from scheduler.entrypoints.server.tool_streams import CallPiece, call_of, joined
+from scheduler.entrypoints.server.tool_calling.object_scanner import ObjectScanner
+from scheduler.entrypoints.server.tool_calling.readers import CallPiece, call_of, joined
 
 START, END = "<tool_call>", "</tool_call>"
 

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.entrypoints.server.hermes_parser import HermesReader, parse_hermes
-from scheduler.entrypoints.server.tool_streams import CallPiece, joined
+from scheduler.entrypoints.server.tool_calling.hermes import HermesReader, parse_hermes
+from scheduler.entrypoints.server.tool_calling.readers import CallPiece, joined
 
 WEATHER = '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
 TIME = '<tool_call>{"name": "time", "arguments": {"zone": "\u00e9t\u00e9"}}</tool_call>'
