@@ -7,6 +7,7 @@ import json
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tool_helpers import CALLS, STYLES, read_split, write
 
 from scheduler.entrypoints.server.tool_calling.hermes import HermesReader, parse_hermes
 from scheduler.entrypoints.server.tool_calling.readers import CallPiece, joined
@@ -119,3 +120,19 @@ def test_any_split_reads_as_the_whole_text(cuts):
     content = "".join(p for p in pieces if isinstance(p, str))
     assert (content or None, joined(pieces)) == parse_hermes(text)
     assert [c.name for c in joined(pieces)] == ["weather", "time", "g", "h"]
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(CALLS, STYLES), min_size=1, max_size=3), st.text(max_size=4),
+       st.lists(st.integers(0, 10**4), max_size=12))  # fmt: skip
+def test_written_calls_read_back_whole_and_in_any_split(written, before, cuts):
+    """Names needing escapes, \\u escapes, non-ASCII text, {} arguments and any whitespace, split anywhere: each call
+    reads back as written (arguments decoding to what was written), and a stream joins into the whole reading."""
+    text = before.replace("<", "") + "".join(
+        f"<tool_call>{s[1]}{{{write('name', s)}:{s[1]}{write(n, s)},{write('arguments', s)}:{write(a, s)}}}</tool_call>"
+        for (n, a), s in written
+    )  # fmt: skip
+    content, whole = parse_hermes(text)
+    assert [(c.name, json.loads(c.arguments)) for c in whole] == [call for call, _ in written]
+    pieces = read_split(HermesReader(), text, cuts)
+    assert ("".join(p for p in pieces if isinstance(p, str)) or None, joined(pieces)) == (content, whole)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tool_helpers import CALLS, STYLES, read_split, write
 
 from scheduler.entrypoints.server.tool_calling.readers import CallPiece, NamedReader, RequiredReader, joined
 
@@ -64,3 +67,14 @@ def test_any_split_reads_as_the_whole_text(cuts, kind):
     fed = reader()
     pieces = [p for a, b in zip(bounds, bounds[1:]) for p in fed.feed(REQUIRED[a:b])] + fed.finish()
     assert joined(pieces) == joined(read(reader(), REQUIRED, len(REQUIRED)))
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(st.lists(CALLS, min_size=1, max_size=3), STYLES, st.lists(st.integers(0, 10**4), max_size=12))
+def test_written_required_calls_read_back_whole_and_in_any_split(calls, style, cuts):
+    """"required"'s array with names needing escapes, \\u escapes, {} parameters and any whitespace, split anywhere:
+    each call reads back as written, and a stream joins into the whole reading."""
+    text = write([{"name": n, "parameters": a} for n, a in calls], style)
+    whole = joined(read(RequiredReader(), text, len(text)))
+    assert [(c.name, json.loads(c.arguments)) for c in whole] == calls
+    assert joined(read_split(RequiredReader(), text, cuts)) == whole
