@@ -12,8 +12,9 @@
   vLLM); the output is free and the parser (hermes) reads calls and content out of it; special
   tokens are kept in the text (vLLM's hermes parser asks the same: a tag may be a special token).
 
-``finish_reason`` is "tool_calls" when "auto" found a call, else the sample's own ("stop" or
-"length"; vLLM's whole response says the same for a named or "required" call). Streamed, a call's
+``finish_reason`` is "tool_calls" when an "auto" or "required" sample made a call and stopped, else the
+sample's own: "stop" for a named call, "length" for one cut off (OpenAI's; vLLM says "tool_calls" for an
+"auto" call cut off, and streamed for a "required" one too). Streamed, a call's
 first delta has its index, id, type and name, the next ones its arguments' text as it is generated
 (a named call's from the first token; a "required" call's once its name's string closes; an "auto"
 call's once its block opens with its name and arguments, else whole at its closing tag: see
@@ -100,7 +101,7 @@ class ToolOutput:
 
     choice: str | NamedToolChoice  # "required", "auto" or a named function
     readers: dict[int, Reader] = field(default_factory=dict)  # per streamed choice
-    called: set[int] = field(default_factory=set)  # streamed choices with an "auto" call
+    called: set[int] = field(default_factory=set)  # streamed choices that made a call
 
     def reader(self) -> Reader:
         """A fresh reader of one sample's text."""
@@ -131,7 +132,9 @@ class ToolOutput:
         return delta, self._finish(finish_reason, choice in self.called)
 
     def _finish(self, finish_reason: str | None, called: bool) -> str | None:
-        return "tool_calls" if finish_reason and called and self.choice == "auto" else finish_reason
+        """"tool_calls" for an "auto" or "required" sample that made a call and stopped; else the sample's own."""
+        chose = not isinstance(self.choice, NamedToolChoice)
+        return "tool_calls" if finish_reason == "stop" and called and chose else finish_reason
 
 
 def _delta_call(p: CallPiece) -> dict:

@@ -180,7 +180,7 @@ def test_required_calls_follow_their_tools_schemas_and_parallel_false_makes_one(
         out = client.chat.completions.create(model=served.model, messages=CHAT, tools=TOOLS, tool_choice="required",
                                              n=3, seed=11, max_tokens=400, parallel_tool_calls=parallel)  # fmt: skip
         for choice in out.choices:
-            assert choice.finish_reason == "stop" and choice.message.tool_calls, choice
+            assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
             assert parallel or len(choice.message.tool_calls) == 1
             for call in choice.message.tool_calls:
                 jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])

@@ -49,7 +49,7 @@ ERASE = [("erase", {"x": 1})]
 @pytest.mark.parametrize(("choice", "text", "content", "calls", "finish"), [
     ("auto", 'ok <tool_call>{"name": "erase", "arguments": {"x": 1}}</tool_call>', "ok ", ERASE, "tool_calls"),
     ("auto", "just text", "just text", [], "stop"),
-    ("required", '[{"name": "erase", "parameters": {"x": 1}}]', "", ERASE, "stop"),
+    ("required", '[{"name": "erase", "parameters": {"x": 1}}]', "", ERASE, "tool_calls"),
     ({"type": "function", "function": {"name": "erase"}}, '{"x": 1}', "", ERASE, "stop"),
 ])  # fmt: skip
 def test_a_message_and_its_deltas_hold_the_same_content_calls_and_finish(choice, text, content, calls, finish):
@@ -65,6 +65,19 @@ def test_a_message_and_its_deltas_hold_the_same_content_calls_and_finish(choice,
     assert said == (content or "") and chunks[-1][1] == finish
     assert args == "".join(c["function"]["arguments"] for c in message.get("tool_calls", []))
     assert tool_output(request([("erase", POINT)], tool_choice="none")) is None
+
+
+@pytest.mark.parametrize(("choice", "text"), [
+    ("auto", '<tool_call>{"name": "erase", "arguments": {"x": 1'),
+    ("required", '[{"name": "erase", "parameters": {"x": 1'),
+    ({"type": "function", "function": {"name": "erase"}}, '{"x": 1'),
+])  # fmt: skip
+def test_a_call_cut_off_by_max_tokens_finishes_with_length_whole_and_streamed(choice, text):
+    """"tool_calls" tells a client to run the calls; one cut off has arguments that are no JSON yet (as OpenAI)."""
+    out = tool_output(request([("erase", POINT)], tool_choice=choice))
+    message, finish = out.message(text, "length")
+    assert message["tool_calls"][0]["function"]["arguments"] == '{"x": 1' and finish == "length"
+    assert out.delta(0, text, "length")[1] == "length"
 
 
 def test_a_required_calls_first_delta_names_it_and_one_delta_holds_one_entry_per_call():
