@@ -45,21 +45,27 @@ def check_tools(body: ChatCompletionRequest, auto_enabled: bool, constraints: di
     if choice == "none":
         return
     shown = choice if isinstance(choice, str) else f"function {choice.function.name!r}"
-    if not body.tools:
-        raise FieldError("tool_choice", describe("tool_choice", shown, '"none" or unset when no tools are given'))
-    names = [t.function.name for t in body.tools]
-    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-        raise FieldError("tool_choice", describe("tool_choice", shown, f"a function of tools: one of {names}"))
-    if choice == "auto" and not auto_enabled:
-        raise FieldError("tool_choice", describe("tool_choice", shown, f'"none", "required" or a named function: '
-                                                 f"{AUTO_FLAGS} (or tool_choice \"none\")"))  # fmt: skip
-    if body.use_beam_search:
-        expected = '"none" with use_beam_search (the beams are not read for tool calls)'
+    expected = _expected_choice(body, auto_enabled)
+    if expected is not None:
         raise FieldError("tool_choice", describe("tool_choice", shown, expected))
     if choice != "auto" and constraints:
         name = "structured_outputs" if body.structured_outputs is not None else "response_format"
         expected = f"null or a text format when tool_choice is {shown} (the call's schema is the constraint)"
         raise FieldError(name, describe(name, getattr(body, name), expected))
+
+
+def _expected_choice(body: ChatCompletionRequest, auto_enabled: bool) -> str | None:
+    """What ``tool_choice`` must be instead, when this request's tools or fields or the server's options refuse it."""
+    choice, names = body.chosen_tool, [t.function.name for t in body.tools or []]
+    if not names:
+        return '"none" or unset when no tools are given'
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+        return f"a function of tools: one of {names}"
+    if choice == "auto" and not auto_enabled:
+        return f'"none", "required" or a named function: {AUTO_FLAGS}'
+    if body.use_beam_search:
+        return '"none" with use_beam_search (the beams are not read for tool calls)'
+    return None
 
 
 def tool_constraint(body: ChatCompletionRequest) -> dict[str, object]:
@@ -84,10 +90,15 @@ def required_schema(tools: list[Tool], parallel: bool) -> dict[str, object]:
             if defs.setdefault(name, definition) != definition:
                 expected = "one schema per $defs name across the tools (they share one array schema)"
                 raise FieldError("tools", describe("tools $defs name", name, expected))
-        items.append({"type": "object", "properties": {"name": {"enum": [tool.function.name]},
-                      "parameters": parameters}, "required": ["name", "parameters"]})  # fmt: skip
+        items.append(_call_schema(tool.function.name, parameters))
     schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
     return schema | ({} if parallel else {"maxItems": 1}) | ({"$defs": defs} if defs else {})
+
+
+def _call_schema(name: str, parameters: dict[str, object]) -> dict[str, object]:
+    """One item of "required"'s array: ``{"name": name, "parameters": <its schema>}``, in that order."""
+    properties = {"name": {"enum": [name]}, "parameters": parameters}
+    return {"type": "object", "properties": properties, "required": ["name", "parameters"]}
 
 
 def tool_call_id() -> str:
@@ -113,8 +124,7 @@ class ToolOutput:
         """A whole sample's message and finish reason."""
         reader = self.reader()
         pieces = reader.feed(text) + reader.finish()
-        calls = [{"id": tool_call_id(), "type": "function", "function": {"name": p.name, "arguments": p.arguments}}
-                 for p in joined(pieces)]  # fmt: skip
+        calls = [_message_call(p) for p in joined(pieces)]
         content = "".join(p for p in pieces if isinstance(p, str))
         message = {"role": "assistant", "content": (content or None) if self.choice == "auto" else ""}
         message |= {"tool_calls": calls} if calls else {}
@@ -137,12 +147,16 @@ class ToolOutput:
         return "tool_calls" if finish_reason == "stop" and called and chose else finish_reason
 
 
+def _message_call(p: CallPiece) -> dict:
+    """A whole call as a message's ``tool_calls`` entry."""
+    return {"id": tool_call_id(), "type": "function", "function": {"name": p.name, "arguments": p.arguments}}
+
+
 def _delta_call(p: CallPiece) -> dict:
     """A call's piece as a streamed ``tool_calls`` entry: its first with id, type and name."""
     if p.name is None:
         return {"index": p.index, "function": {"arguments": p.arguments}}
-    return {"index": p.index, "id": tool_call_id(), "type": "function",
-            "function": {"name": p.name, "arguments": p.arguments}}  # fmt: skip
+    return {"index": p.index, **_message_call(p)}
 
 
 def tool_output(body: ChatCompletionRequest) -> ToolOutput | None:
