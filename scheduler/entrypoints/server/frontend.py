@@ -135,7 +135,9 @@ class Frontend:
         if body.chosen_tool == "auto":  # as vLLM's hermes parser asks: a tool tag may be a special token
             body.skip_special_tokens = False
         tool = tool_constraint(body)
-        return (tool, "tools", tool_output(body)) if tool else (constraints, param, tool_output(body))
+        if tool:  # a named or "required" call's schema (check_tools refused any other constraint with it)
+            constraints, param = tool, "tools"
+        return constraints, param, tool_output(body)
 
     async def prepare(self, body: SamplingFields, kind: str, encode: Callable[[], Prompts], num_prompts: int,
                       limit: tuple[str, int | None], logprobs: int | None

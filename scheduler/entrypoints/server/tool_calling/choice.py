@@ -36,7 +36,7 @@ from scheduler.entrypoints.server.tool_calling.protocol import NamedToolChoice, 
 from scheduler.entrypoints.server.tool_calling.readers import CallPiece, NamedReader, RequiredReader, joined
 
 AUTO_FLAGS = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
-Reader = NamedReader | RequiredReader | HermesReader
+Reader = NamedReader | RequiredReader | HermesReader  # a sample's reader: a named call's, "required"'s, "auto"'s
 
 
 def check_tools(body: ChatCompletionRequest, auto_enabled: bool, constraints: dict[str, object]) -> None:

@@ -17,7 +17,7 @@ from pydantic import AfterValidator, Field
 
 from scheduler.entrypoints.server.openai_model import OpenAIModel
 
-FunctionName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+FunctionName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]  # OpenAI's rule
 
 
 def _schema(value: dict[str, Any]) -> dict[str, Any]:
@@ -56,7 +56,7 @@ def _unique(tools: list[Tool]) -> list[Tool]:
     return tools
 
 
-Tools = Annotated[list[Tool], Field(min_length=1), AfterValidator(_unique)]
+Tools = Annotated[list[Tool], Field(min_length=1), AfterValidator(_unique)]  # ``tools``: one or more, names unique
 
 
 class ChosenFunction(OpenAIModel):
@@ -72,7 +72,7 @@ class NamedToolChoice(OpenAIModel):
     function: ChosenFunction
 
 
-ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice  # ``tool_choice``
 
 
 def _json_text(value: str) -> str:
