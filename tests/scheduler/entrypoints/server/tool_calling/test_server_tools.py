@@ -173,6 +173,10 @@ def test_streamed_calls_are_the_whole_responses_arriving_in_pieces(served, clien
             pieces[delta.index] += bool(delta.function.arguments)
     assert calls == whole(out) and finish == out.finish_reason
     assert pieces[0] > 1, pieces  # the arguments came as they were generated, not whole
+    with client.chat.completions.stream(**kw) as stream:  # the client's own accumulator joins the deltas
+        joined = stream.get_final_completion().choices[0]
+    accumulated = (whole(joined), joined.message.content or "", joined.finish_reason)
+    assert accumulated == (whole(out), out.message.content or "", out.finish_reason)
 
 
 def test_required_calls_follow_their_tools_schemas_and_parallel_false_makes_one(served, client):
