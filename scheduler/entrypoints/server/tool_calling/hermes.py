@@ -27,6 +27,7 @@ from scheduler.entrypoints.server.tool_calling.object_scanner import ObjectScann
 from scheduler.entrypoints.server.tool_calling.readers import CallPiece, call_of, joined
 
 START, END = "<tool_call>", "</tool_call>"
+LEAD = ("name", "arguments")  # the keys a block streamed as it is written opens with, in this order
 
 
 @dataclass
@@ -118,7 +119,7 @@ class _Block:
 
     body: str = ""
     scanner: ObjectScanner = field(default_factory=ObjectScanner)
-    keys: list[str] = field(default_factory=list)
+    members: int = 0  # the members whose key was read
     name_text: str = ""  # the name's raw text (a JSON string)
     name: str = ""  # the name, once its text ends
     arguments: str = ""  # the arguments' raw text so far, while it leads
@@ -146,16 +147,18 @@ class _Block:
     def _event(self, kind: str, piece: str) -> str:
         """Follow one scanner event: the arguments text it adds while the block leads."""
         if kind == "key":
-            self.keys.append(piece)
-            if len(self.keys) <= 2 and piece != ("name", "arguments")[len(self.keys) - 1]:
+            self.members += 1
+            if self.members <= len(LEAD) and piece != LEAD[self.members - 1]:
                 self.leads = False
-        elif self.leads is False or len(self.keys) > 2:
-            pass
-        elif len(self.keys) == 1:
+            return ""
+        if self.leads is False or self.members > len(LEAD):
+            return ""
+        if self.members == 1:  # the name's text
             self.name_text += piece
             if kind == "end" and not self._named():
                 self.leads = False
-        elif kind == "text":
+            return ""
+        if kind == "text":  # the arguments' text: the block leads once it is an object
             self.leads = self.leads or piece.startswith("{")
             return piece if self.leads else ""
         return ""
