@@ -33,7 +33,7 @@ def main() -> None:
     stream = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "What is the weather like in Paris?"}],
         tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        max_tokens=64, temperature=0, stream=True,
+        max_tokens=128, temperature=0, stream=True,
     )  # fmt: skip
     arguments = ""
     for chunk in stream:
