@@ -1,0 +1,5 @@
+"""Reasoning outputs on chat completions (vLLM's ``--reasoning-parser``): the thinking split out of the answer.
+
+- ``reader``: the incremental reader of a sample's text into reasoning and content, and the parsers' tags and rules.
+- ``output``: a request's checks and its messages' and deltas' ``reasoning`` fields (``ReasoningOutput``).
+"""

@@ -1,0 +1,99 @@
+"""A sample's text, piece by piece, as reasoning and content: the reader behind ``--reasoning-parser``.
+
+A reasoning model writes its thinking between a start tag and an end tag (``<think>``, ``</think>``),
+then its answer. The reader, as vLLM's parsers (``deepseek_r1``, ``qwen3``):
+
+- a start tag that opens the output (after any whitespace) is dropped, and what follows is reasoning;
+- an output that does not open with it is reasoning too when the parser's ``implicit_start`` says the
+  model may begin inside its thinking (the chat template wrote the start tag into the prompt), else content;
+- the first end tag ends the reasoning: it is dropped and everything after it, later tags included, is content;
+- no end tag: the reasoning runs to the end of the text (the sample was cut off in it).
+
+Fed piece by piece (``feed``, then ``finish``), it returns the same reasoning and content as fed the
+whole text at once: a piece that may be the start of a tag is held back until the next piece decides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+START, END = "<think>", "</think>"
+Piece = tuple[str, str]  # ("reasoning" or "content", its text)
+
+
+@dataclass(frozen=True)
+class ParserRules:
+    """A reasoning parser's tags, and whether its model may begin inside its thinking without the start tag."""
+
+    start: str = START
+    end: str = END
+    implicit_start: bool = True
+
+
+@dataclass
+class ReasoningReader:
+    """Reasoning and content from a text fed piece by piece."""
+
+    rules: ParserRules
+    _state: str = "open"  # open (the start tag may still come), reasoning, content
+    _buffer: str = ""  # text not yet decided: the opening, or what may be the start of the end tag
+
+    def feed(self, text: str) -> list[Piece]:
+        """The reasoning and content pieces that ``text`` completes."""
+        self._buffer += text
+        out: list[Piece] = []
+        if self._state == "open":
+            self._open()
+        if self._state == "reasoning":
+            self._reasoning(out)
+        if self._state == "content" and self._buffer:
+            out.append(("content", self._buffer))
+            self._buffer = ""
+        return out
+
+    def finish(self) -> list[Piece]:
+        """What the text's end decides: held text goes out as the part it is in (an opening never closed:
+        reasoning when the model may begin inside its thinking, else content)."""
+        if self._state == "open":
+            self._state = "reasoning" if self.rules.implicit_start else "content"
+        kind, self._buffer, held = self._state, "", self._buffer
+        return [(kind, held)] if held else []
+
+    def _open(self) -> None:
+        """Decide the opening once the buffer shows whether it begins with the start tag."""
+        lead = self._buffer.lstrip()
+        start = self.rules.start
+        if lead.startswith(start):
+            self._buffer, self._state = lead[len(start) :], "reasoning"
+        elif not start.startswith(lead):  # cannot be the start tag any more ("" waits: whitespace so far)
+            self._state = "reasoning" if self.rules.implicit_start else "content"
+
+    def _reasoning(self, out: list[Piece]) -> None:
+        """Send the reasoning up to the end tag (then switch to content), holding back a possible tag start."""
+        end = self._buffer.find(self.rules.end)
+        if end >= 0:
+            self._emit(out, self._buffer[:end])
+            self._buffer, self._state = self._buffer[end + len(self.rules.end) :], "content"
+            return
+        cut = len(self._buffer) - held_back(self._buffer, self.rules.end)
+        self._emit(out, self._buffer[:cut])
+        self._buffer = self._buffer[cut:]
+
+    @staticmethod
+    def _emit(out: list[Piece], text: str) -> None:
+        if text:
+            out.append(("reasoning", text))
+
+
+def held_back(text: str, tag: str) -> int:
+    """How many characters at the end of ``text`` could begin ``tag`` (a proper prefix of it): held back."""
+    ends = (n for n in range(min(len(text), len(tag) - 1), 0, -1) if text.endswith(tag[:n]))
+    return next(ends, 0)
+
+
+def split(rules: ParserRules, text: str) -> tuple[str | None, str]:
+    """A whole text's reasoning (None: the output had none) and content."""
+    reader = ReasoningReader(rules)
+    pieces = reader.feed(text) + reader.finish()
+    reasoning = [t for kind, t in pieces if kind == "reasoning"]
+    return ("".join(reasoning) if reasoning else None), "".join(t for kind, t in pieces if kind == "content")

@@ -1,0 +1,91 @@
+"""The reasoning reader on plain strings: both parsers' rules, tags split across pieces, whole equal to pieces."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scheduler.entrypoints.server.reasoning.output import PARSERS, ReasoningOutput
+from scheduler.entrypoints.server.reasoning.reader import ParserRules, ReasoningReader, held_back, split
+
+EXPLICIT = ParserRules(implicit_start=False)  # qwen3 with enable_thinking false
+
+
+@pytest.mark.parametrize("parser", sorted(PARSERS))
+@pytest.mark.parametrize(("text", "expected"), [
+    ("<think>plan</think>answer", ("plan", "answer")),
+    ("plan</think>answer", ("plan", "answer")),  # the start tag was in the prompt
+    ("\n <think>plan</think>\nanswer", ("plan", "\nanswer")),  # whitespace before the start tag is dropped
+    ("<think>plan", ("plan", "")),  # no end tag: cut off while thinking
+    ("plan only", ("plan only", "")),
+    ("<think></think>answer", (None, "answer")),  # empty thinking
+    ("plan</think>", ("plan", "")),  # nothing after the thinking
+    ("a</think>b</think>c<think>d", ("a", "b</think>c<think>d")),  # later tags are content
+    ("a<think>b</think>c", ("a<think>b", "c")),  # a start tag after text is reasoning text
+    ("", (None, "")),
+])
+def test_both_parsers_read_thinking_from_the_first_token(parser, text, expected):
+    assert split(PARSERS[parser], text) == expected
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("<think>plan</think>answer", ("plan", "answer")),
+    ("answer", (None, "answer")),
+    ("answer</think>more", (None, "answer</think>more")),  # no start tag: all content
+    ("  <thi", (None, "  <thi")),  # a start never finished is content
+    ("<think>plan", ("plan", "")),
+])
+def test_without_implicit_start_only_the_start_tag_opens_thinking(text, expected):
+    assert split(EXPLICIT, text) == expected
+
+
+def test_a_tag_split_across_pieces_is_held_until_decided():
+    reader = ReasoningReader(ParserRules())
+    assert reader.feed("<th") == []
+    assert reader.feed("ink>plan</") == [("reasoning", "plan")]
+    assert reader.feed("thi") == []
+    assert reader.feed("nk>ans") == [("content", "ans")]
+    assert reader.feed("wer</think>") == [("content", "wer</think>")]
+    assert reader.finish() == []
+
+
+def test_a_held_prefix_that_is_no_tag_goes_out_with_the_next_piece_or_at_the_end():
+    reader = ReasoningReader(ParserRules())
+    assert reader.feed("x </th") == [("reasoning", "x ")]
+    assert reader.feed("ere") == [("reasoning", "</there")]
+    assert reader.feed("<") == []
+    assert reader.finish() == [("reasoning", "<")]
+
+
+def test_held_back_is_the_longest_proper_prefix_of_the_tag_at_the_end():
+    assert [held_back(t, "</think>") for t in ("ab", "a<", "a</thin", "</think>", "<</")] == [0, 1, 6, 0, 2]
+
+
+TEXTS = st.lists(st.sampled_from(["<think>", "</think>", "<", "</", "th", "ink>", " ", "\n", "a", "é", "x>"]),
+                 max_size=12).map("".join)  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(TEXTS, st.lists(st.integers(0, 40), max_size=6), st.booleans())
+def test_any_split_reads_as_the_whole_text(text, cuts, implicit):
+    rules = ParserRules(implicit_start=implicit)
+    reader = ReasoningReader(rules)
+    bounds = [0, *sorted(c % (len(text) + 1) for c in cuts), len(text)]
+    pieces = [p for a, b in zip(bounds, bounds[1:]) for p in reader.feed(text[a:b])] + reader.finish()
+    reasoning = "".join(t for kind, t in pieces if kind == "reasoning")
+    assert split(rules, text) == (reasoning or None, "".join(t for kind, t in pieces if kind == "content"))
+    assert all(t for _, t in pieces)  # no empty piece
+    kinds = [kind for kind, _ in pieces]
+    assert kinds == sorted(kinds, key=lambda k: k == "content")  # reasoning pieces, then content pieces
+
+
+def test_output_fields_whole_and_streamed_and_without_reasoning():
+    out = ReasoningOutput(ParserRules())
+    both = {"reasoning": "plan", "reasoning_content": "plan"}
+    assert out.message("plan</think>ok") == (both, "ok")
+    assert out.delta(0, "plan</th", False) == (both, "")
+    assert out.delta(0, "ink>ok", True) == ({}, "ok")
+    hidden = ReasoningOutput(ParserRules(), include=False)
+    assert hidden.message("plan</think>ok") == ({"reasoning": None, "reasoning_content": None}, "ok")
+    assert hidden.delta(0, "plan</think>ok", True) == ({}, "ok")
