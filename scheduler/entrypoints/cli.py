@@ -9,7 +9,12 @@ import sys
 from paged_kv.errors import PagedKVError
 from scheduler.entrypoints.main_job import add_engine_options, checked_engine_config, engine_config
 from scheduler.entrypoints.pinned_prompt import pin_system_prompt, read_prompt
-from scheduler.entrypoints.server.config import DEFAULT_MAX_REQUEST_BYTES, TOOL_CALL_PARSERS, ServerConfig
+from scheduler.entrypoints.server.config import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    REASONING_PARSERS,
+    TOOL_CALL_PARSERS,
+    ServerConfig,
+)
 
 
 def serve_parser() -> argparse.ArgumentParser:
@@ -44,6 +49,9 @@ def serve_parser() -> argparse.ArgumentParser:
                         "request gets 400")
     p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                    help="how \"auto\" reads tool calls out of the text: hermes, <tool_call>{...}</tool_call> tags")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="split a chat answer's thinking (<think>...</think>) out of its content into the message's "
+                        "reasoning and reasoning_content fields (vLLM's flag); default: no split")
     p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                    help='a chat request with tool_choice "none" is rendered without its tools (vLLM\'s flag); '
                         "default off: the chat template gets them whatever the tool choice")
@@ -119,6 +127,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         trust_request_chat_template=args.trust_request_chat_template,
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+        reasoning_parser=args.reasoning_parser,
     )  # fmt: skip
 
 

@@ -9,6 +9,7 @@ from scheduler.core.params import MAX_LOGPROBS
 
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # a request body past this gets 413 before it is parsed
 TOOL_CALL_PARSERS = ("hermes",)  # the readers of tool calls in a model's text (``tool_calling.hermes``)
+REASONING_PARSERS = ("deepseek_r1", "qwen3")  # the readers of a model's thinking (``reasoning.output.PARSERS``)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,6 +28,7 @@ class ServerConfig:
     enable_auto_tool_choice: bool = False  # serve tool_choice "auto" (needs tool_call_parser); off: a 400 naming it
     tool_call_parser: str | None = None  # how "auto" reads tool calls out of the text: one of TOOL_CALL_PARSERS
     exclude_tools_when_tool_choice_none: bool = False  # a chat with tool_choice "none" renders without its tools
+    reasoning_parser: str | None = None  # how chat answers' thinking is split out: one of REASONING_PARSERS
 
     def __post_init__(self) -> None:
         for field in ("served_model_names", "api_keys"):
@@ -46,6 +48,9 @@ class ServerConfig:
         if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
             expected = f"None or one of {TOOL_CALL_PARSERS}"
             raise InvalidArgumentError(describe("tool_call_parser", self.tool_call_parser, expected))
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            expected = f"None or one of {REASONING_PARSERS}"
+            raise InvalidArgumentError(describe("reasoning_parser", self.reasoning_parser, expected))
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             expected = "False without a tool_call_parser (--enable-auto-tool-choice requires --tool-call-parser)"
             raise InvalidArgumentError(describe("enable_auto_tool_choice", True, expected))

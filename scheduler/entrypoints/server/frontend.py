@@ -30,6 +30,7 @@ from scheduler.entrypoints.server.async_engine import AsyncEngine
 from scheduler.entrypoints.server.config import ServerConfig
 from scheduler.entrypoints.server.errors import ModelNotFound, Unauthorized
 from scheduler.entrypoints.server.protocol import ChatCompletionRequest, ChatRendering, SamplingFields
+from scheduler.entrypoints.server.reasoning.output import ReasoningOutput, reasoning_output
 from scheduler.entrypoints.server.sampling import (
     FieldError,
     beam_search_params,
@@ -43,6 +44,7 @@ from scheduler.entrypoints.server.tool_calling.choice import ToolOutput, check_t
 
 log = logging.getLogger("paged_kv.server")
 Prompts = list[tuple[list[int], str | None]]  # each prompt's token ids and its text (None: given as ids)
+Readers = tuple[ToolOutput | None, ReasoningOutput | None]  # a chat's readers of tool calls and of reasoning
 
 
 def max_model_len(engine: LLMEngine, cap: int | None) -> int:
@@ -125,19 +127,21 @@ class Frontend:
         except InvalidArgumentError as e:
             raise FieldError(param, str(e)) from None
 
-    def _constraints(self, body: SamplingFields) -> tuple[dict[str, object], str, ToolOutput | None]:
-        """The request's output constraint, the field that asks for it, and how its tool calls are read (chat)."""
+    def _constraints(self, body: SamplingFields) -> tuple[dict[str, object], str, Readers]:
+        """The request's output constraint, the field that asks for it, and how its tool calls and reasoning are
+        read (chat)."""
         constraints = structured_outputs(body)
         param = "response_format" if body.response_format else "structured_outputs"
         if not isinstance(body, ChatCompletionRequest):
-            return constraints, param, None
+            return constraints, param, (None, None)
         check_tools(body, self.config.enable_auto_tool_choice, constraints)
+        reasoning = reasoning_output(body, self.config.reasoning_parser, bool(constraints))
         if body.chosen_tool == "auto":  # as vLLM's hermes parser asks: a tool tag may be a special token
             body.skip_special_tokens = False
         tool = tool_constraint(body)
         if tool:  # a named or "required" call's schema (check_tools refused any other constraint with it)
             constraints, param = tool, "tools"
-        return constraints, param, tool_output(body)
+        return constraints, param, (tool_output(body), reasoning)
 
     async def prepare(self, body: SamplingFields, kind: str, encode: Callable[[], Prompts], num_prompts: int,
                       limit: tuple[str, int | None], logprobs: int | None
@@ -148,7 +152,7 @@ class Frontend:
         """
         model = self.model_name(body.model)
         check_request(body, self.config.max_logprobs)
-        constraints, param, tools = self._constraints(body)
+        constraints, param, (tools, reasoning) = self._constraints(body)
         if body.use_beam_search:
             check_beam_search(body, constraints)
         if num_prompts > self.engine.max_in_flight:  # never admitted: a 400, not a 503 forever
@@ -167,7 +171,8 @@ class Frontend:
                               prompt_logprobs=body.prompt_logprobs,
                               echo_only=getattr(body, "echo", False) and body.max_tokens == 0,
                               continuous_usage=body.continuous_usage,
-                              prompt_tokens=[len(ids) for ids, _ in prompts], tools=tools)  # fmt: skip
+                              prompt_tokens=[len(ids) for ids, _ in prompts], tools=tools,
+                              reasoning=reasoning)  # fmt: skip
         if self.config.log_requests:
             user = body.user or getattr(body, "safety_identifier", None)
             log.info("request %s: model %s, user %r, prompt tokens %s, %s", ctx.id, model, user,

@@ -31,6 +31,7 @@ from typing import TypeVar
 
 from scheduler.entrypoints.detokenizer import REPLACEMENT
 from scheduler.entrypoints.output_processor import SampleDelta, TextCompletion, TextRequestOutput
+from scheduler.entrypoints.server.reasoning.output import ReasoningOutput
 from scheduler.entrypoints.server.tool_calling.choice import ToolOutput
 
 Shown = TypeVar("Shown", TextCompletion, SampleDelta)  # a whole sample, or one step's delta of it
@@ -56,6 +57,7 @@ class ResponseContext:
     continuous_usage: bool = False
     prompt_tokens: list[int] = field(default_factory=list)
     tools: ToolOutput | None = None  # a chat's tool choice other than "none": its messages hold tool calls
+    reasoning: ReasoningOutput | None = None  # a chat under --reasoning-parser: its thinking split out first
     id: str = field(init=False)
     created: int = field(default_factory=lambda: int(time.time()))
     # per choice: characters of the token texts already sent (a streamed text_offset continues from there)
@@ -131,15 +133,25 @@ class ResponseContext:
             ids, text, lps, tops = r.prompt_token_ids + ids, p_text + text, p_lps + lps, p_tops + tops
         body = {"index": index, "logprobs": self.logprobs_block(index, ids, lps, tops),
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}  # fmt: skip
-        if self.kind == "chat" and self.tools is not None:
-            body["message"], body["finish_reason"] = self.tools.message(text, c.finish_reason)
-        elif self.kind == "chat":
-            body["message"] = {"role": "assistant", "content": text}
+        if self.kind == "chat":
+            body["message"], body["finish_reason"] = self._message(text, c.finish_reason)
         else:
             body["text"] = text
             if self.prompt_logprobs is not None:
                 body["prompt_logprobs"] = self._prompt_logprobs(r)
         return body
+
+    def _message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """A whole chat sample's message (its reasoning split out first, then its tool calls read) and finish."""
+        fields = {}
+        if self.reasoning is not None:
+            fields, text = self.reasoning.message(text)
+            text = text or None  # vLLM's: no content after the thinking is null
+        if self.tools is not None:
+            message, finish_reason = self.tools.message(text or "", finish_reason)
+        else:
+            message = {"role": "assistant", "content": text}
+        return message | fields, finish_reason
 
     def _echoed(self, ids: list[int], text: str | None, scored: list[dict[int, float] | None] | None
                 ) -> tuple[str, list[float | None], list[dict[int, float]]]:  # fmt: skip
@@ -173,15 +185,24 @@ class ResponseContext:
         index = key * self.n + d.index
         logprobs = self.logprobs_block(index, d.token_ids, d.logprobs, d.top_logprobs)
         choice = {"index": index, "logprobs": logprobs, "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
-        if self.kind == "chat" and self.tools is not None:
-            choice["delta"], choice["finish_reason"] = self.tools.delta(index, d.text, d.finish_reason)
+        if self.kind == "chat":
+            choice["delta"], choice["finish_reason"] = self._delta(index, d)
             if not (choice["delta"] or choice["finish_reason"] or logprobs):
                 return None
-        elif self.kind == "chat":
-            choice["delta"] = {"content": d.text} if d.text else {}
         else:
             choice["text"] = d.text
         return self._with_usage({**self.head(chunk=True), "choices": [choice]}, include_usage, key, index)
+
+    def _delta(self, index: int, d: SampleDelta) -> tuple[dict, str | None]:
+        """A streamed chat choice's delta (its reasoning pieces first, then its content or tool calls) and finish."""
+        fields, text = {}, d.text
+        if self.reasoning is not None:
+            fields, text = self.reasoning.delta(index, text, d.finish_reason is not None)
+        if self.tools is not None:
+            delta, finish_reason = self.tools.delta(index, text, d.finish_reason)
+        else:
+            delta, finish_reason = ({"content": text} if text else {}), d.finish_reason
+        return fields | delta, finish_reason
 
     def echo_chunk(self, key: int, index: int, prompt: tuple[list[int], str | None],
                    scored: list[dict[int, float] | None] | None, include_usage: bool) -> dict:  # fmt: skip

@@ -58,6 +58,14 @@ def test_auto_tool_choice_flags_reach_the_server_config_and_need_each_other(caps
     assert "--enable-auto-tool-choice requires --tool-call-parser" in capsys.readouterr().err
 
 
+def test_reasoning_parser_reaches_the_server_config_and_an_unknown_one_is_refused_naming_the_flag(capsys):
+    assert server_config(serve_args([])).reasoning_parser is None
+    assert server_config(serve_args(["--reasoning-parser", "qwen3"])).reasoning_parser == "qwen3"
+    with pytest.raises(SystemExit):
+        serve_args(["--reasoning-parser", "granite"])
+    assert "--reasoning-parser" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(("kw", "name"), [({"enable_auto_tool_choice": True}, "enable_auto_tool_choice"),
                                           ({"tool_call_parser": "pythonic"}, "tool_call_parser"),
                                           ({"enable_auto_tool_choice": 1, "tool_call_parser": "hermes"},

@@ -87,7 +87,8 @@ def test_requests_are_logged_unless_disabled(served, guarded, caplog):
                                               ("max_request_bytes", 0), ("log_requests", 1),
                                               ("enable_dev_endpoints", "yes"),
                                               ("trust_request_chat_template", 1),
-                                              ("exclude_tools_when_tool_choice_none", "no")])  # fmt: skip
+                                              ("exclude_tools_when_tool_choice_none", "no"),
+                                              ("reasoning_parser", "granite")])  # fmt: skip
 def test_bad_options_are_refused_naming_them(field, value):
     with pytest.raises(PagedKVError, match=field):
         ServerConfig(**{field: value})
