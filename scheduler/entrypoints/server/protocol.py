@@ -251,7 +251,7 @@ class ChatCompletionRequest(SamplingFields, ChatRendering):
     parallel_tool_calls: bool = True  # false: "required" makes one call (named: always one; "auto" ignores it)
     prompt_cache_key: str | None = None  # a routing hint: every prompt is prefix-cached here
     safety_identifier: str | None = None  # an end-user id: logged with the request
-    include_reasoning: bool = True  # vLLM: no reasoning parser runs, so no reasoning is split out
+    include_reasoning: bool = True  # vLLM's: false drops the reasoning --reasoning-parser splits out (``reasoning``)
     # OpenAI's features this server lacks
     audio: Neutral() = None
     function_call: Neutral("none") = None

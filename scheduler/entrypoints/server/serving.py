@@ -15,7 +15,9 @@ decoded_token}}``. A log-probability of -inf (a token a grammar rules out) is se
 ``LOGPROB_FLOOR``, as vLLM sends it: JSON has no infinity. A stream with ``include_usage`` ends with a usage
 chunk; with vLLM's ``continuous_usage_stats`` each chunk before it carries its prompt's tokens and its choice's
 tokens streamed so far. A chat with a tool choice other than "none" gets its messages, deltas and finish
-reasons from its ``tool_calling.choice.ToolOutput`` (a delta it holds back entirely sends no chunk).
+reasons from its ``tool_calling.choice.ToolOutput`` (a delta it holds back entirely sends no chunk). Under
+``--reasoning-parser`` a chat's ``reasoning.output.ReasoningOutput`` splits its thinking out first: the tool
+calls, if any, are read from the content that follows.
 """
 
 from __future__ import annotations
