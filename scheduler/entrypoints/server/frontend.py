@@ -135,7 +135,7 @@ class Frontend:
         if not isinstance(body, ChatCompletionRequest):
             return constraints, param, (None, None)
         check_tools(body, self.config.enable_auto_tool_choice, constraints)
-        reasoning = reasoning_output(body, self.config.reasoning_parser, bool(constraints))
+        reasoning = reasoning_output(body, self.config.reasoning_parser)
         if body.chosen_tool == "auto":  # as vLLM's hermes parser asks: a tool tag may be a special token
             body.skip_special_tokens = False
         tool = tool_constraint(body)

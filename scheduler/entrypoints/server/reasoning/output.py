@@ -20,26 +20,26 @@ reasoning and tags included.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from paged_kv.errors import describe
 from scheduler.entrypoints.server.protocol import ChatCompletionRequest
 from scheduler.entrypoints.server.reasoning.reader import ParserRules, ReasoningReader, split
 from scheduler.entrypoints.server.sampling import FieldError
 
-PARSERS = {"deepseek_r1": ParserRules(), "qwen3": ParserRules()}  # --reasoning-parser's names and rules
+PARSERS = {"deepseek_r1": ParserRules(), "qwen3": ParserRules(thinking_switch=True)}  # --reasoning-parser's
 FIELDS = ("reasoning", "reasoning_content")  # vLLM's current name and its older one, both sent
 NO_ROOM = "with --reasoning-parser (its grammar would leave no room for thinking: vLLM's starts after </think>)"
 
 
-def check_reasoning(body: ChatCompletionRequest, constrained: bool) -> None:
+def check_reasoning(body: ChatCompletionRequest) -> None:
     """Refuse (FieldError naming the field) what a reasoning parser cannot serve: a named or "required" tool
-    choice, a ``response_format`` that constrains the output (``constrained``: the request's own constraint)."""
+    choice, a ``response_format`` other than text (already checked: a mapping with a known ``type``)."""
     choice = body.chosen_tool
     if choice not in ("none", "auto"):
         shown = choice if isinstance(choice, str) else f"function {choice.function.name!r}"
         raise FieldError("tool_choice", describe("tool_choice", shown, f'"none" or "auto" {NO_ROOM}'))
-    if constrained and body.response_format is not None:
+    if body.response_format is not None and body.response_format.get("type") != "text":
         raise FieldError("response_format", describe("response_format", body.response_format, f"text {NO_ROOM}"))
 
 
@@ -65,13 +65,12 @@ class ReasoningOutput:
         return fields, "".join(t for kind, t in pieces if kind == "content")
 
 
-def reasoning_output(body: ChatCompletionRequest, parser: str | None, constrained: bool) -> ReasoningOutput | None:
-    """The request's ReasoningOutput under ``parser`` (None: no parser, no reasoning split out); its checks first
-    (``constrained``: the request's own ``response_format`` or ``structured_outputs`` constrains the output)."""
+def reasoning_output(body: ChatCompletionRequest, parser: str | None) -> ReasoningOutput | None:
+    """The request's ReasoningOutput under ``parser`` (None: no parser, no reasoning split out); its checks first."""
     if parser is None:
         return None
-    check_reasoning(body, constrained)
+    check_reasoning(body)
     rules = PARSERS[parser]
-    if parser == "qwen3" and body.chat_template_kwargs.get("enable_thinking", True) is False:
-        rules = ParserRules(implicit_start=False)
+    if rules.thinking_switch and body.chat_template_kwargs.get("enable_thinking", True) is False:
+        rules = replace(rules, implicit_start=False)
     return ReasoningOutput(rules, body.include_reasoning)

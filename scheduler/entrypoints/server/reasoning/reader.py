@@ -28,6 +28,7 @@ class ParserRules:
     start: str = START
     end: str = END
     implicit_start: bool = True
+    thinking_switch: bool = False  # chat_template_kwargs enable_thinking false turns implicit_start off (qwen3)
 
 
 @dataclass
