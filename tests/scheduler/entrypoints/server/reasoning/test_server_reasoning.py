@@ -69,6 +69,11 @@ def test_a_stream_sends_the_reasoning_then_the_content_of_the_whole_answer(serve
     assert kinds == sorted(kinds, key=lambda k: k == "content") and kinds.count("reasoning") > 1
     assert "".join(t for k, t in pieces if k == "reasoning") == message.model_extra["reasoning"]
     assert "".join(t for k, t in pieces if k == "content") == message.content
+    kw = {"model": served.model, "messages": CHAT, "temperature": 0.0, "max_tokens": 200,
+          "extra_body": {"structured_outputs": {"regex": THINK}}}  # fmt: skip
+    with client.chat.completions.stream(**kw) as stream:  # the client's own accumulator joins the deltas
+        joined = stream.get_final_completion().choices[0].message
+    assert (joined.model_extra["reasoning"], joined.content) == (message.model_extra["reasoning"], message.content)
 
 
 def test_include_reasoning_false_drops_the_reasoning_and_keeps_the_content(served, client):
