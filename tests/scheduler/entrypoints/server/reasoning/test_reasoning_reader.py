@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from scheduler.entrypoints.server.config import REASONING_PARSERS
 from scheduler.entrypoints.server.reasoning.output import PARSERS, ReasoningOutput
 from scheduler.entrypoints.server.reasoning.reader import ParserRules, ReasoningReader, held_back, split
 
@@ -56,6 +57,10 @@ def test_a_held_prefix_that_is_no_tag_goes_out_with_the_next_piece_or_at_the_end
     assert reader.feed("ere") == [("reasoning", "</there")]
     assert reader.feed("<") == []
     assert reader.finish() == [("reasoning", "<")]
+
+
+def test_the_flag_s_choices_are_the_parsers():
+    assert tuple(PARSERS) == REASONING_PARSERS
 
 
 def test_held_back_is_the_longest_proper_prefix_of_the_tag_at_the_end():
