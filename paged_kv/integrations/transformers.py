@@ -1,7 +1,8 @@
 """``PagedCache``: a transformers ``Cache`` whose K/V live in paged-kv pages.
 
-Pass it to ``model.generate(..., past_key_values=PagedCache(model.config))``
-or to a forward call. The full-attention layers share one
+Pass it to ``model.generate(..., cache=PagedCache(model.config))`` or to a forward
+call (``past_key_values=`` before transformers 5.24, which deprecates that name;
+:func:`cache_keyword` says which one a model takes). The full-attention layers share one
 :class:`~paged_kv.compat.dynamic.KVCache`: each batch row is one paged sequence
 covering every such layer, so the beam-search ``reorder_cache`` is a block-table
 edit (a beam picked twice is forked copy-on-write, a dropped beam returns its
@@ -22,6 +23,7 @@ imported only when this module is.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from collections.abc import Sequence
 
@@ -40,7 +42,9 @@ from paged_kv.errors import (
 )
 from paged_kv.tensor_checks import check_tensor
 
-__all__ = ["PagedCache", "PagedLayer", "PagedSlidingLayer", "SlidingRows", "TransformersUnavailableError"]
+__all__ = [
+    "PagedCache", "PagedLayer", "PagedSlidingLayer", "SlidingRows", "TransformersUnavailableError", "cache_keyword",
+]
 
 
 class TransformersUnavailableError(PagedKVError, ImportError):
@@ -58,6 +62,15 @@ if int(transformers.__version__.split(".")[0]) < 5:
     raise TransformersUnavailableError(
         describe("transformers.__version__", transformers.__version__, "5.x or newer (the layered Cache API)")
     )
+
+
+def cache_keyword(model: object) -> str:
+    """The keyword ``model``'s forward and ``generate`` take a cache by: ``cache`` from transformers 5.24 on
+    (``past_key_values`` is deprecated there), ``past_key_values`` before."""
+    forward = getattr(model, "forward", None)
+    if not callable(forward):
+        raise InvalidArgumentError(describe("model", type(model).__name__, "a transformers model (with a forward)"))
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
 
 class PagedLayer(CacheLayerMixin):

@@ -14,7 +14,7 @@ from bad_input_machinery import (
     with_shared_pools,
 )
 from entries_compat import dyn_kv, dynamic_cache, pool_of
-from entries_scheduler import hf_config
+from entries_scheduler import hf_config, hf_model
 
 
 # -- subjects --------------------------------------------------------------------------------------
@@ -118,6 +118,8 @@ def _rows() -> list[Entry]:
         Entry("paged_kv.integrations.transformers.PagedSlidingLayer.crop", "crop",
             {"max_length": Arg("int", 2, skip=(OUT_OF_RANGE,))},
               sliding_layer),  # nothing released yet: any int is a valid crop, as for PagedLayer.crop
+        Entry("paged_kv.integrations.transformers.cache_keyword", lambda **kw: _transformers().cache_keyword(**kw), {
+            "model": Arg("obj", hf_model, bad={WRONG_TYPE: [None, "x", 3]})}),
     ]
     # fmt: on
 

@@ -338,7 +338,7 @@ def _rows() -> list[Entry]:
             "use_tqdm": Arg("bool", False)}, engine, named={"prompts": ("prompts", "prompt_token_ids")}),
                  # per-prompt checks
         Entry("scheduler.LLMEngine.from_hf", scheduler.LLMEngine.from_hf, {
-            "hf_model": Arg("obj", lambda: _hf_model(), bad={WRONG_TYPE: [None, "x", torch.nn.Linear(2, 2)]}),
+            "hf_model": Arg("obj", lambda: hf_model(), bad={WRONG_TYPE: [None, "x", torch.nn.Linear(2, 2)]}),
             "config": Arg("obj", engine_config, bad={WRONG_TYPE: ["x", {}]})}),
         Entry("scheduler.BeamSearch", scheduler.BeamSearch,
             {"engine": Arg("obj", engine, bad={WRONG_TYPE: [None, "x"]})}),
@@ -353,7 +353,7 @@ def _rows() -> list[Entry]:
             "state": Arg("obj", lambda: _hf_state(), bad={WRONG_TYPE: [None, "x", {"x": 1}]}),
             "dtype": Arg("dtype", torch.float32), "device": Arg("device", "cpu")}),
         Entry("scheduler.from_hf_model", scheduler.from_hf_model, {
-            "hf_model": Arg("obj", lambda: _hf_model(), bad={WRONG_TYPE: [None, "x", torch.nn.Linear(2, 2)]}),
+            "hf_model": Arg("obj", lambda: hf_model(), bad={WRONG_TYPE: [None, "x", torch.nn.Linear(2, 2)]}),
             "dtype": Arg("dtype", torch.float32), "device": Arg("device", "cpu")}),
     ]
     # fmt: on
@@ -371,7 +371,7 @@ def hf_config():
     return LlamaConfig(**TINY, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
 
 
-def _hf_model():
+def hf_model():
     """A seeded transformers Llama of the tiny shape."""
     from transformers import LlamaForCausalLM
 
@@ -381,7 +381,7 @@ def _hf_model():
 
 def _hf_state() -> dict[str, torch.Tensor]:
     """A transformers-named state dict of the tiny shape."""
-    return _hf_model().state_dict()
+    return hf_model().state_dict()
 
 
 # Public names that are not entry points for bad input, each with the reason.

@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError, PagedKVError  # noqa: E402
-from paged_kv.integrations.transformers import PagedCache  # noqa: E402
+from paged_kv.integrations.transformers import PagedCache, cache_keyword  # noqa: E402
 
 PROMPT, NEW = 20, 12
 
@@ -53,7 +53,8 @@ class RecordingCache(PagedCache):
 
 
 def generate(model, prompt, cache, **kw) -> torch.Tensor:
-    return model.generate(prompt, max_new_tokens=NEW, do_sample=False, past_key_values=cache, pad_token_id=0, **kw)
+    kw[cache_keyword(model)] = cache  # cache= from transformers 5.24, past_key_values= before
+    return model.generate(prompt, max_new_tokens=NEW, do_sample=False, pad_token_id=0, **kw)
 
 
 def test_greedy_generate_matches_the_default_cache(model, prompt, greedy_ref):
@@ -86,8 +87,8 @@ def test_no_config_layers_are_added_on_demand(model, prompt):
 def test_forward_keys_values_and_cache_api(model, prompt):
     cache, ref = PagedCache(model.config), DynamicCache(config=model.config)
     with torch.no_grad():
-        model(prompt, past_key_values=cache)
-        model(prompt, past_key_values=ref)
+        model(prompt, **{cache_keyword(model): cache})
+        model(prompt, **{cache_keyword(model): ref})
     for ours, theirs in zip(cache.layers, ref.layers):
         assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
         assert ours.is_initialized and ours.dtype == torch.float32 and ours.device.type == "cpu"
@@ -106,7 +107,7 @@ def test_early_initialization_sets_empty_layers(model, prompt, greedy_ref):
 def test_reorder_and_batch_edits_are_block_table_edits(model, prompt):
     cache = PagedCache(model.config, block_size=4)
     with torch.no_grad():
-        model(prompt, past_key_values=cache)
+        model(prompt, **{cache_keyword(model): cache})
     keys = cache.layers[1].keys
     used = cache.kv.pool.manager.gpu.num_used
     cache.reorder_cache(torch.tensor([1, 1]))
@@ -121,14 +122,14 @@ def test_reorder_and_batch_edits_are_block_table_edits(model, prompt):
 def ref_values(model, prompt) -> torch.Tensor:
     ref = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(prompt, past_key_values=ref)
+        model(prompt, **{cache_keyword(model): ref})
     return ref.layers[0].values
 
 
 def test_crop_both_conventions_and_reset_return_pages(model, prompt):
     cache = PagedCache(model.config, block_size=4)
     with torch.no_grad():
-        model(prompt, past_key_values=cache)
+        model(prompt, **{cache_keyword(model): cache})
     keys = cache.layers[0].keys
     cache.crop(0)
     assert cache.get_seq_length() == PROMPT
@@ -145,14 +146,14 @@ def test_crop_both_conventions_and_reset_return_pages(model, prompt):
 def test_deepcopy_shares_pages_and_diverges(model, prompt):
     cache = PagedCache(model.config, block_size=4)
     with torch.no_grad():
-        model(prompt[:1, :8], past_key_values=cache)
+        model(prompt[:1, :8], **{cache_keyword(model): cache})
     used = cache.kv.pool.manager.gpu.num_used
     twin = copy.deepcopy(cache)
     assert twin.kv.pool is cache.kv.pool and cache.kv.pool.manager.gpu.num_used == used
     assert all(layer.store is twin.kv for layer in twin.layers)
     keys = cache.layers[0].keys
     with torch.no_grad():  # prompt reuse: continue the copy, the original is unchanged
-        model(prompt[:1, 8:10], past_key_values=twin)
+        model(prompt[:1, 8:10], **{cache_keyword(model): twin})
     assert twin.get_seq_length() == 10 and torch.equal(cache.layers[0].keys, keys)
 
 
@@ -169,3 +170,10 @@ def test_errors_are_typed():
     assert len(cache) == 0 and cache.kv.num_layers() == 0
     with pytest.raises(PagedKVError, match="^repeats="):
         cache.batch_repeat_interleave(0)
+
+
+def test_cache_keyword_is_the_keyword_the_model_fills_the_cache_by(model, prompt):
+    # "cache" from transformers 5.24 on, "past_key_values" before: a wrong keyword would leave the cache empty
+    cache = PagedCache(model.config, block_size=8)
+    model(prompt, **{cache_keyword(model): cache})
+    assert cache.get_seq_length() == PROMPT and cache.num_pages > 0

@@ -19,7 +19,7 @@ from transformers import (  # noqa: E402
 )
 
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError, SequenceStateError  # noqa: E402
-from paged_kv.integrations.transformers import PagedCache, PagedSlidingLayer  # noqa: E402
+from paged_kv.integrations.transformers import PagedCache, PagedSlidingLayer, cache_keyword  # noqa: E402
 
 SHAPE = dict(
     num_hidden_layers=3, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
@@ -63,7 +63,8 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
 def generate(model, batch, cache, **kw) -> torch.Tensor:
     ids, mask = batch
     torch.manual_seed(2)  # the sampling mode draws the same numbers for every cache
-    return model.generate(ids, attention_mask=mask, max_new_tokens=NEW, past_key_values=cache, pad_token_id=0, **kw)
+    kw[cache_keyword(model)] = cache  # cache= from transformers 5.24, past_key_values= before
+    return model.generate(ids, attention_mask=mask, max_new_tokens=NEW, pad_token_id=0, **kw)
 
 
 @pytest.mark.parametrize(("mode", "block_size"), [("greedy", 1), ("greedy", 16), ("sampling", 4), ("beams", 4)])
@@ -112,7 +113,7 @@ def test_pages_outside_the_window_go_back_to_the_pool(model, batch):
 
 def forward(model, ids, *caches):
     with torch.no_grad():
-        return [model(ids, past_key_values=cache).logits for cache in caches]
+        return [model(ids, **{cache_keyword(model): cache}).logits for cache in caches]
 
 
 def assert_same_layers(ours: PagedCache, ref: DynamicCache) -> None:
@@ -172,8 +173,9 @@ def test_a_crop_into_released_positions_raises_and_changes_nothing(model):
 def test_assisted_decoding_matches_the_dynamic_cache(model):
     prompt = torch.tensor([[5, 6, 7, 8, 9] * 4])  # repeats, so prompt lookup proposes candidates
     kw = dict(max_new_tokens=NEW, do_sample=False, pad_token_id=0, prompt_lookup_num_tokens=3)
-    ref = model.generate(prompt, past_key_values=DynamicCache(config=model.config), **kw)
-    assert torch.equal(model.generate(prompt, past_key_values=PagedCache(model.config, block_size=4), **kw), ref)
+    key = cache_keyword(model)
+    ref = model.generate(prompt, **{key: DynamicCache(config=model.config)}, **kw)
+    assert torch.equal(model.generate(prompt, **{key: PagedCache(model.config, block_size=4)}, **kw), ref)
 
 
 def test_deepcopy_and_reset(model, batch):
