@@ -121,8 +121,19 @@ def beams(draw) -> Beam:
                 salt=draw(salts), priority=draw(priorities))  # fmt: skip
 
 
+@st.composite
+def pin_prompts(draw) -> tuple[tuple[int, ...], str | None]:
+    """A prompt to pin and its salt: part of a shared prefix (the requests' prompts often start with one), a short
+    tail sometimes; shorter than a block sometimes (refused)."""
+    head = draw(st.sampled_from(PREFIXES))
+    tail = draw(st.lists(st.integers(0, VOCAB - 1), max_size=3))
+    return (*head[: draw(st.integers(1, len(head)))], *tail), draw(salts)
+
+
 operations = st.one_of(
     st.tuples(st.just("add"), st.lists(st.one_of(requests(), requests(), beams()), min_size=1, max_size=6)),
+    st.tuples(st.just("pin"), pin_prompts()),
+    st.tuples(st.just("unpin"), st.integers(0, 1 << 10)),  # an index into the pins not released
     st.tuples(st.just("abort"), st.integers(0, 1 << 10)),  # an index into the live ids, or the ended ones if odd
     st.tuples(st.just("step"), st.integers(1, 4)),
     st.tuples(st.just("reset"), st.none()),  # reset_prefix_cache
