@@ -39,7 +39,11 @@ class PinnedPrefixes:
             raise InvalidArgumentError(describe("token_ids", f"{len(prompt)} tokens", expected))
         pin_id = f"{WARMUP_PREFIX}{next(self._ids)}"
         self._prompts[pin_id] = (prompt, cache_salt)
-        self._hold_or_warm_up(pin_id)
+        try:
+            self._hold_or_warm_up(pin_id)
+        except Exception:  # its warm-up refused: no pin (restore would warm it up again, and fail there)
+            del self._prompts[pin_id]
+            raise
         return pin_id
 
     def _hold_or_warm_up(self, pin_id: str) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from sched_helpers import tiny_llama
 
-from paged_kv.errors import UnknownSequenceError
+from paged_kv.errors import InvalidArgumentError, UnknownSequenceError
 from scheduler import CacheConfig, EngineConfig, LLMEngine, SamplingParams
 
 SYSTEM = list(range(100, 120))  # 5 full blocks of 4
@@ -84,3 +84,15 @@ def test_a_pin_restored_after_a_failed_step_can_be_unpinned_once(hf_model, monke
     with pytest.raises(UnknownSequenceError, match="pin_id"):
         eng.unpin(pin)
     eng.block_manager.check()
+
+
+def test_a_pin_refused_at_its_warm_up_leaves_no_pin_that_a_failed_step_would_warm_up_again(hf_model, monkeypatch):
+    eng = engine(hf_model)
+    with pytest.raises(InvalidArgumentError):  # 17 blocks of 4: its warm-up request can never fit 16
+        eng.pin_prefix(list(range(60, 128)))
+    pin = eng.pin_prefix(SYSTEM)
+    run_idle(eng)
+    fail_next_step(eng, monkeypatch)  # restores every pin: the refused one would be refused again, first
+    run_idle(eng)
+    assert eng.pins.held == {pin: 20}
+    assert cached_tokens_of_system(eng) == 20
