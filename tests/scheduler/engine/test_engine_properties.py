@@ -260,6 +260,12 @@ def greedy(prompt: tuple[int, ...], max_tokens: int) -> Request:
     ops=[("add", [greedy((0,), 2), greedy((0,), 9), Request((0,), 7, n=2, seed=0, stop_pick=None, salt=None,
                                                               priority=0)])],
 )
+@example(  # a pin shorter than a block (refused); a pin's warm-up refused once another pin holds its room (dropped)
+    cfg=Config(context=512, block_size=2, num_blocks=12, watermark=0.25, budget=11, max_seqs=2, chunked=False,
+               prefix=True, mode="recompute", num_cpu_blocks=0, policy="fcfs", host_blocks=0, host_store="evict"),
+    ops=[("pin", ((7,), None)), ("pin", ((7, 1, 9, 3, 5, 11, 2, 8), None)),
+         ("pin", ((7, 1, 9, 3, 5, 11, 2, 8, 4, 6, 10), "s"))],
+)
 def test_random_workloads_give_lone_results_end_and_free_everything(lone, cfg, ops):
     """Random adds, beam searches, aborts and steps on a random small engine: see the module docstring."""
     run_workload(lone, cfg, ops)
