@@ -69,9 +69,7 @@ class Run:
         self.pins: list[str] = []  # pins not released
         self.dropped: set[str] = set()  # pins whose warm-up was refused: dropped by the engine (pinned_prefixes)
         self.refused: set[str] = set()  # ids the last step refused
-        schedule = engine.scheduler.schedule
-
-        refuse = engine.scheduler._refuse
+        schedule, refuse = engine.scheduler.schedule, engine.scheduler._refuse
 
         def within_budgets():  # every step keeps to its token and sequence budgets
             out = schedule()
