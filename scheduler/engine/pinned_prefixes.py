@@ -2,19 +2,23 @@
 
 A prefix not cached yet is computed first by a one-token warm-up request queued like any
 other; the pin takes hold in the step that finishes it (before any other request can evict
-its blocks), and that request's output is never returned to the caller. A failed step forgets
-every cached block (:meth:`PinnedPrefixes.restore`): each pin then waits for a new warm-up.
+its blocks), and that request's output is never returned to the caller; a warm-up that fails
+after ``pin_prefix`` returned (refused once other pins hold the room it needs) drops its pin,
+with a warning in the log. A failed step forgets every cached block
+(:meth:`PinnedPrefixes.restore`): each pin then waits for a new warm-up.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable
 
 from paged_kv.block_manager import BlockManager
 from paged_kv.errors import InvalidArgumentError, UnknownSequenceError, describe
 from scheduler.core.outputs import RequestOutput
 
+log = logging.getLogger(__name__)
 WARMUP_PREFIX = "paged-kv-pin-"  # request ids of warm-up requests
 Prefix = tuple[list[int], str | None]  # a pinned prompt's token ids and cache salt
 WarmUp = Callable[[str, list[int], str | None], None]
@@ -92,18 +96,19 @@ class PinnedPrefixes:
             if out.request_id not in self._warm_ups:
                 kept.append(out)
                 continue
-            self._warmed_up(out.request_id, failed=out.error is not None)
+            self._warmed_up(out.request_id, error=out.error)
         return kept
 
-    def _warmed_up(self, pin_id: str, *, failed: bool) -> None:
+    def _warmed_up(self, pin_id: str, *, error: str | None) -> None:
         """A pin's warm-up finished: pin its prefix, warm it up again (a reset forgot its blocks) or drop it."""
         self._warm_ups.discard(pin_id)
         stale = pin_id in self._stale
         self._stale.discard(pin_id)
         if pin_id not in self._prompts:
             return  # unpinned while it waited
-        if failed:  # its warm-up failed alone: the pin is dropped
+        if error is not None:  # its warm-up failed alone: the pin is dropped, and said so (pin_prefix has returned)
             del self._prompts[pin_id]
+            log.warning("pin %s is dropped: its warm-up request failed (%s)", pin_id, error)
         elif stale:
             self._hold_or_warm_up(pin_id)
         else:

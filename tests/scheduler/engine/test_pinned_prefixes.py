@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from sched_helpers import tiny_llama
 
 from paged_kv.errors import InvalidArgumentError, UnknownSequenceError
-from scheduler import CacheConfig, EngineConfig, LLMEngine, SamplingParams
+from scheduler import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 
 SYSTEM = list(range(100, 120))  # 5 full blocks of 4
 TWO = SamplingParams(max_tokens=2)
@@ -96,3 +98,18 @@ def test_a_pin_refused_at_its_warm_up_leaves_no_pin_that_a_failed_step_would_war
     run_idle(eng)
     assert eng.pins.held == {pin: 20}
     assert cached_tokens_of_system(eng) == 20
+
+
+def test_a_pin_whose_warm_up_is_refused_after_admission_is_dropped_with_a_warning(hf_model, caplog):
+    # the second pin's warm-up is admitted, then refused: the first pin, taken meanwhile, holds the room it needs
+    cache = CacheConfig(block_size=2, num_gpu_blocks=12, watermark=0.25)
+    sched = SchedulerConfig(max_num_batched_tokens=11, max_num_seqs=2, enable_chunked_prefill=False)
+    eng = LLMEngine.from_hf(hf_model, EngineConfig(cache=cache, scheduler=sched, device="cpu"))
+    first = eng.pin_prefix([7, 1, 9, 3, 5, 11, 2, 8])
+    second = eng.pin_prefix([7, 1, 9, 3, 5, 11, 2, 8, 4, 6, 10], cache_salt="s")
+    with caplog.at_level(logging.WARNING, "scheduler.engine.pinned_prefixes"):
+        run_idle(eng)
+    assert eng.pins.held == {first: 8} and not eng.pins.is_waiting(second)
+    assert f"pin {second} is dropped: its warm-up request failed" in caplog.text
+    with pytest.raises(UnknownSequenceError):
+        eng.unpin(second)
