@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from scheduler.entrypoints.server.tags import ready_and_held
+
 START, END = "<think>", "</think>"
 Piece = tuple[str, str]  # ("reasoning" or "content", its text)
 
@@ -76,20 +78,13 @@ class ReasoningReader:
             self._emit(out, self._buffer[:end])
             self._buffer, self._state = self._buffer[end + len(self.rules.end) :], "content"
             return
-        cut = len(self._buffer) - held_back(self._buffer, self.rules.end)
-        self._emit(out, self._buffer[:cut])
-        self._buffer = self._buffer[cut:]
+        ready, self._buffer = ready_and_held(self._buffer, self.rules.end)
+        self._emit(out, ready)
 
     @staticmethod
     def _emit(out: list[Piece], text: str) -> None:
         if text:
             out.append(("reasoning", text))
-
-
-def held_back(text: str, tag: str) -> int:
-    """How many characters at the end of ``text`` could begin ``tag`` (a proper prefix of it): held back."""
-    ends = (n for n in range(min(len(text), len(tag) - 1), 0, -1) if text.endswith(tag[:n]))
-    return next(ends, 0)
 
 
 def split(rules: ParserRules, text: str) -> tuple[str | None, str]:

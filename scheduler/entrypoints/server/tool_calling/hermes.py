@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from scheduler.entrypoints.server.tags import ready_and_held
 from scheduler.entrypoints.server.tool_calling.object_scanner import ObjectScanner
 from scheduler.entrypoints.server.tool_calling.readers import CallPiece, call_of, joined
 
@@ -51,9 +52,8 @@ class HermesReader:
                 continue
             start = self._buffer.find(START)
             if start < 0:
-                cut = len(self._buffer) - _tag_start(self._buffer, START)
-                out += self._content(self._buffer[:cut])
-                self._buffer = self._buffer[cut:]
+                ready, self._buffer = ready_and_held(self._buffer, START)
+                out += self._content(ready)
                 return out
             out += self._content(self._buffer[:start])
             self._buffer, self._block = self._buffer[start + len(START) :], _Block()
@@ -62,9 +62,8 @@ class HermesReader:
         """Read the open block's body in the buffer into ``out``: whether the block closed."""
         end = self._buffer.find(END)
         if end < 0:  # stream what cannot be the start of the closing tag
-            cut = len(self._buffer) - _tag_start(self._buffer, END)
-            out += self._stream(self._buffer[:cut])
-            self._buffer = self._buffer[cut:]
+            ready, self._buffer = ready_and_held(self._buffer, END)
+            out += self._stream(ready)
             return False
         body, self._buffer = self._buffer[:end], self._buffer[end + len(END) :]
         out += self._close(body, END)
@@ -173,12 +172,6 @@ class _Block:
         return bool(self.name)
 
 
-def _tag_start(text: str, tag: str) -> int:
-    """The length of the longest end of ``text`` that is a proper start of ``tag`` (held back: the tag may follow)."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
 
 
 def parse_hermes(text: str) -> tuple[str | None, list[CallPiece]]:

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from scheduler.entrypoints.server.config import REASONING_PARSERS
 from scheduler.entrypoints.server.reasoning.output import PARSERS, ReasoningOutput
-from scheduler.entrypoints.server.reasoning.reader import ParserRules, ReasoningReader, held_back, split
+from scheduler.entrypoints.server.reasoning.reader import ParserRules, ReasoningReader, split
 
 EXPLICIT = ParserRules(implicit_start=False)  # qwen3 with enable_thinking false
 
@@ -61,10 +61,6 @@ def test_a_held_prefix_that_is_no_tag_goes_out_with_the_next_piece_or_at_the_end
 
 def test_the_flag_s_choices_are_the_parsers():
     assert tuple(PARSERS) == REASONING_PARSERS
-
-
-def test_held_back_is_the_longest_proper_prefix_of_the_tag_at_the_end():
-    assert [held_back(t, "</think>") for t in ("ab", "a<", "a</thin", "</think>", "<</")] == [0, 1, 6, 0, 2]
 
 
 TEXTS = st.lists(st.sampled_from(["<think>", "</think>", "<", "</", "th", "ink>", " ", "\n", "a", "é", "x>"]),
