@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from scheduler.entrypoints.server.tags import ready_and_held
 from scheduler.entrypoints.server.tool_calling.object_scanner import ObjectScanner
-from scheduler.entrypoints.server.tool_calling.readers import CallPiece, call_of, joined
+from scheduler.entrypoints.server.tool_calling.readers import CallPiece, call_of, joined, name_of
 
 START, END = "<tool_call>", "</tool_call>"
 LEAD = ("name", "arguments")  # the keys a block streamed as it is written opens with, in this order
@@ -164,14 +164,8 @@ class _Block:
 
     def _named(self) -> bool:
         """Decode the name once its text ends: whether it is a non-empty string."""
-        try:
-            name = json.loads(self.name_text)
-        except ValueError:
-            return False
-        self.name = name if isinstance(name, str) else ""
+        self.name = name_of(self.name_text)
         return bool(self.name)
-
-
 
 
 def parse_hermes(text: str) -> tuple[str | None, list[CallPiece]]:

@@ -30,6 +30,15 @@ class CallPiece:
     arguments: str
 
 
+def name_of(text: str) -> str:
+    """The function name a call's raw name text (a JSON string) decodes to; "" unless a non-empty string."""
+    try:
+        name = json.loads(text)
+    except ValueError:
+        return ""
+    return name if isinstance(name, str) else ""
+
+
 def call_of(obj: object, arguments_key: str) -> CallPiece | None:
     """A whole call from a decoded ``{"name": str, <arguments_key>: object}`` (index 0), else None."""
     if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and obj["name"]):
@@ -129,11 +138,8 @@ class _Element:
 
     def _named(self, index: int) -> list[CallPiece]:
         """The call's first piece once its name is a non-empty string: the name and the parameters' text so far."""
-        try:
-            name = json.loads(self.name)
-        except ValueError:
-            return []
-        if not (isinstance(name, str) and name):
+        name = name_of(self.name)
+        if not name:
             return []
         self.index, held, self.held = index, self.held, ""
         return [CallPiece(index, name, held)]
