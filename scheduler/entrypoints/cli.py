@@ -68,9 +68,8 @@ def serve_args(argv: list[str]) -> argparse.Namespace:
     parser = serve_parser()
     args = parser.parse_args(argv)
     checked_engine_config(parser, args)
-    if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        parser.error("--enable-auto-tool-choice requires --tool-call-parser")
     try:
+        server_config(args)  # ServerConfig checks every server option (--enable-auto-tool-choice needs a parser)
         args.pin_prompt_text = read_prompt(args.pin_prompt) if args.pin_prompt is not None else None
     except PagedKVError as e:
         parser.error(str(e))
