@@ -24,7 +24,7 @@ import pytest
 from fuzz_helpers import CONTEXTS, Beam, Config, LoneResults, Request, beam_params, configs, operations, sampling
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from sched_helpers import tiny_llama
+from sched_helpers import after_each_schedule, tiny_llama
 
 from paged_kv.errors import InvalidArgumentError, UnknownSequenceError
 from scheduler.engine.pinned_prefixes import WARMUP_PREFIX
@@ -69,13 +69,11 @@ class Run:
         self.pins: list[str] = []  # pins not released
         self.dropped: set[str] = set()  # pins whose warm-up was refused: dropped by the engine (pinned_prefixes)
         self.refused: set[str] = set()  # ids the last step refused
-        schedule, refuse = engine.scheduler.schedule, engine.scheduler._refuse
+        refuse = engine.scheduler._refuse
 
-        def within_budgets():  # every step keeps to its token and sequence budgets
-            out = schedule()
+        def within_budgets(out):  # every step keeps to its token and sequence budgets
             assert out.num_batched_tokens <= cfg.budget and len(out.scheduled) <= cfg.max_seqs
             self.refused = {group.request_id for group, _ in out.refused}
-            return out
 
         def never_fitting(group, step, what):  # the scheduler refuses only what can never fit
             self.check_refusal(group)
@@ -83,7 +81,7 @@ class Run:
                 self.dropped.add(group.request_id)  # a warm-up's id is its pin's
             refuse(group, step, what)
 
-        engine.scheduler.schedule = within_budgets
+        after_each_schedule(engine, within_budgets)
         engine.scheduler._refuse = never_fitting
 
     def add(self, req: Request | Beam) -> None:
