@@ -38,6 +38,9 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--disable-log-requests", action="store_true", help="do not log each request")
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help=f"largest request body; larger ones get 413 unread (default {DEFAULT_MAX_REQUEST_BYTES})")
+    p.add_argument("--responses-store-size", type=int, default=1024,
+                   help="finished /v1/responses kept for GET, DELETE and previous_response_id (least recently used "
+                        "forgotten first; in memory, per process, lost at restart; 0: none kept; default 1024)")
     p.add_argument("--enable-dev-endpoints", action="store_true",
                    help="serve vLLM's development endpoints: POST /reset_prefix_cache (default off: they answer 404)")
     p.add_argument("--trust-request-chat-template", action="store_true",
@@ -122,6 +125,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         served_model_names=tuple(names), max_in_flight=args.max_in_flight, max_model_len=args.max_model_len,
         max_logprobs=args.max_logprobs, api_keys=tuple(args.api_key or ()), max_request_bytes=args.max_request_bytes,
+        responses_store_size=args.responses_store_size,
         log_requests=not args.disable_log_requests, enable_dev_endpoints=args.enable_dev_endpoints,
         trust_request_chat_template=args.trust_request_chat_template,
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,

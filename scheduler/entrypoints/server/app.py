@@ -1,10 +1,12 @@
-"""The OpenAI-compatible FastAPI app: completions, chat completions, models, health, metrics, utilities.
+"""The OpenAI-compatible FastAPI app: completions, chat completions, responses, models, health, metrics, utilities.
 
 A handler validates the body (``protocol``); the :class:`Frontend` refuses what the server
 cannot honour, tokenizes off the event loop and builds the engine's parameters; the engine
 thread's events (``async_engine``) become OpenAI bodies (``serving``), whole or streamed. Every
 error is an OpenAI error body (``errors``); bad input never gives a 500, and the server keeps
-serving after every error. vLLM's utility endpoints (``/tokenize``, ``/detokenize``, ``/version``,
+serving after every error. A response (``/v1/responses``, ``responses``) is served as the chat completion of
+its conversation; finished ones are kept in a bounded in-memory store for GET, DELETE and
+``previous_response_id``. vLLM's utility endpoints (``/tokenize``, ``/detokenize``, ``/version``,
 ``/ping``, and with ``enable_dev_endpoints`` ``/reset_prefix_cache``) are in ``utility_routes``.
 
 Only the ``/v1`` routes require the API key when one is configured; ``/health``, ``/metrics`` and
@@ -28,6 +30,11 @@ from scheduler.entrypoints.server.config import ServerConfig
 from scheduler.entrypoints.server.errors import BodyLimit, add_error_handlers
 from scheduler.entrypoints.server.frontend import Frontend, authorize
 from scheduler.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, error_body
+from scheduler.entrypoints.server.responses.conversation import chat_request, input_messages, output_messages, renamed
+from scheduler.entrypoints.server.responses.output import ResponseBuilder, ResponseStream, sse_event
+from scheduler.entrypoints.server.responses.protocol import ResponsesRequest
+from scheduler.entrypoints.server.responses.store import ResponseStore, StoredResponse
+from scheduler.entrypoints.server.sampling import FieldError
 from scheduler.entrypoints.server.serving import ResponseContext, sse, wants_chunk
 from scheduler.entrypoints.server.utility_routes import add_utility_routes
 
@@ -38,6 +45,7 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
     names = config.served_model_names or (llm.model_name,)
     engine = AsyncEngine(llm.engine, llm.tokenizer, max_in_flight=config.max_in_flight, model_name=names[0])
     front = Frontend(llm, engine, config, names)
+    store = ResponseStore(config.responses_store_size)  # finished responses, per process
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -90,6 +98,34 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
         limit = limit if limit[1] is not None else ("max_tokens", body.max_tokens)
         prepared = await front.prepare(body, "chat", encode, 1, limit, body.top_logprobs if body.logprobs else None)
         return await _respond(request, engine, body, *prepared)
+
+    @v1.post("/responses")
+    async def responses(body: ResponsesRequest, request: Request):
+        """OpenAI responses, whole or streamed, served as the chat completion of the same conversation."""
+        builder, prompts, params, conversation = await _prepare_response(front, store, body)
+        events = engine.generate(prompts, params, priority=builder.chat.priority)
+        first = await _next(events)
+        if body.stream:
+            stream = _response_stream(builder, first, events, store, conversation)
+            return StreamingResponse(stream, media_type="text/event-stream")
+        results = await _unless_disconnected(request, _results(first, events, 1))
+        if results is None:
+            return Response(status_code=499)
+        response = builder.whole(results)
+        if body.store:
+            store.put(StoredResponse(response, conversation))
+        return response
+
+    @v1.get("/responses/{response_id}")
+    async def get_response(response_id: str) -> dict:
+        """A stored response; 404 naming ``response_id`` for any other."""
+        return store.get(response_id).body
+
+    @v1.delete("/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict:
+        """Forget a stored response; 404 naming ``response_id`` for any other."""
+        store.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
 
     app.include_router(v1)
     add_utility_routes(app, front, engine)
@@ -151,6 +187,47 @@ def _collect(ev: Event, results: list[TextRequestOutput | None]) -> None:
         raise ev.error
     if ev.result is not None:
         results[ev.key] = ev.result
+
+
+async def _prepare_response(front: Frontend, store: ResponseStore, body: ResponsesRequest
+                            ) -> tuple[ResponseBuilder, list, list, list[dict]]:  # fmt: skip
+    """A response's builder, prompts and parameters (its chat completion's), and the conversation to store with it
+    (the previous response's, then this input); a chat field's refusal named as the response's field."""
+    previous = store.get(body.previous_response_id, "previous_response_id") if body.previous_response_id else None
+    history = previous.conversation + output_messages(previous.body["output"]) if previous else []
+    chat = chat_request(body, history)
+    encode = lambda: [(front.chat_prompt(chat), None)]  # noqa: E731
+    try:
+        limit = ("max_output_tokens", chat.max_completion_tokens)
+        ctx, prompts, params = await front.prepare(chat, "chat", encode, 1, limit, None)
+    except FieldError as e:
+        raise renamed(e) from None
+    return ResponseBuilder(body, chat, ctx, front.llm.tokenizer), prompts, params, history + input_messages(body)
+
+
+async def _response_stream(builder: ResponseBuilder, first: Event, events: AsyncIterator[Event], store: ResponseStore,
+                           conversation: list[dict]) -> AsyncIterator[str]:  # fmt: skip
+    """Server-sent events of a streamed response (stored once finished); closing it aborts the request."""
+    stream, results = ResponseStream(builder), [None]
+    async with contextlib.aclosing(events):
+        for event in stream.start():
+            yield sse_event(event)
+        ev = first
+        while ev is not None:
+            if ev.error is not None:  # the engine failed mid-stream: tell the client, end the stream
+                yield sse_event(stream.error(str(ev.error)))
+                return
+            results[ev.key] = ev.result or results[ev.key]
+            for d in ev.deltas:
+                if wants_chunk(d, False) and (chunk := builder.ctx.chunk(ev.key, d, False)) is not None:
+                    for event in stream.feed(chunk):
+                        yield sse_event(event)
+            ev = await anext(events, None)
+    last, response = stream.finish(results)
+    for event in last:
+        yield sse_event(event)
+    if builder.request.store:
+        store.put(StoredResponse(response, conversation))
 
 
 async def _stream(ctx: ResponseContext, body: SamplingFields, first: Event, events: AsyncIterator[Event],

@@ -22,6 +22,7 @@ class ServerConfig:
     max_logprobs: int = 20  # most top log-probabilities a request may ask for (vLLM's default)
     api_keys: tuple[str, ...] = ()  # Bearer keys every /v1 route requires; (): no check
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    responses_store_size: int = 1024  # finished responses kept (LRU, in memory, per process); 0: none kept
     log_requests: bool = True  # log every request's id, sizes and sampling parameters
     enable_dev_endpoints: bool = False  # serve vLLM's dev-mode endpoints (POST /reset_prefix_cache); off: 404
     trust_request_chat_template: bool = False  # render with a request's own chat_template; off: a 400 naming it
@@ -40,6 +41,7 @@ class ServerConfig:
             check_int("max_model_len", self.max_model_len, low=1)
         check_int("max_logprobs", self.max_logprobs, low=0, high=MAX_LOGPROBS)
         check_int("max_request_bytes", self.max_request_bytes, low=1)
+        check_int("responses_store_size", self.responses_store_size, low=0)
         check_bool("log_requests", self.log_requests)
         check_bool("enable_dev_endpoints", self.enable_dev_endpoints)
         check_bool("trust_request_chat_template", self.trust_request_chat_template)

@@ -2,7 +2,7 @@
 
 400: bad JSON, a field of the wrong type or range, an unknown field, a field the server does
 not honour, a request the engine can never serve (``param`` names the field); 401: a missing
-or wrong API key; 404: an unknown model or route; 413: a body over ``max_request_bytes``; 503
+or wrong API key; 404: an unknown model, stored response or route; 413: a body over ``max_request_bytes``; 503
 with Retry-After: the server holds ``max_in_flight`` requests. Bad input never gives a 500.
 """
 
@@ -25,6 +25,14 @@ UNKNOWN_FIELD = "unknown field: not part of OpenAI's or vLLM's API for this endp
 
 class ModelNotFound(InvalidArgumentError):
     """The request names a model this server does not serve (answered with 404)."""
+
+
+class NotFound(InvalidArgumentError):
+    """The request names something else this server does not hold, e.g. a stored response (404 naming ``param``)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class Unauthorized(InvalidArgumentError):
@@ -100,6 +108,11 @@ def add_error_handlers(app: FastAPI, max_request_bytes: int) -> None:
     async def no_model(_: Request, exc: ModelNotFound):
         """An unknown model: 404."""
         return _error(404, str(exc), "invalid_request_error", "model")
+
+    @app.exception_handler(NotFound)
+    async def not_found(_: Request, exc: NotFound):
+        """An unknown stored response (or other object): 404 naming the field that named it."""
+        return _error(404, str(exc), "invalid_request_error", exc.param)
 
     @app.exception_handler(Unauthorized)
     async def unauthorized(_: Request, exc: Unauthorized):

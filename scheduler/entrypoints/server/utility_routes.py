@@ -56,7 +56,7 @@ def add_utility_routes(app: FastAPI, front: Frontend, engine: AsyncEngine) -> No
     @app.post("/tokenize")
     async def tokenize(body: dict[str, Any] = Body()) -> dict:
         """A prompt's or a conversation's token ids (and their strings if asked), counted against max_model_len."""
-        request = _parse(TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest, body)
+        request = parse_body(TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest, body)
         front.model_name(request.model)
         ids, strs = await _in_pool(front, lambda: _tokenize(front, request))
         return {"count": len(ids), "max_model_len": front.max_model_len, "tokens": ids, "token_strs": strs}
@@ -64,7 +64,7 @@ def add_utility_routes(app: FastAPI, front: Frontend, engine: AsyncEngine) -> No
     @app.post("/detokenize")
     async def detokenize(body: dict[str, Any] = Body()) -> dict:
         """The text of token ids; 400 naming ``tokens`` for an id out of the vocabulary."""
-        request = _parse(DetokenizeRequest, body)
+        request = parse_body(DetokenizeRequest, body)
         front.model_name(request.model)
         front.check_in_vocab("tokens", request.tokens)
         return {"prompt": await _in_pool(front, lambda: front.llm.tokenizer.decode(request.tokens))}
@@ -79,12 +79,19 @@ def add_utility_routes(app: FastAPI, front: Frontend, engine: AsyncEngine) -> No
             return Response(status_code=200)
 
 
-def _parse(model: type[M], body: dict[str, Any]) -> M:
-    """``body`` as ``model``; a bad field is a 400 naming it, as for the bodies FastAPI validates."""
+def parse_body(model: type[M], body: dict[str, Any], rename: dict[str, str] | None = None) -> M:
+    """``body`` as ``model``; a bad field is a 400 naming it (under ``rename``'s name for it, if any), as for the
+    bodies FastAPI validates."""
     try:
         return model.model_validate(body)
     except ValidationError as e:
-        raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from None
+        errors = [{**err, "loc": ("body", *_renamed(err["loc"], rename or {}))} for err in e.errors()]
+        raise RequestValidationError(errors) from None
+
+
+def _renamed(loc: tuple, rename: dict[str, str]) -> tuple:
+    """An error's location with its top-level field renamed."""
+    return (rename.get(loc[0], loc[0]), *loc[1:]) if loc else loc
 
 
 async def _in_pool(front: Frontend, work: Callable[[], T]) -> T:
