@@ -57,7 +57,7 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
 
     app = FastAPI(title="paged-kv", lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
-    app.state.engine, app.state.llm, app.state.frontend = engine, llm, front
+    app.state.engine, app.state.llm, app.state.frontend, app.state.responses = engine, llm, front, store
     add_error_handlers(app, config.max_request_bytes)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize(config.api_keys))])
 

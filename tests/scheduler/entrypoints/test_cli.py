@@ -87,11 +87,12 @@ def test_serve_takes_vllms_server_flags():
         "--model", "/models/tiny", "--served-model-name", "a", "b", "--max-model-len", "100", "--max-logprobs", "5",
         "--api-key", "k1", "k2", "--disable-log-requests", "--max-request-bytes", "1000", "--max-in-flight", "8",
         "--enable-dev-endpoints", "--trust-request-chat-template", "--exclude-tools-when-tool-choice-none",
+        "--responses-store-size", "7",
     ])  # fmt: skip
     assert server_config(args) == ServerConfig(
         served_model_names=("a", "b"), max_model_len=100, max_logprobs=5, api_keys=("k1", "k2"), log_requests=False,
         max_request_bytes=1000, max_in_flight=8, enable_dev_endpoints=True, trust_request_chat_template=True,
-        exclude_tools_when_tool_choice_none=True,
+        exclude_tools_when_tool_choice_none=True, responses_store_size=7,
     )  # fmt: skip
     default = server_config(serve_parser().parse_args(["--model", "/models/tiny"]))
     assert default == ServerConfig(served_model_names=("/models/tiny",))  # vLLM: the --model argument

@@ -27,7 +27,7 @@ SAMPLING_EXTENSIONS = (
     "temperature", "top_p", "seed", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
     "stop", "stop_token_ids", "ignore_eos", "min_tokens", "bad_words", "logit_bias", "allowed_token_ids",
     "skip_special_tokens", "include_stop_str_in_output", "cache_salt", "priority", "request_id",
-    "chat_template_kwargs",
+    "chat_template_kwargs", "structured_outputs",
 )  # fmt: skip
 Status = Literal["in_progress", "completed", "incomplete"]
 
@@ -205,7 +205,9 @@ class ResponsesRequest(ResponsesSampling):
     user: str | None = None  # an end-user id: logged with the request
     safety_identifier: str | None = None  # an end-user id: logged with the request
     prompt_cache_key: str | None = None  # a routing hint: every prompt is prefix-cached here
-    metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(None, max_length=16)
+    metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = Field(
+        None, max_length=16
+    )  # OpenAI's bounds: 16 pairs, keys to 64 characters, values to 512
     store: bool = True  # keep the finished response (GET, DELETE, previous_response_id)
     previous_response_id: str | None = None
     reasoning: ReasoningConfig | None = None

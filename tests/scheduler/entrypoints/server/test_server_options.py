@@ -33,7 +33,8 @@ def _client(served, key: str) -> openai.OpenAI:
                                      {"Authorization": "Basic key-1"}])  # fmt: skip
 def test_every_v1_route_needs_a_key_and_health_and_metrics_do_not(guarded, headers):
     for method, path in [("GET", "models"), ("GET", "models/alpha"), ("POST", "completions"),
-                         ("POST", "chat/completions")]:  # fmt: skip
+                         ("POST", "chat/completions"), ("POST", "responses"), ("GET", "responses/resp_1"),
+                         ("DELETE", "responses/resp_1")]:  # fmt: skip
         r = httpx.request(method, f"{guarded.url}/v1/{path}", json={"prompt": "hi"}, headers=headers)
         refused(r, None, status=401)
         assert r.headers["www-authenticate"] == "Bearer"
@@ -85,6 +86,7 @@ def test_requests_are_logged_unless_disabled(served, guarded, caplog):
 @pytest.mark.parametrize(("field", "value"), [("served_model_names", ("",)), ("api_keys", ["k"]),
                                               ("max_logprobs", 65), ("max_in_flight", 0), ("max_model_len", 0),
                                               ("max_request_bytes", 0), ("log_requests", 1),
+                                              ("responses_store_size", -1),
                                               ("enable_dev_endpoints", "yes"),
                                               ("trust_request_chat_template", 1),
                                               ("exclude_tools_when_tool_choice_none", "no"),
