@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Awaitable
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
+from paged_kv.errors import describe
 from scheduler.core.params import SamplingParams
 from scheduler.entrypoints.llm import LLM
 from scheduler.entrypoints.output_processor import TextRequestOutput
@@ -117,8 +118,11 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
         return response
 
     @v1.get("/responses/{response_id}")
-    async def get_response(response_id: str) -> dict:
-        """A stored response; 404 naming ``response_id`` for any other."""
+    async def get_response(response_id: str, stream: bool = False) -> dict:
+        """A stored response; 404 naming ``response_id`` for any other (``stream=true``, a background response's
+        events again, is a 400: no response runs in the background here)."""
+        if stream:
+            raise FieldError("stream", describe("stream", True, "false: no response runs in the background here"))
         return store.get(response_id).body
 
     @v1.delete("/responses/{response_id}")

@@ -237,6 +237,10 @@ def test_responses_are_stored_retrieved_and_deleted(served, client):
     unstored = create(served, client, store=False)
     assert len(served.app.state.responses) == kept
     refused(httpx.get(f"{served.url}/v1/responses/{unstored.id}", timeout=60), "response_id", 404)
+    kept_one = create(served, client)
+    with pytest.raises(openai.BadRequestError) as info:  # a background response's events: none run here
+        client.responses.retrieve(kept_one.id, stream=True)
+    assert info.value.body["param"] == "stream"
     body = {"model": served.model, "input": "hi", "previous_response_id": unstored.id}
     refused(served.post("responses", body), "previous_response_id", 404)
 
