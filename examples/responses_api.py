@@ -1,8 +1,9 @@
 """The official OpenAI client's Responses API against a running ``paged-kv serve`` (starts no server).
 
 Start the server first (``.venv/bin/paged-kv serve``), then run this. A first response is streamed
-(its last event, ``response.completed`` or ``response.incomplete``, carries the whole response); a second one continues the conversation through
-``previous_response_id`` (the server keeps finished responses in memory), then both are deleted.
+(its last event, ``response.completed`` or ``response.incomplete``, carries the whole response); a
+second one continues the conversation through ``previous_response_id`` (the server keeps finished
+responses in memory); then both are deleted.
 ``PAGED_KV_URL`` overrides the default address ``http://127.0.0.1:8000/v1`` (as for ``openai_client.py``).
 """
 

@@ -15,6 +15,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from fault_helpers import FAULT_SALT, plant_sampling_fault
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 from server_helpers import hold_steps, refused, wait_aborted, wait_idle
@@ -223,6 +224,30 @@ def test_a_stream_closed_early_aborts_its_request(served, client, monkeypatch):
     wait_idle(served)
     wait_aborted(served, before + 1)
     assert served.engine.num_aborted == before + 1
+
+
+FAULTY = {"input": "hi", "max_output_tokens": 20, "cache_salt": FAULT_SALT}  # failed by plant_sampling_fault
+
+
+def test_a_request_that_fails_on_the_engine_is_a_500_and_is_not_stored(served, monkeypatch):
+    plant_sampling_fault(monkeypatch, after=2)  # mid-answer
+    kept = len(served.app.state.responses)
+    r = served.post("responses", {"model": served.model, **FAULTY})
+    assert r.status_code == 500 and "planted sampling fault" in r.json()["error"]["message"], r.text
+    assert len(served.app.state.responses) == kept
+    wait_idle(served)
+
+
+def test_a_stream_that_fails_on_the_engine_ends_with_an_error_event(served, client, monkeypatch):
+    plant_sampling_fault(monkeypatch, after=2)  # mid-answer: after the stream has begun
+    kept = len(served.app.state.responses)
+    events = events_of(served, client, **{k: v for k, v in FAULTY.items() if k != "cache_salt"},
+                       extra_body={"cache_salt": FAULT_SALT})  # fmt: skip
+    assert events[-1].type == "error" and "planted sampling fault" in events[-1].message
+    assert "response.output_text.delta" in [e.type for e in events]
+    assert not [e for e in events if e.type in ("response.completed", "response.incomplete")]
+    assert len(served.app.state.responses) == kept  # a failed response is not stored
+    wait_idle(served)
 
 
 def test_responses_are_stored_retrieved_and_deleted(served, client):
