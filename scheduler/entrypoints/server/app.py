@@ -31,9 +31,8 @@ from scheduler.entrypoints.server.config import ServerConfig
 from scheduler.entrypoints.server.errors import BodyLimit, add_error_handlers
 from scheduler.entrypoints.server.frontend import Frontend, authorize
 from scheduler.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, error_body
-from scheduler.entrypoints.server.responses.conversation import chat_request, input_messages, output_messages, renamed
-from scheduler.entrypoints.server.responses.output import ResponseBuilder, ResponseStream, sse_event
 from scheduler.entrypoints.server.responses.protocol import ResponsesRequest
+from scheduler.entrypoints.server.responses.serving import prepare_response, response_stream
 from scheduler.entrypoints.server.responses.store import ResponseStore, StoredResponse
 from scheduler.entrypoints.server.sampling import FieldError
 from scheduler.entrypoints.server.serving import ResponseContext, sse, wants_chunk
@@ -103,11 +102,11 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
     @v1.post("/responses")
     async def responses(body: ResponsesRequest, request: Request):
         """OpenAI responses, whole or streamed, served as the chat completion of the same conversation."""
-        builder, prompts, params, conversation = await _prepare_response(front, store, body)
+        builder, prompts, params, conversation = await prepare_response(front, store, body)
         events = engine.generate(prompts, params, priority=builder.chat.priority)
         first = await _next(events)
         if body.stream:
-            stream = _response_stream(builder, first, events, store, conversation)
+            stream = response_stream(builder, first, events, store, conversation)
             return StreamingResponse(stream, media_type="text/event-stream")
         results = await _unless_disconnected(request, _results(first, events, 1))
         if results is None:
@@ -191,47 +190,6 @@ def _collect(ev: Event, results: list[TextRequestOutput | None]) -> None:
         raise ev.error
     if ev.result is not None:
         results[ev.key] = ev.result
-
-
-async def _prepare_response(front: Frontend, store: ResponseStore, body: ResponsesRequest
-                            ) -> tuple[ResponseBuilder, list, list, list[dict]]:  # fmt: skip
-    """A response's builder, prompts and parameters (its chat completion's), and the conversation to store with it
-    (the previous response's, then this input); a chat field's refusal named as the response's field."""
-    previous = store.get(body.previous_response_id, "previous_response_id") if body.previous_response_id else None
-    history = previous.conversation + output_messages(previous.body["output"]) if previous else []
-    chat = chat_request(body, history)
-    encode = lambda: [(front.chat_prompt(chat), None)]  # noqa: E731
-    try:
-        limit = ("max_output_tokens", chat.max_completion_tokens)
-        ctx, prompts, params = await front.prepare(chat, "chat", encode, 1, limit, None)
-    except FieldError as e:
-        raise renamed(e) from None
-    return ResponseBuilder(body, chat, ctx, front.llm.tokenizer), prompts, params, history + input_messages(body)
-
-
-async def _response_stream(builder: ResponseBuilder, first: Event, events: AsyncIterator[Event], store: ResponseStore,
-                           conversation: list[dict]) -> AsyncIterator[str]:  # fmt: skip
-    """Server-sent events of a streamed response (stored once finished); closing it aborts the request."""
-    stream, results = ResponseStream(builder), [None]
-    async with contextlib.aclosing(events):
-        for event in stream.start():
-            yield sse_event(event)
-        ev = first
-        while ev is not None:
-            if ev.error is not None:  # the engine failed mid-stream: tell the client, end the stream
-                yield sse_event(stream.error(str(ev.error)))
-                return
-            results[ev.key] = ev.result or results[ev.key]
-            for d in ev.deltas:
-                if wants_chunk(d, False) and (chunk := builder.ctx.chunk(ev.key, d, False)) is not None:
-                    for event in stream.feed(chunk):
-                        yield sse_event(event)
-            ev = await anext(events, None)
-    last, response = stream.finish(results)
-    for event in last:
-        yield sse_event(event)
-    if builder.request.store:
-        store.put(StoredResponse(response, conversation))
 
 
 async def _stream(ctx: ResponseContext, body: SamplingFields, first: Event, events: AsyncIterator[Event],
