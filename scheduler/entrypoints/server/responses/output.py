@@ -64,8 +64,11 @@ class ResponseBuilder:
     chat: ChatCompletionRequest
     ctx: ResponseContext
     tokenizer: object
-    id: str = field(default_factory=lambda: new_id("resp"))
+    id: str = field(init=False)  # vLLM's request_id when given (as vLLM), else resp_<hex>
     created_at: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        self.id = self.request.request_id or new_id("resp")
 
     def body(self, status: str, output: list[Item], usage_: dict | None) -> dict:
         """The Response object: its state, output and usage, and the request's settings echoed."""

@@ -262,7 +262,8 @@ def test_responses_are_stored_retrieved_and_deleted(served, client):
     unstored = create(served, client, store=False)
     assert len(served.app.state.responses) == kept
     refused(httpx.get(f"{served.url}/v1/responses/{unstored.id}", timeout=60), "response_id", 404)
-    kept_one = create(served, client)
+    kept_one = create(served, client, extra_body={"request_id": "resp_mine"})  # vLLM's: the response's id
+    assert kept_one.id == "resp_mine" and client.responses.retrieve("resp_mine") == kept_one
     with pytest.raises(openai.BadRequestError) as info:  # a background response's events: none run here
         client.responses.retrieve(kept_one.id, stream=True)
     assert info.value.body["param"] == "stream"
