@@ -55,7 +55,8 @@ class Overloaded(Exception):
 
 
 class RequestFailed(RuntimeError):
-    """The request failed on its own inside the engine (answered with a 500 or a stream's error event)."""
+    """The request failed inside the engine, alone or with every request of a failed step (a 500 or a stream's
+    error event; the engine logged the cause)."""
 
 
 @dataclass(frozen=True)
@@ -259,7 +260,7 @@ class AsyncEngine:
             changed = self.processor.step()
         except Exception as e:  # the engine aborted every request (it logged the cause): fail them all
             log.error("engine step failed, every live request aborted: %s: %s", type(e).__name__, e)
-            self._abort_all(RuntimeError(f"engine step failed, every request aborted: {type(e).__name__}: {e}"))
+            self._abort_all(RequestFailed(f"engine step failed, every request aborted: {type(e).__name__}: {e}"))
             self._snapshot()
             return
         now = time.perf_counter()

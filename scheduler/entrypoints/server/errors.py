@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from paged_kv.errors import InvalidArgumentError, PagedKVError
-from scheduler.entrypoints.server.async_engine import Overloaded
+from scheduler.entrypoints.server.async_engine import Overloaded, RequestFailed
 from scheduler.entrypoints.server.protocol import error_body
 
 RETRY_AFTER_S = 1
@@ -131,6 +131,13 @@ def add_error_handlers(app: FastAPI, max_request_bytes: int) -> None:
         if exc.status_code == 413:
             return _too_large(max_request_bytes)
         return _error(exc.status_code, str(exc.detail), "invalid_request_error")
+
+    @app.exception_handler(RequestFailed)
+    async def request_failed(_: Request, exc: RequestFailed):
+        """A request the engine failed (it logged why): 500, answered like any error. A handler of its own, as
+        Starlette re-raises what reaches the ``Exception`` one below to the server, which then drops the
+        connection (a keep-alive client's next request on it met a reset)."""
+        return _error(500, str(exc), "internal_error")
 
     @app.exception_handler(Exception)
     async def internal(_: Request, exc: Exception):

@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 import time
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -163,3 +165,32 @@ def test_a_model_step_failure_fails_every_request_in_flight_and_the_server_serve
     assert "engine step failed (RuntimeError: planted forward fault); aborting all 3 live requests" in caplog.text
     _wait_idle(served)
     assert [_texts(a) for a in _run(served, [_body(served, p, f) for p, f in GOOD])] == reference
+
+
+def _post_keep_alive(sock, host: str, body: dict) -> tuple[int, dict]:
+    """POST ``body`` to /v1/completions on an open HTTP/1.1 connection; (status, JSON body) of the answer."""
+    data = json.dumps(body).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n").encode()  # fmt: skip
+    sock.sendall(head + data)
+    reader = sock.makefile("rb")
+    status = int(reader.readline().split()[1])
+    headers = {}
+    while (line := reader.readline().strip()) != b"":
+        name, _, value = line.decode().partition(":")
+        headers[name.lower()] = value.strip()
+    return status, json.loads(reader.read(int(headers["content-length"])))
+
+
+def test_a_request_failure_keeps_the_connection_alive(served, monkeypatch):
+    """A request that fails on the engine is an answered 500, not a server error: the client's keep-alive connection
+    stays open for its next request (uvicorn closed it after an exception reached it, and a client reusing the
+    connection, as the openai client's pool does, got a reset)."""
+    plant_sampling_fault(monkeypatch)
+    url, faulty = urlsplit(served.url), _body(served, FAULTY, dict(max_tokens=4), cache_salt=FAULT_SALT)
+    with socket.create_connection((url.hostname, url.port), timeout=30) as sock:
+        status, body = _post_keep_alive(sock, url.netloc, faulty)
+        assert status == 500 and "request failed: sampling failed" in body["error"]["message"], body
+        status, body = _post_keep_alive(sock, url.netloc, _body(served, "hello world", dict(max_tokens=4)))
+        assert status == 200 and body["choices"][0]["text"], body
+    _wait_idle(served)
