@@ -4,8 +4,8 @@ raw text piece by piece, then the value's end.
 The readers of tool calls stream a call's name and arguments with it. It checks only the object's
 top level (``{``, keys, ``:``, ``,``, ``}``); a value's text is passed through as written, its
 nesting and strings followed (a bracket or an escaped quote in a string is text) so that its end is
-found. Anything else at the top level stops the reading (``bad``); whether the text is JSON is for
-the caller to decide.
+found. Anything else at the top level stops the reading (``bad``; the character that broke it is not
+the object's); whether the text is JSON is for the caller to decide.
 """
 
 from __future__ import annotations
@@ -34,13 +34,22 @@ class ObjectScanner:
         """The object closed (done) or its top level broke (bad): nothing more is read."""
         return self.state in ("done", "bad")
 
+    @property
+    def in_string(self) -> bool:
+        """Whether the text read so far ends inside a JSON string (a key or a value's string, at any depth)."""
+        return self.state == "key" or (self.state == "in_value" and self._in_string)
+
     def feed(self, text: str) -> tuple[list[Event], int]:
-        """The events ``text`` makes, and how many of its characters are the object's (all until it finishes)."""
+        """The events ``text`` makes, and how many of its characters are the object's (all until it finishes; the
+        character that breaks it is not)."""
         events: list[Event] = []
         for i, ch in enumerate(text):
             if self.finished:
                 return events, i
             getattr(self, "_on_" + self.state)(ch, events)
+            if self.state == "bad":
+                self._flush(events)
+                return events, i
         self._flush(events)
         return events, len(text)
 

@@ -39,14 +39,34 @@ def name_of(text: str) -> str:
     return name if isinstance(name, str) else ""
 
 
-def call_of(obj: object, arguments_key: str) -> CallPiece | None:
-    """A whole call from a decoded ``{"name": str, <arguments_key>: object}`` (index 0), else None."""
+def call_of(obj: object, keys: tuple[str, ...]) -> CallPiece | None:
+    """A whole call from a decoded ``{"name": str, <one of keys>: object}`` (index 0; the first of ``keys`` present
+    holds the arguments), else None."""
     if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and obj["name"]):
         return None
-    arguments = obj.get(arguments_key)
+    arguments = next((obj[k] for k in keys if k in obj), None)
     if not isinstance(arguments, dict):
         return None
     return CallPiece(0, obj["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+@dataclass
+class Content:
+    """An "auto" reader's content as it goes out: none while all of it so far is whitespace (whitespace alone is no
+    content), then each piece as it comes."""
+
+    _spaces: str = ""  # whitespace-only content held until real content (or nothing) follows
+    _said: bool = False  # some content went out: all further content goes out as it comes
+
+    def take(self, text: str) -> list[str | CallPiece]:
+        """The content that goes out now for ``text``."""
+        if self._said:
+            return [text] if text else []
+        self._spaces += text
+        if not self._spaces.strip():
+            return []
+        self._said, text, self._spaces = True, self._spaces, ""
+        return [text]
 
 
 @dataclass
@@ -143,6 +163,13 @@ class _Element:
             return []
         self.index, held, self.held = index, self.held, ""
         return [CallPiece(index, name, held)]
+
+
+def read_whole(reader, text: str) -> tuple[str | None, list[CallPiece]]:
+    """A whole text's content (None: none) and tool calls, as a fresh ``reader`` reads it."""
+    pieces = reader.feed(text) + reader.finish()
+    content = "".join(p for p in pieces if isinstance(p, str))
+    return (content or None), joined(pieces)
 
 
 def joined(pieces: list[str | CallPiece]) -> list[CallPiece]:

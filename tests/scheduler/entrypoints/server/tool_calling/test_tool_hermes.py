@@ -136,3 +136,43 @@ def test_written_calls_read_back_whole_and_in_any_split(written, before, cuts):
     assert [(c.name, json.loads(c.arguments)) for c in whole] == [call for call, _ in written]
     pieces = read_split(HermesReader(), text, cuts)
     assert ("".join(p for p in pieces if isinstance(p, str)) or None, joined(pieces)) == (content, whole)
+
+
+TAGGED = '<tool_call>{"name": "echo", "arguments": {"text": "use </tool_call> here", "</tool_call>": 1}}</tool_call>'
+
+
+def test_an_end_tag_inside_a_json_string_of_an_open_block_is_text_of_the_string():
+    """vLLM's regex ends the block at the first ``</tool_call>`` wherever it is (its JSON then fails: all content)."""
+    content, [call] = parse_hermes("a " + TAGGED + " b")
+    assert content == "a  b"
+    assert (call.name, json.loads(call.arguments)) == ("echo", {"text": "use </tool_call> here", "</tool_call>": 1})
+    pieces = feed("a " + TAGGED + " b", list(range(len(TAGGED) + 4)))  # one character at a time
+    assert ("".join(p for p in pieces if isinstance(p, str)), joined(pieces)) == ("a  b", [call])
+    assert len(joined(pieces)) == 1 and sum(isinstance(p, CallPiece) for p in pieces) > 10  # streamed as written
+
+
+def test_an_end_tag_outside_strings_ends_an_open_block_and_one_after_the_object_ends_it_wherever():
+    broken = '<tool_call>{"name": "f", "arguments": {"a": </tool_call> tail'
+    assert parse_hermes(broken) == (broken, [])  # the JSON is broken: the block is content as written
+    after = '<tool_call>{"name": "f", "arguments": {}} "</tool_call> x"'
+    assert parse_hermes(after) == (after, [])  # the object had ended: the tag counts; trailing text: no call
+
+
+def test_a_complete_object_not_followed_directly_by_the_end_tag_is_no_call():
+    """The body is the object and whitespace or it is no call (as vLLM's json.loads of the body decides)."""
+    text = '<tool_call>{"name": "f", "arguments": {"x": 1}} and more</tool_call> ok'
+    assert parse_hermes(text) == (text, [])
+    assert parse_hermes('<tool_call> {"name": "f", "arguments": {}}\n </tool_call>') == (None, [CallPiece(0, "f", "{}")])
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(st.lists(st.sampled_from(["</tool_call>", "<tool_call>", "</tool_", "\\\"", "x", "é", "}", "{"]), max_size=6),
+       st.lists(st.integers(0, 10**4), max_size=12))  # fmt: skip
+def test_tags_in_argument_strings_read_back_whole_and_in_any_split(parts, cuts):
+    value = "".join(parts)
+    text = "hi " + f"<tool_call>{json.dumps({'name': 'echo', 'arguments': {'t': value, value: [value]}})}</tool_call>"
+    content, whole = parse_hermes(text)
+    assert content == "hi " and [(c.name, json.loads(c.arguments)) for c in whole] == [("echo", {"t": value,
+                                                                                               value: [value]})]
+    pieces = read_split(HermesReader(), text, cuts)
+    assert ("".join(p for p in pieces if isinstance(p, str)) or None, joined(pieces)) == (content, whole)
