@@ -1,4 +1,5 @@
-"""A tool call written as a JSON object, ``{"name": <string>, <an arguments key>: {...}}``, read as it arrives.
+"""A tool call written as a JSON object, ``{"name": <string>, <an arguments key>: {...}}``, read as it arrives
+(a ``call_sequence.Item``).
 
 Hermes blocks, llama3_json's objects and mistral's array elements are such objects. One that opens
 with ``{"name": <a non-empty string>, <an arguments key>: {`` (the order those models write) *leads*:
@@ -29,6 +30,18 @@ class CallObject:
     name: str = ""  # the name, once its text ends
     arguments: str = ""  # the arguments' raw text so far, while it leads
     leads: bool | None = None  # None: not known yet
+    index: int | None = None  # its call's index, once its first piece went out
+    sent: int = 0  # how much of ``arguments`` went out
+
+    @property
+    def finished(self) -> bool:
+        """The object closed or broke: nothing more is read."""
+        return self.scanner.finished
+
+    @property
+    def broken(self) -> bool:
+        """The object's top level broke off before it closed."""
+        return self.scanner.state == "bad"
 
     def read(self, text: str) -> int:
         """Read more of the object: how many characters of ``text`` are its own (all until it finishes)."""
@@ -38,6 +51,17 @@ class CallObject:
         if self.scanner.state == "bad" and not self.leads:
             self.leads = False
         return used
+
+    def stream(self, index: int) -> list[CallPiece]:
+        """Its call's pieces not yet given out, once it leads: the first names it (as call ``index``), the others
+        carry its arguments' text as it is written."""
+        if not self.leads:
+            return []
+        arguments, self.sent = self.arguments[self.sent :], len(self.arguments)
+        if self.index is None:
+            self.index = index
+            return [CallPiece(index, self.name, arguments)]
+        return [CallPiece(self.index, None, arguments)] if arguments else []
 
     def call(self) -> CallPiece | None:
         """The whole object's call (index 0) once it closed, if it is one: the arguments as written when it leads."""
@@ -74,3 +98,8 @@ class CallObject:
         """Decode the name once its text ends: whether it is a non-empty string."""
         self.name = name_of(self.name_text)
         return bool(self.name)
+
+
+def json_items(keys: tuple[str, ...]) -> dict[str, object]:
+    """A CallSequence's ``item`` and ``starts`` for JSON call objects whose arguments are under one of ``keys``."""
+    return {"item": lambda: CallObject(keys), "starts": lambda ch: ch == "{"}

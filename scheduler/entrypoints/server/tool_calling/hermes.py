@@ -86,20 +86,15 @@ class HermesReader:
 
     def _stream(self) -> list[str | CallPiece]:
         """The open block's call pieces not yet sent, once it leads as a call (its name, then its arguments)."""
-        block = self._block
-        if not block.obj.leads:
-            return []
-        arguments, block.sent = block.obj.arguments[block.sent :], len(block.obj.arguments)
-        if block.index is None:
-            block.index, self._calls = self._calls, self._calls + 1
-            return [CallPiece(block.index, block.obj.name, arguments)]
-        return [CallPiece(block.index, None, arguments)] if arguments else []
+        pieces = self._block.obj.stream(self._calls)
+        self._calls += any(p.name is not None for p in pieces)
+        return pieces
 
     def _close(self, end: str) -> list[str | CallPiece]:
         """The block's end: the rest of a streamed call (kept, even if the block is no call after all), or the
         block's call, or its raw text as content when it is not one."""
         block = self._block
-        if block.index is not None:
+        if block.obj.index is not None:
             out, self._block = self._stream(), None
             return out
         self._block = None
@@ -116,8 +111,6 @@ class _Block:
 
     raw: str = ""  # the body read so far
     obj: CallObject = field(default_factory=CallObject)
-    sent: int = 0  # how much of the object's arguments text went out
-    index: int | None = None  # its call's index, once its pieces go out
 
     def read(self, text: str) -> None:
         """Read more of the body."""
