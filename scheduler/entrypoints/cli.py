@@ -51,7 +51,9 @@ def serve_parser() -> argparse.ArgumentParser:
                         "freely and --tool-call-parser reads its tool calls (vLLM's flag); default off: such a "
                         "request gets 400")
     p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
-                   help="how \"auto\" reads tool calls out of the text: hermes, <tool_call>{...}</tool_call> tags")
+                   help="how \"auto\" reads tool calls out of the text (vLLM's flag): hermes, <tool_call>{...}"
+                        "</tool_call> tags; llama3_json, [<|python_tag|>]{\"name\": ..., \"parameters\": {...}}; ...; "
+                        "pythonic, [f(a=1), g()]; mistral, [TOOL_CALLS][{\"name\": ..., \"arguments\": {...}}]")
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                    help="split a chat answer's thinking (<think>...</think>) out of its content into the message's "
                         "reasoning and reasoning_content fields (vLLM's flag); default: no split")

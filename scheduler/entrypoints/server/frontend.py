@@ -40,7 +40,13 @@ from scheduler.entrypoints.server.sampling import (
     structured_outputs,
 )
 from scheduler.entrypoints.server.serving import ResponseContext
-from scheduler.entrypoints.server.tool_calling.choice import ToolOutput, check_tools, tool_constraint, tool_output
+from scheduler.entrypoints.server.tool_calling.choice import (
+    ToolOutput,
+    check_tools,
+    keeps_special_tokens,
+    tool_constraint,
+    tool_output,
+)
 
 log = logging.getLogger("paged_kv.server")
 Prompts = list[tuple[list[int], str | None]]  # each prompt's token ids and its text (None: given as ids)
@@ -136,12 +142,13 @@ class Frontend:
             return constraints, param, (None, None)
         check_tools(body, self.config.enable_auto_tool_choice, constraints)
         reasoning = reasoning_output(body, self.config.reasoning_parser)
-        if body.chosen_tool == "auto":  # as vLLM's hermes parser asks: a tool tag may be a special token
+        parser = self.config.tool_call_parser
+        if keeps_special_tokens(body, parser):  # as vLLM's parser asks: a tool tag may be a special token
             body.skip_special_tokens = False
         tool = tool_constraint(body)
         if tool:  # a named or "required" call's schema (check_tools refused any other constraint with it)
             constraints, param = tool, "tools"
-        return constraints, param, (tool_output(body), reasoning)
+        return constraints, param, (tool_output(body, parser), reasoning)
 
     async def prepare(self, body: SamplingFields, kind: str, encode: Callable[[], Prompts], num_prompts: int,
                       limit: tuple[str, int | None], logprobs: int | None

@@ -52,10 +52,24 @@ def test_auto_tool_choice_flags_reach_the_server_config_and_need_each_other(caps
     assert not server_config(serve_args([])).enable_auto_tool_choice
     config = server_config(serve_args(["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]))
     assert (config.enable_auto_tool_choice, config.tool_call_parser) == (True, "hermes")
-    for argv in (["--enable-auto-tool-choice"], ["--tool-call-parser", "pythonic"]):
-        with pytest.raises(SystemExit):
-            serve_args(argv)
+    with pytest.raises(SystemExit):
+        serve_args(["--enable-auto-tool-choice"])
     assert "--enable-auto-tool-choice requires --tool-call-parser" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json", "pythonic", "mistral"])
+def test_each_tool_call_parser_reaches_the_server_config_and_its_help_names_it(parser):
+    config = server_config(serve_args(["--enable-auto-tool-choice", "--tool-call-parser", parser]))
+    assert config.tool_call_parser == parser
+    (action,) = [a for a in serve_parser()._actions if "--tool-call-parser" in a.option_strings]
+    assert f"{parser}, " in action.help
+
+
+def test_an_unknown_tool_call_parser_is_a_usage_error_naming_it(capsys):
+    with pytest.raises(SystemExit) as info:
+        serve_args(["--enable-auto-tool-choice", "--tool-call-parser", "granite"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "--tool-call-parser" in err and "'granite'" in err
 
 
 def test_reasoning_parser_reaches_the_server_config_and_an_unknown_one_is_refused_naming_the_flag(capsys):
@@ -67,7 +81,7 @@ def test_reasoning_parser_reaches_the_server_config_and_an_unknown_one_is_refuse
 
 
 @pytest.mark.parametrize(("kw", "name"), [({"enable_auto_tool_choice": True}, "enable_auto_tool_choice"),
-                                          ({"tool_call_parser": "pythonic"}, "tool_call_parser"),
+                                          ({"tool_call_parser": "granite"}, "tool_call_parser"),
                                           ({"enable_auto_tool_choice": 1, "tool_call_parser": "hermes"},
                                            "enable_auto_tool_choice")])  # fmt: skip
 def test_bad_tool_options_are_typed_errors_naming_them(kw, name):

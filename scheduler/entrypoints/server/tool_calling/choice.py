@@ -9,16 +9,16 @@
   ``parallel_tool_calls: false``) of ``{"name": <a tool's name>, "parameters": <its schema>}``
   objects; each becomes a call (its arguments the ``parameters`` value's text as written), ``content`` "".
 - "auto": only with ``--enable-auto-tool-choice`` and ``--tool-call-parser`` (else a 400, as
-  vLLM); the output is free and the parser (hermes) reads calls and content out of it; special
-  tokens are kept in the text (vLLM's hermes parser asks the same: a tag may be a special token).
+  vLLM); the output is free and the parser (``parsers.PARSERS``: hermes, llama3_json, pythonic,
+  mistral) reads calls and content out of it; special tokens are kept in the text where that
+  parser's vLLM counterpart asks it (hermes, mistral: a tag may be a special token).
 
 ``finish_reason`` is "tool_calls" when an "auto" or "required" sample made a call and stopped, else the
 sample's own: "stop" for a named call, "length" for one cut off (OpenAI's; vLLM says "tool_calls" for an
 "auto" call cut off, and streamed for a "required" one too). Streamed, a call's
 first delta has its index, id, type and name, the next ones its arguments' text as it is generated
 (a named call's from the first token; a "required" call's once its name's string closes; an "auto"
-call's once its block opens with its name and arguments, else whole at its closing tag: see
-``hermes``); the finish reason is the whole response's. Each call's id is
+call as its parser streams it: see each parser's module); the finish reason is the whole response's. Each call's id is
 ``chatcmpl-tool-<random hex>``.
 """
 
@@ -31,12 +31,12 @@ from paged_kv.errors import describe
 from scheduler.core.structured_params import StructuredOutputsParams
 from scheduler.entrypoints.server.protocol import ChatCompletionRequest
 from scheduler.entrypoints.server.sampling import FieldError
-from scheduler.entrypoints.server.tool_calling.hermes import HermesReader
+from scheduler.entrypoints.server.tool_calling.parsers import PARSERS, AutoReader
 from scheduler.entrypoints.server.tool_calling.protocol import NamedToolChoice, Tool
 from scheduler.entrypoints.server.tool_calling.readers import CallPiece, NamedReader, RequiredReader, joined
 
 AUTO_FLAGS = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
-Reader = NamedReader | RequiredReader | HermesReader  # a sample's reader: a named call's, "required"'s, "auto"'s
+Reader = NamedReader | RequiredReader | AutoReader  # a sample's reader: a named call's, "required"'s, "auto"'s
 
 
 def check_tools(body: ChatCompletionRequest, auto_enabled: bool, constraints: dict[str, object]) -> None:
@@ -111,6 +111,7 @@ class ToolOutput:
     """How the samples of a request with a tool choice other than "none" become messages and deltas."""
 
     choice: str | NamedToolChoice  # "required", "auto" or a named function
+    parser: str = "hermes"  # "auto"'s parser: a name of PARSERS
     readers: dict[int, Reader] = field(default_factory=dict)  # per streamed choice
     called: set[int] = field(default_factory=set)  # streamed choices that made a call
 
@@ -118,7 +119,7 @@ class ToolOutput:
         """A fresh reader of one sample's text."""
         if isinstance(self.choice, NamedToolChoice):
             return NamedReader(self.choice.function.name)
-        return RequiredReader() if self.choice == "required" else HermesReader()
+        return RequiredReader() if self.choice == "required" else PARSERS[self.parser].reader()
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """A whole sample's message and finish reason."""
@@ -159,7 +160,12 @@ def _delta_call(p: CallPiece) -> dict:
     return {"index": p.index, **_message_call(p)}
 
 
-def tool_output(body: ChatCompletionRequest) -> ToolOutput | None:
-    """The request's ToolOutput (None for "none": a plain answer)."""
+def tool_output(body: ChatCompletionRequest, parser: str | None = None) -> ToolOutput | None:
+    """The request's ToolOutput (None for "none": a plain answer); "auto" reads with ``parser`` (checked: set)."""
     choice = body.chosen_tool
-    return None if choice == "none" else ToolOutput(choice)
+    return None if choice == "none" else ToolOutput(choice, parser or "hermes")
+
+
+def keeps_special_tokens(body: ChatCompletionRequest, parser: str | None) -> bool:
+    """Whether the request's text must keep special tokens: "auto" with a parser whose tags may be ones."""
+    return body.chosen_tool == "auto" and parser is not None and PARSERS[parser].keeps_special_tokens

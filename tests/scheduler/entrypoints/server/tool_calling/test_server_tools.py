@@ -153,16 +153,13 @@ def test_the_required_constraint_writes_each_calls_name_before_its_parameters(se
     assert not xgr.GrammarMatcher(grammar).accept_string('[{"parameters"')
 
 
-@pytest.mark.parametrize("kind", ["named", "required", "auto"])
-def test_streamed_calls_are_the_whole_responses_arriving_in_pieces(served, client, kind):
-    kw = {"model": served.model, "messages": CHAT, "tools": TOOLS, "temperature": 0.0, "max_tokens": 256}
-    auto = {"tool_choice": "auto", "extra_body": {"structured_outputs": {"regex": AUTO_CALL}}}
-    kw |= {"named": {"tool_choice": NAMED}, "required": {"tool_choice": "required"}, "auto": auto}[kind]
-    out = client.chat.completions.create(**kw).choices[0]
-    calls, pieces, finish = [], [], None
+def streamed(client, kw: dict) -> tuple[list[dict], list[int], str, str | None]:
+    """A streamed answer's calls (each its name and arguments), how many deltas carried each call's arguments, its
+    content and its finish reason; each call's first delta checked to carry its index, id, type and name."""
+    calls, pieces, content, finish = [], [], "", None
     for chunk in client.chat.completions.create(stream=True, **kw):
         [choice] = chunk.choices
-        finish = choice.finish_reason or finish
+        finish, content = choice.finish_reason or finish, content + (choice.delta.content or "")
         for delta in choice.delta.tool_calls or []:
             if delta.id is not None:  # a call's first delta: its index, id, type and name
                 assert (delta.index, delta.type, delta.id[:14]) == (len(calls), "function", "chatcmpl-tool-")
@@ -171,12 +168,54 @@ def test_streamed_calls_are_the_whole_responses_arriving_in_pieces(served, clien
             assert delta.id is not None or delta.function.name is None
             calls[delta.index]["arguments"] += delta.function.arguments
             pieces[delta.index] += bool(delta.function.arguments)
+    return calls, pieces, content, finish
+
+
+def accumulated(client, kw: dict) -> tuple[list[dict], str, str | None]:
+    """A streamed answer joined by the official client's own accumulator: its calls, content and finish reason."""
+    with client.chat.completions.stream(**kw) as stream:
+        joined = stream.get_final_completion().choices[0]
+    return whole(joined), joined.message.content or "", joined.finish_reason
+
+
+@pytest.mark.parametrize("kind", ["named", "required", "auto"])
+def test_streamed_calls_are_the_whole_responses_arriving_in_pieces(served, client, kind):
+    kw = {"model": served.model, "messages": CHAT, "tools": TOOLS, "temperature": 0.0, "max_tokens": 256}
+    auto = {"tool_choice": "auto", "extra_body": {"structured_outputs": {"regex": AUTO_CALL}}}
+    kw |= {"named": {"tool_choice": NAMED}, "required": {"tool_choice": "required"}, "auto": auto}[kind]
+    out = client.chat.completions.create(**kw).choices[0]
+    calls, pieces, _, finish = streamed(client, kw)
     assert calls == whole(out) and finish == out.finish_reason
     assert pieces[0] > 1, pieces  # the arguments came as they were generated, not whole
-    with client.chat.completions.stream(**kw) as stream:  # the client's own accumulator joins the deltas
-        joined = stream.get_final_completion().choices[0]
-    accumulated = (whole(joined), joined.message.content or "", joined.finish_reason)
-    assert accumulated == (whole(out), out.message.content or "", out.finish_reason)
+    assert accumulated(client, kw) == (whole(out), out.message.content or "", out.finish_reason)
+
+
+FORCED = {  # each parser's format as a regex the output is held to: its content, then a call of clock
+    "hermes": ("Hi ", AUTO_CALL),
+    "llama3_json": ("", r'<\|python_tag\|>\{"name": "clock", "parameters": \{"utc": (true|false)\}\}'),
+    "pythonic": ("", r"\[clock\(utc=(True|False)\)\]"),
+    "mistral": ("Hi ", r'Hi \[TOOL_CALLS\]\[\{"name": "clock", "arguments": \{"utc": (true|false)\}\}\]'),
+}
+
+
+@pytest.mark.parametrize("parser", FORCED)
+def test_each_parser_reads_auto_calls_whole_and_streamed_alike(served, client, captured, monkeypatch, parser):
+    """The tiny model writes each format because a regex holds its output to it (as the hermes tests do)."""
+    front = served.app.state.frontend
+    monkeypatch.setattr(front, "config", dataclasses.replace(front.config, tool_call_parser=parser))
+    content, regex = FORCED[parser]
+    kw = {"model": served.model, "messages": CHAT, "tools": TOOLS, "tool_choice": "auto", "temperature": 0.0,
+          "max_tokens": 256, "extra_body": {"structured_outputs": {"regex": regex}}}  # fmt: skip
+    out = client.chat.completions.create(**kw).choices[0]
+    [call] = whole(out)
+    assert call["name"] == "clock" and json.loads(call["arguments"]) in ({"utc": True}, {"utc": False})
+    assert (out.message.content or "", out.finish_reason) == (content, "tool_calls")
+    calls, pieces, said, finish = streamed(client, kw)
+    assert (calls, said, finish) == (whole(out), content, "tool_calls")
+    assert pieces[0] == 1 if parser == "pythonic" else pieces[0] > 1, pieces  # pythonic: each call whole
+    assert accumulated(client, kw) == (whole(out), content, "tool_calls")
+    keeps = parser in ("hermes", "mistral")  # their tags may be special tokens (as vLLM's parsers ask)
+    assert [params.skip_special_tokens for _, [params] in captured] == [not keeps] * 3
 
 
 def test_required_calls_follow_their_tools_schemas_and_parallel_false_makes_one(served, client):

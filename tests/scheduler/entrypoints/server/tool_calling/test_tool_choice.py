@@ -7,9 +7,16 @@ import json
 import jsonschema
 import pytest
 
+from scheduler.entrypoints.server.config import TOOL_CALL_PARSERS
 from scheduler.entrypoints.server.protocol import ChatCompletionRequest
 from scheduler.entrypoints.server.sampling import FieldError
-from scheduler.entrypoints.server.tool_calling.choice import ToolOutput, required_schema, tool_output
+from scheduler.entrypoints.server.tool_calling.choice import (
+    ToolOutput,
+    keeps_special_tokens,
+    required_schema,
+    tool_output,
+)
+from scheduler.entrypoints.server.tool_calling.parsers import PARSERS
 
 POINT = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
 SHAPE = {"type": "object", "properties": {"at": {"$ref": "#/$defs/point"}}, "required": ["at"],
@@ -91,3 +98,39 @@ def test_a_required_calls_first_delta_names_it_and_one_delta_holds_one_entry_per
     assert later == {"tool_calls": [{"index": 0, "function": {"arguments": '{"x"'}}]}
     whole, _ = ToolOutput("required").delta(0, text, "stop")
     assert [c["function"] for c in whole["tool_calls"]] == [{"name": "erase", "arguments": '{"x": 12}'}]
+
+
+AUTO_TEXTS = {  # each parser's format of "ok", then a call of erase(x=1)
+    "hermes": 'ok <tool_call>{"name": "erase", "arguments": {"x": 1}}</tool_call>',
+    "llama3_json": '<|python_tag|>{"name": "erase", "parameters": {"x": 1}} ok',
+    "pythonic": "[erase(x=1)] ok",
+    "mistral": 'ok [TOOL_CALLS][{"name": "erase", "arguments": {"x": 1}}]',
+}
+
+
+def test_the_registry_has_a_reader_for_each_parser_the_server_takes():
+    assert tuple(PARSERS) == TOOL_CALL_PARSERS == tuple(AUTO_TEXTS)
+
+
+@pytest.mark.parametrize("parser", TOOL_CALL_PARSERS)
+def test_auto_reads_with_the_servers_parser_whole_and_streamed(parser):
+    text = AUTO_TEXTS[parser]
+    out = tool_output(request([("erase", POINT)], tool_choice="auto"), parser)
+    message, finish = out.message(text, "stop")
+    [call] = message["tool_calls"]
+    assert (message["content"].strip(), call["function"]["name"], finish) == ("ok", "erase", "tool_calls")
+    assert json.loads(call["function"]["arguments"]) == {"x": 1}
+    chunks = [out.delta(0, text[i : i + 2], "stop" if i + 2 >= len(text) else None) for i in range(0, len(text), 2)]
+    assert "".join(d.get("content", "") for d, _ in chunks) == message["content"] and chunks[-1][1] == "tool_calls"
+    args = "".join(c["function"]["arguments"] for d, _ in chunks for c in d.get("tool_calls", []))
+    assert args == call["function"]["arguments"]
+    for other in (p for p in TOOL_CALL_PARSERS if p != parser):  # another format: all content, no call
+        message, finish = tool_output(request([("erase", POINT)], tool_choice="auto"), other).message(text, "stop")
+        assert (message, finish) == ({"role": "assistant", "content": text}, "stop")
+
+
+@pytest.mark.parametrize(("parser", "kept"), [("hermes", True), ("mistral", True), ("llama3_json", False),
+                                              ("pythonic", False), (None, False)])  # fmt: skip
+def test_auto_keeps_special_tokens_where_the_parsers_tags_may_be_ones(parser, kept):
+    assert keeps_special_tokens(request([("erase", POINT)], tool_choice="auto"), parser) is kept
+    assert not keeps_special_tokens(request([("erase", POINT)], tool_choice="required"), parser)
