@@ -56,9 +56,9 @@ class CallSequence:
     opener: str | None = None
     closer: str | None = None
     held: str = ""  # text since the last call: content if no call follows (a tag, a separator, whitespace)
-    _state: str = "open"  # open (before the opener), expect (an item), object (in one), after (one), content
+    _state: str = "open"  # open (before the opener), expect (an item), item (in one), after (one), content
     _buffer: str = ""
-    _obj: Item | None = None
+    _current: Item | None = None
     _calls: int = 0
 
     def feed(self, text: str) -> list[str | CallPiece]:
@@ -73,8 +73,8 @@ class CallSequence:
         """The end: an open item's call as far as streamed (else its text is content), held text that is more than
         separators as content."""
         self.feed("")  # (settles an opening without an opener)
-        if self._state == "object" and self._obj.index is None:
-            return self._content_from(self._obj.body)
+        if self._state == "item" and self._current.index is None:
+            return self._content_from(self._current.body)
         rest, self.held = self.held, ""
         return self.content.take(rest) if rest.strip(SPACE + self.separator + (self.closer or "")) else []
 
@@ -95,14 +95,14 @@ class CallSequence:
         if not self._skip_space():
             return False
         if self.starts(self._buffer[0]):
-            self._state, self._obj = "object", self.item()
+            self._state, self._current = "item", self.item()
         else:
             out += self._content_from("")
         return True
 
-    def _object(self, out: list[str | CallPiece]) -> bool:
+    def _item(self, out: list[str | CallPiece]) -> bool:
         """In an item: its streamed pieces; once it closes or breaks, its call, or the rest as content."""
-        obj = self._obj
+        obj = self._current
         self._buffer = self._buffer[obj.read(self._buffer) :]
         out += self._named(obj.stream(self._calls))
         if not obj.finished:
