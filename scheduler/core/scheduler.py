@@ -125,6 +125,8 @@ class Scheduler:
         if request_id in self.requests:
             raise DuplicateSequenceError(describe("request_id", request_id, "an id not already in use"))
         seq = Sequence(next(self._ids), 0, prompt, self._new_hashes(params.cache_salt))
+        if params.structured_outputs is not None:  # a grammar that starts after a marker waits for it
+            seq.grammar_after = params.structured_outputs.waits(prompt)
         unforked = list(range(1, params.n)) if fork_samples else []
         group = SequenceGroup(request_id, [seq], params, max_seqs=params.n, unforked=unforked, priority=priority)
         self.requests[request_id] = group

@@ -64,9 +64,14 @@ class Sequence:
         self.top_logprobs: list[dict[int, float]] = []  # per output token, when asked for
         self.ranks: list[int | None] = []  # rank of each output token in the vocabulary (None: a selection hook's)
         self.generator: torch.Generator | None = None
-        # structured outputs: the grammar's state, set by the engine when the sequence first samples. It has
-        # accepted exactly output_token_ids (append_token advances it, fork copies it), so preemption keeps it.
+        # structured outputs: the grammar's state, set by the engine when the sequence first samples with its
+        # grammar holding. It has accepted exactly the output tokens after the grammar's start (append_token
+        # advances it, fork copies it), so preemption keeps it.
         self.matcher: TokenMatcher | None = None
+        # structured outputs that start after a marker (StructuredOutputsParams.start_after): the marker its
+        # output has still to write before the grammar holds (None: nothing to wait for). Invariant: while set,
+        # matcher is None and the output does not contain it; append_token clears it once the output ends with it.
+        self.grammar_after: tuple[int, ...] | None = None
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -109,6 +114,14 @@ class Sequence:
         self.ranks.append(rank)
         if top is not None:
             self.top_logprobs.append(top)
+        marker = self.grammar_after
+        if marker is not None and self.num_outputs >= len(marker) and tuple(self.token_ids[-len(marker) :]) == marker:
+            self.grammar_after = None  # the grammar holds from the next token
+
+    @property
+    def grammar_holds(self) -> bool:
+        """Whether the sequence's grammar, if it has one, constrains its next token (not waiting for a marker)."""
+        return self.grammar_after is None
 
     def fork(self, seq_id: int, index: int) -> Sequence:
         """A copy of this sequence's tokens and cache bookkeeping under a new id (generator not shared)."""
@@ -121,6 +134,7 @@ class Sequence:
         child.top_logprobs = list(self.top_logprobs)
         child.ranks = list(self.ranks)
         child.matcher = self.matcher.fork() if self.matcher is not None else None
+        child.grammar_after = self.grammar_after
         return child
 
     def finish(self, reason: str, now: float) -> None:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json as jsonlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from paged_kv.errors import InvalidArgumentError, check_bool, describe
+from paged_kv.tokens import as_id_list
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -22,6 +23,15 @@ class StructuredOutputsParams:
     JSON beyond xgrammar's separators (", " and ": "). The engine compiles the constraint at
     ``add_request`` (an invalid one raises there) and masks each step's logits with it; the sample
     ends ("stop") when the grammar is complete and the model picks EOS.
+
+    ``start_after`` (token ids, e.g. a reasoning model's ``</think>``): the grammar holds only the
+    output after the first place it writes these tokens, in a row; before, the sample is free (its
+    logits are not masked) and may end (EOS, a stop, the length) with no grammar ever applied. A
+    prompt that already ends with them starts the grammar at the first token (the thinking ended
+    in the prompt). It belongs here, not on SamplingParams, because it says where this constraint
+    begins and means nothing without one; it is not part of the grammar (:attr:`language` is the
+    compiled grammar's key), so a schema compiles once wherever it starts. vLLM starts its grammar
+    after its reasoning parser's end token, engine-wide; here it is per request, one token or several.
     """
 
     json: str | Mapping[str, object] | None = None  # stored as str
@@ -30,8 +40,11 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool = False
     disable_any_whitespace: bool = False
+    start_after: Sequence[int] | None = None  # stored as a tuple
 
     def __post_init__(self) -> None:
+        if self.start_after is not None:
+            object.__setattr__(self, "start_after", _marker(self.start_after))
         check_bool("structured_outputs.json_object", self.json_object)
         check_bool("structured_outputs.disable_any_whitespace", self.disable_any_whitespace)
         for name in ("regex", "grammar"):
@@ -50,6 +63,19 @@ class StructuredOutputsParams:
     def kind(self) -> str:
         """The constraint given: "json", "regex", "choice", "grammar" or "json_object"."""
         return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def language(self) -> StructuredOutputsParams:
+        """These params without ``start_after``: the constraint's language alone (the compiled grammar's key)."""
+        return self if self.start_after is None else replace(self, start_after=None)
+
+    def waits(self, prompt: Sequence[int]) -> tuple[int, ...] | None:
+        """The marker a sample of ``prompt`` writes before its grammar holds: None when there is none or the
+        prompt already ends with it (vLLM's check of the prompt: the reasoning ended there)."""
+        marker = self.start_after
+        if marker is None or tuple(prompt[-len(marker) :]) == marker:
+            return None
+        return marker
 
 
 def _schema_text(schema: object) -> str:
@@ -75,3 +101,12 @@ def _choices(choice: object) -> tuple[str, ...]:
     if not all(isinstance(c, str) and c for c in choice):
         raise InvalidArgumentError(describe("structured_outputs.choice", choice, "non-empty strings"))
     return tuple(choice)
+
+
+def _marker(value: object) -> tuple[int, ...]:
+    """``start_after`` as a tuple of token ids (at least one)."""
+    expected = "a non-empty sequence of token ids"
+    ids = as_id_list("structured_outputs.start_after", value, "token ids", expected)
+    if not ids:
+        raise InvalidArgumentError(describe("structured_outputs.start_after", ids, expected))
+    return tuple(ids)

@@ -129,11 +129,15 @@ def check_request_id(request_id: str, live: Container[str]) -> None:
 
 
 def check_structured_outputs(spec: StructuredOutputsParams, structured: StructuredOutputs | None) -> None:
-    """Compile (and cache) a request's grammar now: an invalid one, or no tokenizer, raises before queueing."""
+    """Compile (and cache) a request's grammar now: an invalid one, a ``start_after`` id past the model's rows, or
+    no tokenizer, raises before queueing."""
     check_type("structured_outputs", spec, StructuredOutputsParams, "a StructuredOutputsParams")
     if structured is None:
         expected = "None on an engine without a tokenizer (call enable_structured_outputs(tokenizer) first)"
         raise InvalidArgumentError(describe("structured_outputs", spec.kind, expected))
+    if spec.start_after is not None and max(spec.start_after) >= structured.vocab_size:
+        expected = f"token ids in [0, {structured.vocab_size})"
+        raise OutOfRangeError(describe("structured_outputs.start_after", max(spec.start_after), expected))
     structured.grammar(spec)
 
 

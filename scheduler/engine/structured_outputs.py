@@ -10,6 +10,14 @@ A constrained sequence gets its own ``GrammarMatcher`` when it first samples (``
 each of ``n`` samples its own). ``Sequence.append_token`` advances it, so it has accepted exactly the
 sequence's output tokens, and keeps them across preemption (recompute and swap keep the sequence).
 
+A constraint with ``start_after`` (a reasoning model's end of thinking) holds only after its marker:
+until the sample's output ends with it (``Sequence.grammar_after``), its row is not masked and it has
+no matcher; the sample may end meanwhile (EOS, as vLLM's, whose output is then all reasoning). From
+the token after the marker a fresh matcher accepts every token, as vLLM's, which feeds its grammar
+from the token after the end tag (not the tag itself); the tokens before it are never fed to it.
+A prompt that ends with the marker starts the grammar at the first token (vLLM asks its reasoning
+parser whether the prompt's tokens already end the reasoning).
+
 A step that samples constrained rows: xgrammar fills their bitmasks on the host (one batched call),
 one host->device copy, then xgrammar's kernel sets the logits those rows' grammars forbid to -inf,
 in place, before sampling (Triton on CUDA; its torch path elsewhere: its Triton path needs CUDA even
@@ -59,7 +67,7 @@ class StructuredOutputs:
     def grammar(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
         """The compiled grammar of ``spec`` (compiled on its first use, then cached); an invalid one raises."""
         try:
-            return self._compiled(spec)
+            return self._compiled(spec.language)  # wherever it starts, one language compiles once
         except (RuntimeError, ValueError) as e:
             message = _XGR_PREFIX.sub("", (str(e).strip() or type(e).__name__).splitlines()[0])
             value = str(getattr(spec, spec.kind))
@@ -69,7 +77,8 @@ class StructuredOutputs:
 
     def mask(self, samples: Seq[tuple[SequenceGroup, Sequence, int]], logits: torch.Tensor) -> None:
         """Mask, in place, the logits each constrained sample's grammar forbids now (``logits [S, V]``: a row each)."""
-        rows = [i for i, (group, _, _) in enumerate(samples) if group.params.structured_outputs is not None]
+        rows = [i for i, (group, seq, _) in enumerate(samples)
+                if group.params.structured_outputs is not None and seq.grammar_holds]  # a waiting row is free
         if not rows:
             return
         matchers = [self._matcher(*samples[i][:2]) for i in rows]
@@ -84,7 +93,7 @@ class StructuredOutputs:
                                             backend=self._backend)  # fmt: skip
 
     def _matcher(self, group: SequenceGroup, seq: Sequence) -> xgr.GrammarMatcher:
-        """The sequence's matcher, created at its first sample (it has no outputs yet, so none to accept)."""
+        """The sequence's matcher, created at its first constrained sample (no output since its start to accept)."""
         if seq.matcher is None:
             seq.matcher = xgr.GrammarMatcher(self.grammar(group.params.structured_outputs))
         return seq.matcher

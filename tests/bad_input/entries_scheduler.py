@@ -165,7 +165,9 @@ def _rows() -> list[Entry]:
             "regex": Arg("obj", "a+", bad={WRONG_TYPE: [3, "", b"a+"]}),
             "choice": Arg("obj", None, bad={WRONG_TYPE: ["ab", [], ["a", 3]]}),
             "grammar": Arg("obj", None, bad={WRONG_TYPE: [3, "", b"x"]}),
-            "json_object": Arg("bool", False), "disable_any_whitespace": Arg("bool", False)}),
+            "json_object": Arg("bool", False), "disable_any_whitespace": Arg("bool", False),
+            "start_after": Arg("obj", None, bad={WRONG_TYPE: [3, "ab", [], [[1]]], BOOL_FOR_INT: [[True]],
+                                                 NONINTEGRAL: [[1.5]], OUT_OF_RANGE: [[-1]]})}),
         Entry("scheduler.SchedulerConfig", scheduler.SchedulerConfig, {
             "max_num_batched_tokens": Arg("int", 64, bad={OUT_OF_RANGE: [1, 1 << 62]}),
             "max_num_seqs": Arg("int", 8, bad={OUT_OF_RANGE: [0, 1 << 62]}),

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
 import re
+from collections.abc import Callable
 
 import jsonschema
+import torch
 from sched_helpers import make_engine, tiny_llama
 from text_helpers import tiny_tokenizer
 
@@ -66,3 +69,40 @@ def structured_engine(vocab_size: int = MODEL_VOCAB, *, cache_size: int = 64, **
 def texts_of(outputs, tokenizer) -> list[list[str]]:
     """Each request's sample texts (special tokens, such as the closing EOS, left out)."""
     return [[tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in o.outputs] for o in outputs]
+
+
+class Forcing:
+    """The engine's sampler, but a row whose sequence ``force`` names a token for (None: none) draws that token:
+    a test's stand-in for a model that writes it (after any grammar mask: a forced row is one the grammar frees)."""
+
+    def __init__(self, sampler, force: Callable[[object], int | None]) -> None:
+        self.sampler, self.force = sampler, force
+
+    def __call__(self, logits: torch.Tensor, rows, *rest):
+        with torch.inference_mode():  # the model's logits are inference tensors
+            for i, row in enumerate(rows):
+                token = self.force(row.history)  # the row's sequence
+                if token is not None:
+                    logits[i] = -math.inf
+                    logits[i, token] = 0.0
+        return self.sampler(logits, rows, *rest)
+
+    def __getattr__(self, name: str):
+        return getattr(self.sampler, name)
+
+
+def force_tokens(engine, monkeypatch, force: Callable[[object], int | None]) -> None:
+    """Make ``engine`` draw ``force(seq)`` for each sample whose ``force`` names a token (for this test)."""
+    monkeypatch.setattr(engine.sampling, "sampler", Forcing(engine.sampling.sampler, force))
+
+
+def scripted(scripts: dict[int, list[int]]) -> Callable[[object], int | None]:
+    """A ``force`` that makes sample ``i`` write ``scripts[i]`` as its first output tokens (None: the model's
+    own token, at a script's -1 entries and after it)."""
+
+    def force(seq) -> int | None:
+        script = scripts.get(seq.index, [])
+        token = script[seq.num_outputs] if seq.num_outputs < len(script) else -1
+        return None if token == -1 else token
+
+    return force
