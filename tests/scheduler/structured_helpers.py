@@ -92,8 +92,11 @@ class Forcing:
 
 
 def force_tokens(engine, monkeypatch, force: Callable[[object], int | None]) -> None:
-    """Make ``engine`` draw ``force(seq)`` for each sample whose ``force`` names a token (for this test)."""
-    monkeypatch.setattr(engine.sampling, "sampler", Forcing(engine.sampling.sampler, force))
+    """Make ``engine`` draw ``force(seq)`` for each sample whose ``force`` names a token (for this test; it replaces
+    a ``force`` given before)."""
+    sampler = engine.sampling.sampler
+    sampler = sampler.sampler if isinstance(sampler, Forcing) else sampler
+    monkeypatch.setattr(engine.sampling, "sampler", Forcing(sampler, force))
 
 
 def scripted(scripts: dict[int, list[int]]) -> Callable[[object], int | None]:
@@ -106,3 +109,8 @@ def scripted(scripts: dict[int, list[int]]) -> Callable[[object], int | None]:
         return None if token == -1 else token
 
     return force
+
+
+def opening(script: list[int]) -> Callable[[object], int | None]:
+    """A ``force`` that makes every sample write ``script`` as its first output tokens (then its own)."""
+    return lambda seq: script[seq.num_outputs] if seq.num_outputs < len(script) else None

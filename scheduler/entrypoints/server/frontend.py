@@ -30,7 +30,7 @@ from scheduler.entrypoints.server.async_engine import AsyncEngine
 from scheduler.entrypoints.server.config import ServerConfig
 from scheduler.entrypoints.server.errors import ModelNotFound, Unauthorized
 from scheduler.entrypoints.server.protocol import ChatCompletionRequest, ChatRendering, SamplingFields
-from scheduler.entrypoints.server.reasoning.output import ReasoningOutput, reasoning_output
+from scheduler.entrypoints.server.reasoning.output import PARSERS, ReasoningOutput, end_tag_ids, reasoning_output
 from scheduler.entrypoints.server.sampling import (
     FieldError,
     beam_search_params,
@@ -92,6 +92,8 @@ class Frontend:
     def __post_init__(self) -> None:
         self.names = self.names or (self.llm.model_name,)
         self.max_model_len = max_model_len(self.llm.engine, self.config.max_model_len)
+        # each reasoning parser's end tag as the model's tokens: where a constraint starts under it
+        self.reasoning_ends = {name: end_tag_ids(self.llm.tokenizer, name) for name in PARSERS}
         # one thread: the tokenizer is never used by two requests at once (as in vLLM), the event loop never
         self.tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="paged-kv-tokenizer")
 
@@ -148,6 +150,9 @@ class Frontend:
         tool = tool_constraint(body)
         if tool:  # a named or "required" call's schema (check_tools refused any other constraint with it)
             constraints, param = tool, "tools"
+        if reasoning is not None and constraints:  # the grammar starts after the thinking, as vLLM's
+            end = self.reasoning_ends[self.config.reasoning_parser]
+            constraints = {"structured_outputs": reasoning.constrain(constraints["structured_outputs"], end)}
         return constraints, param, (tool_output(body, parser), reasoning)
 
     async def prepare(self, body: SamplingFields, kind: str, encode: Callable[[], Prompts], num_prompts: int,

@@ -6,10 +6,11 @@ import json
 
 import jsonschema
 import pytest
-from structured_helpers import SPECS, check_output
+from structured_helpers import SPECS, check_output, force_tokens, opening
 
 from scheduler.core.config import CacheConfig, EngineConfig
 from scheduler.core.params import SamplingParams
+from scheduler.core.structured_params import StructuredOutputsParams
 from scheduler.entrypoints.llm import LLM
 from scheduler.entrypoints.structured_request import structured_outputs_from_request
 from scheduler.model.loader import LoadedModel
@@ -43,6 +44,23 @@ def test_llm_constrains_generate_and_chat(tiny_model_dir):
         for out in outs:
             assert out.outputs[0].finish_reason == "stop"
             check_output(SPECS[kind], out.outputs[0].text)
+
+
+def test_llm_starts_a_constraint_after_the_thinking(tiny_model_dir, monkeypatch):
+    """Offline, ``start_after=llm.encode("</think>")[0]`` leaves the thinking free and holds the answer after it
+    (the tiny model is made to think: each sample's first tokens are forced; n = 2 seeded, each on its own)."""
+    llm = LLM(tiny_model_dir, engine_config=EngineConfig(cache=CacheConfig(block_size=4, num_gpu_blocks=256),
+                                                         device="cpu"))  # fmt: skip
+    end, _ = llm.encode("</think>")
+    script = llm.encode("<think>hmm")[0] + end
+    force_tokens(llm.engine, monkeypatch, opening(script))
+    spec = StructuredOutputsParams(regex=SPECS["regex"].regex, start_after=end)
+    params = SamplingParams(max_tokens=64, n=2, temperature=1.0, seed=3, structured_outputs=spec)
+    for out in llm.generate(["hello world"], params) + llm.chat([{"role": "user", "content": "hi"}], params):
+        for sample in out.outputs:
+            thinking, answer = sample.text.split("</think>")
+            assert thinking == "<think>hmm" and sample.finish_reason == "stop"
+            check_output(SPECS["regex"], answer)
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""A chat request's reasoning, as vLLM serves it with ``--reasoning-parser``: checks, messages and deltas.
+"""A chat request's reasoning, as vLLM serves it with ``--reasoning-parser``: its constraint's start, messages, deltas.
 
 With a parser, a chat message carries the reasoning as ``reasoning`` and ``reasoning_content`` (vLLM's
 current name and its older one, the same text; null when the sample wrote none) and the rest as ``content``
@@ -12,35 +12,30 @@ missing start tag as reasoning from the first token (their chat templates write 
 qwen3 request with ``chat_template_kwargs.enable_thinking: false`` reads an output without the start tag
 as content (vLLM: the template wrote the whole thinking block into the prompt).
 
-A named or "required" tool choice and a ``response_format`` schema are refused with a parser (a 400 naming
-the field): their grammar would hold the output from its first token, leaving no room for thinking (vLLM
-starts it after the end tag). ``structured_outputs`` is served: its grammar holds the whole output,
-reasoning and tags included.
+A request's output constraint (a named or "required" tool choice's, a ``response_format`` schema,
+``structured_outputs``) starts after the thinking, as vLLM's grammar starts after its parser's end tag: the
+engine leaves the output free until it writes the end tag's tokens (the model's tokenizer's, tokenized once
+at start-up: ``end_tag_ids``), then holds the rest to the grammar (``StructuredOutputsParams.start_after``).
+An output that starts in its answer (qwen3 with thinking off) is held from its first token. The content, read
+after the thinking, is then the grammar's text: a tool call's arguments, a response's JSON.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from paged_kv.errors import describe
+from scheduler.core.structured_params import StructuredOutputsParams
 from scheduler.entrypoints.server.protocol import ChatCompletionRequest
 from scheduler.entrypoints.server.reasoning.reader import ParserRules, ReasoningReader, split
-from scheduler.entrypoints.server.sampling import FieldError
 
 PARSERS = {"deepseek_r1": ParserRules(), "qwen3": ParserRules(thinking_switch=True)}  # --reasoning-parser's
 FIELDS = ("reasoning", "reasoning_content")  # vLLM's current name and its older one, both sent
-NO_ROOM = "with --reasoning-parser (its grammar would leave no room for thinking: vLLM's starts after </think>)"
 
 
-def check_reasoning(body: ChatCompletionRequest) -> None:
-    """Refuse (FieldError naming the field) what a reasoning parser cannot serve: a named or "required" tool
-    choice, a ``response_format`` other than text (already checked: a mapping with a known ``type``)."""
-    choice = body.chosen_tool
-    if choice not in ("none", "auto"):
-        shown = choice if isinstance(choice, str) else f"function {choice.function.name!r}"
-        raise FieldError("tool_choice", describe("tool_choice", shown, f'"none" or "auto" {NO_ROOM}'))
-    if body.response_format is not None and body.response_format.get("type") != "text":
-        raise FieldError("response_format", describe("response_format", body.response_format, f"text {NO_ROOM}"))
+def end_tag_ids(tokenizer, parser: str) -> tuple[int, ...]:
+    """The tokens of ``parser``'s end tag as the model's tokenizer writes it alone (one special token in the
+    reasoning models' vocabularies; several in SmolLM2's, where another split of the same text would not count)."""
+    return tuple(tokenizer.encode(PARSERS[parser].end, add_special_tokens=False))
 
 
 @dataclass
@@ -50,6 +45,11 @@ class ReasoningOutput:
     rules: ParserRules
     include: bool = True  # include_reasoning: false drops the reasoning from every body
     readers: dict[int, ReasoningReader] = field(default_factory=dict)  # per streamed choice
+
+    def constrain(self, spec: StructuredOutputsParams, end_ids: tuple[int, ...]) -> StructuredOutputsParams:
+        """``spec`` starting after the thinking's end tag ``end_ids`` (as vLLM's grammar); from the first token when
+        the output starts in its answer (qwen3 with thinking off: the template closed the thinking in the prompt)."""
+        return replace(spec, start_after=end_ids) if self.rules.implicit_start else spec
 
     def message(self, text: str) -> tuple[dict, str]:
         """A whole sample's reasoning fields and its content text."""
@@ -66,10 +66,9 @@ class ReasoningOutput:
 
 
 def reasoning_output(body: ChatCompletionRequest, parser: str | None) -> ReasoningOutput | None:
-    """The request's ReasoningOutput under ``parser`` (None: no parser, no reasoning split out); its checks first."""
+    """The request's ReasoningOutput under ``parser`` (None: no parser, no reasoning split out)."""
     if parser is None:
         return None
-    check_reasoning(body)
     rules = PARSERS[parser]
     if rules.thinking_switch and body.chat_template_kwargs.get("enable_thinking", True) is False:
         rules = replace(rules, implicit_start=False)

@@ -77,16 +77,21 @@ class NamedReader:
     _started: bool = False
 
     def feed(self, text: str) -> list[str | CallPiece]:
-        """The text as the next piece of the arguments (the first piece names the function)."""
-        if not text and self._started:
+        """The text as the next piece of the arguments (the first piece, the first text, names the function; no
+        text yet, e.g. while a reasoning model thinks: no piece)."""
+        if not text:
             return []
-        piece = CallPiece(0, None if self._started else self.name, text)
-        self._started = True
-        return [piece]
+        return [self._piece(text)]
 
     def finish(self) -> list[str | CallPiece]:
         """The call with empty arguments if no text came (so there is always exactly one call)."""
-        return self.feed("") if not self._started else []
+        return [] if self._started else [self._piece("")]
+
+    def _piece(self, text: str) -> CallPiece:
+        """The next piece of the call: its first names the function."""
+        piece = CallPiece(0, None if self._started else self.name, text)
+        self._started = True
+        return piece
 
 
 @dataclass

@@ -1,25 +1,35 @@
-"""Reasoning outputs on /v1/chat/completions with the official client: whole, streamed, hidden, with tools.
+"""Reasoning outputs on /v1/chat/completions with the official client: whole, streamed, hidden, with tools, and
+constrained answers whose grammar starts after the thinking.
 
 One server serves the module, with ``--reasoning-parser deepseek_r1`` and "auto" tool choice (hermes).
-The tiny model is random: a regex constraint (``structured_outputs``, which holds the whole output,
-thinking included) makes it write a thinking block and an answer.
+The tiny model is random and never thinks: ``force_thinking`` makes each sample start with a thinking
+block (the tokens the server waits for included); the answer after it is the model's own, held by the
+request's constraint through the real engine, which starts it after the end tag.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 
+import jsonschema
 import pytest
-from server_helpers import CHAT, refused, serving
+from server_helpers import CHAT, force_thinking, serving
 
 from scheduler.entrypoints.server.config import ServerConfig
 
-THINK = r"<think>[a-z ]{2,12}</think>[A-Za-z ]{2,12}"  # a thinking block, then an answer
+THOUGHT = "let me see"  # the thinking force_thinking writes
+ANSWER = r"[A-Za-z ]{2,12}"  # an answer the grammar holds
 CALL = '{"name": "clock", "arguments": {"utc": true}}'
-AFTER = r'<think>[a-z ]{2,8}</think><tool_call>\{"name": "clock", "arguments": \{"utc": true\}\}</tool_call>'
-INSIDE = r'<think><tool_call>\{"name": "clock", "arguments": \{"utc": true\}\}</tool_call></think>Hi'
-CLOCK = {"type": "object", "properties": {"utc": {"type": "boolean"}}, "required": ["utc"]}
+AFTER = r'<tool_call>\{"name": "clock", "arguments": \{"utc": true\}\}</tool_call>'
+CLOCK = {"type": "object", "properties": {"utc": {"type": "boolean"}}, "required": ["utc"],
+         "additionalProperties": False}  # fmt: skip
 TOOLS = [{"type": "function", "function": {"name": "clock", "parameters": CLOCK}}]
+CONSTRAINTS = {  # each constraint a reasoning parser used to refuse, and the check of its answer
+    "named": {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "clock"}}},
+    "required": {"tools": TOOLS, "tool_choice": "required"},
+    "json_schema": {"response_format": {"type": "json_schema", "json_schema": {"name": "clock", "schema": CLOCK}}},
+}
 
 
 @pytest.fixture(scope="module")
@@ -30,14 +40,21 @@ def served(tiny_model_dir):
         yield s
 
 
-def create(served, client, regex: str = THINK, **kw):
-    """A greedy chat completion of CHAT whose output the regex shapes."""
-    return client.chat.completions.create(model=served.model, messages=CHAT, temperature=0.0, max_tokens=200,
-                                          extra_body={"structured_outputs": {"regex": regex}, **kw.pop("extra", {})},
-                                          **kw)  # fmt: skip
+@pytest.fixture
+def thinking(served, monkeypatch):
+    """Every sample of the test starts with ``<think>`` THOUGHT ``</think>``."""
+    force_thinking(served, monkeypatch, THOUGHT)
 
 
-def streamed(served, client, regex: str = THINK, **kw) -> list[tuple[str, str]]:
+def create(served, client, regex: str | None = ANSWER, **kw):
+    """A greedy chat completion of CHAT whose answer the regex holds (None: no constraint)."""
+    constraint = {} if regex is None else {"structured_outputs": {"regex": regex}}
+    kw.setdefault("max_tokens", 200)
+    return client.chat.completions.create(model=served.model, messages=CHAT, temperature=0.0,
+                                          extra_body={**constraint, **kw.pop("extra", {})}, **kw)  # fmt: skip
+
+
+def streamed(served, client, regex: str | None = ANSWER, **kw) -> list[tuple[str, str]]:
     """Each streamed delta's (field, text) pieces, in order: reasoning, content, and a call's name ("call")."""
     out = []
     for chunk in create(served, client, regex, stream=True, **kw):
@@ -50,19 +67,19 @@ def streamed(served, client, regex: str = THINK, **kw) -> list[tuple[str, str]]:
     return out
 
 
-def test_the_thinking_is_split_out_of_the_answer_and_its_tokens_count(served, client, monkeypatch):
-    message = (out := create(served, client)).choices[0].message
+def test_the_thinking_is_split_out_of_the_answer_and_its_tokens_count(served, client, thinking, monkeypatch):
+    message = (out := create(served, client, None, max_tokens=24)).choices[0].message  # a free answer
     reasoning, content = message.model_extra["reasoning"], message.content
-    assert message.model_extra["reasoning_content"] == reasoning and reasoning and content
+    assert message.model_extra["reasoning_content"] == reasoning == THOUGHT and content
     front = served.app.state.frontend  # the same greedy answer, read with no parser
     monkeypatch.setattr(front, "config", dataclasses.replace(front.config, reasoning_parser=None))
-    raw = create(served, client)
+    raw = create(served, client, None, max_tokens=24)
     assert raw.choices[0].message.content == f"<think>{reasoning}</think>{content}"
     assert "reasoning" not in (raw.choices[0].message.model_extra or {})  # no parser: no such field
     assert out.usage.completion_tokens == raw.usage.completion_tokens  # the thinking's tokens count
 
 
-def test_a_stream_sends_the_reasoning_then_the_content_of_the_whole_answer(served, client):
+def test_a_stream_sends_the_reasoning_then_the_content_of_the_whole_answer(served, client, thinking):
     message = create(served, client).choices[0].message
     pieces = streamed(served, client)
     kinds = [kind for kind, _ in pieces]
@@ -70,13 +87,13 @@ def test_a_stream_sends_the_reasoning_then_the_content_of_the_whole_answer(serve
     assert "".join(t for k, t in pieces if k == "reasoning") == message.model_extra["reasoning"]
     assert "".join(t for k, t in pieces if k == "content") == message.content
     kw = {"model": served.model, "messages": CHAT, "temperature": 0.0, "max_tokens": 200,
-          "extra_body": {"structured_outputs": {"regex": THINK}}}  # fmt: skip
+          "extra_body": {"structured_outputs": {"regex": ANSWER}}}  # fmt: skip
     with client.chat.completions.stream(**kw) as stream:  # the client's own accumulator joins the deltas
         joined = stream.get_final_completion().choices[0].message
     assert (joined.model_extra["reasoning"], joined.content) == (message.model_extra["reasoning"], message.content)
 
 
-def test_include_reasoning_false_drops_the_reasoning_and_keeps_the_content(served, client):
+def test_include_reasoning_false_drops_the_reasoning_and_keeps_the_content(served, client, thinking):
     message = create(served, client).choices[0].message
     hidden = create(served, client, extra={"include_reasoning": False}).choices[0].message
     assert hidden.model_extra["reasoning"] is None and hidden.model_extra["reasoning_content"] is None
@@ -86,19 +103,21 @@ def test_include_reasoning_false_drops_the_reasoning_and_keeps_the_content(serve
     assert "".join(t for _, t in pieces) == message.content
 
 
-def test_tool_calls_are_read_from_the_content_after_the_thinking_only(served, client):
+def test_tool_calls_are_read_from_the_content_after_the_thinking_only(served, client, monkeypatch):
     kw = {"tools": TOOLS, "tool_choice": "auto"}
-    after = create(served, client, AFTER, **kw).choices[0]
+    force_thinking(served, monkeypatch, THOUGHT)
+    after = create(served, client, AFTER, **kw).choices[0]  # the regex holds the answer after the thinking
     assert [c.function.name for c in after.message.tool_calls] == ["clock"] and after.finish_reason == "tool_calls"
-    assert after.message.content is None and after.message.model_extra["reasoning"]
+    assert after.message.content is None and after.message.model_extra["reasoning"] == THOUGHT
     pieces = streamed(served, client, AFTER, **kw)
     assert [t for k, t in pieces if k != "reasoning"] == ["clock"]  # the call's first delta, after the thinking
     assert "".join(t for k, t in pieces if k == "reasoning") == after.message.model_extra["reasoning"]
-    inside = create(served, client, INSIDE, **kw).choices[0]  # a call written while thinking is no call
-    assert not inside.message.tool_calls and inside.finish_reason == "stop"
     thought = f"<tool_call>{CALL}</tool_call>"
+    force_thinking(served, monkeypatch, thought)
+    inside = create(served, client, "Hi", **kw).choices[0]  # a call written while thinking is no call
+    assert not inside.message.tool_calls and inside.finish_reason == "stop"
     assert inside.message.model_extra["reasoning"] == thought and inside.message.content == "Hi"
-    pieces = streamed(served, client, INSIDE, **kw)
+    pieces = streamed(served, client, "Hi", **kw)
     assert "".join(t for k, t in pieces if k == "reasoning") == thought
     assert "".join(t for k, t in pieces if k != "reasoning") == "Hi"
 
@@ -114,13 +133,65 @@ def test_qwen3_without_thinking_reads_an_untagged_answer_as_content(served, clie
     assert create(served, client, answer).choices[0].message.content is None  # thinking on: all thinking
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "clock"}}}, "tool_choice"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-])
-def test_a_constraint_that_leaves_no_room_for_thinking_is_refused(served, client, body, param):
-    r = served.post("chat/completions", {"model": served.model, "messages": CHAT, "max_tokens": 4, **body})
-    assert "--reasoning-parser" in refused(r, param)["message"]
-    text = create(served, client, extra={"response_format": {"type": "text"}}).choices[0].message  # no constraint
-    assert text.model_extra["reasoning"] and text.content
+def answer_of(name: str, message) -> dict:
+    """The checked answer of a CONSTRAINTS request: its call's arguments, or its JSON content."""
+    if name == "json_schema":
+        assert not message.tool_calls
+        value = json.loads(message.content)
+    else:
+        (call,) = message.tool_calls
+        value = json.loads(call.function.arguments)
+        assert call.function.name == "clock" and message.content == ""
+    jsonschema.validate(value, CLOCK)
+    return value
+
+
+@pytest.mark.parametrize("name", list(CONSTRAINTS))
+def test_a_constraint_holds_the_answer_after_the_thinking(served, client, thinking, name):
+    """A named or "required" tool choice and a json_schema response_format are served with a parser (they were
+    refused): the thinking is free, the grammar holds the answer after it (a valid call, valid JSON); streamed,
+    the reasoning comes first and the pieces join into the whole answer."""
+    body = CONSTRAINTS[name]
+    whole = create(served, client, None, extra=body).choices[0]
+    assert whole.message.model_extra["reasoning"] == THOUGHT and whole.finish_reason in ("stop", "tool_calls")
+    answer_of(name, whole.message)
+    kinds, reasoning, content, calls = [], "", "", {}
+    for chunk in create(served, client, None, stream=True, extra=body):
+        for choice in chunk.choices:
+            delta = choice.delta
+            if (delta.model_extra or {}).get("reasoning"):
+                kinds.append("reasoning")
+                reasoning += delta.model_extra["reasoning"]
+            for call in delta.tool_calls or []:
+                kinds.append("answer")
+                calls.setdefault(call.index, ["", ""])
+                calls[call.index][0] += call.function.name or ""
+                calls[call.index][1] += call.function.arguments or ""
+            if delta.content:
+                kinds.append("answer")
+                content += delta.content
+    assert kinds == sorted(kinds, key=lambda k: k == "answer")  # the thinking first
+    assert "reasoning" in kinds and "answer" in kinds
+    assert reasoning == THOUGHT
+    expected = [[c.function.name, c.function.arguments] for c in whole.message.tool_calls or []]
+    assert [calls[i] for i in sorted(calls)] == expected
+    assert content == ("" if expected else whole.message.content)
+
+
+@pytest.mark.parametrize("name", list(CONSTRAINTS))
+def test_qwen3_without_thinking_holds_the_answer_from_the_first_token(served, client, monkeypatch, name):
+    """With thinking off the grammar starts at the first token (no thinking to wait for): a valid answer at once;
+    with thinking on, the same request waits for an end tag this model never writes (all reasoning, no answer)."""
+    front = served.app.state.frontend
+    monkeypatch.setattr(front, "config", dataclasses.replace(front.config, reasoning_parser="qwen3"))
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    message = create(served, client, None, extra={**CONSTRAINTS[name], **off}).choices[0].message
+    assert message.model_extra["reasoning"] is None
+    answer_of(name, message)
+    waiting = create(served, client, None, max_tokens=12, extra=CONSTRAINTS[name]).choices[0]
+    assert waiting.finish_reason == "length" and waiting.message.model_extra["reasoning"]
+    if name == "json_schema":
+        assert waiting.message.content is None
+    else:  # a named call is always one call: with no answer, its arguments are empty
+        assert waiting.message.content == ""
+        assert all(c.function.arguments == "" for c in waiting.message.tool_calls or [])

@@ -15,7 +15,7 @@ import httpx
 import jsonschema
 import pytest
 import xgrammar as xgr
-from server_helpers import CHAT, refused, serving
+from server_helpers import CHAT, force_thinking, refused, serving
 
 from scheduler.core.structured_params import StructuredOutputsParams
 from scheduler.entrypoints.server.config import ServerConfig
@@ -216,6 +216,28 @@ def test_each_parser_reads_auto_calls_whole_and_streamed_alike(served, client, c
     assert accumulated(client, kw) == (whole(out), content, "tool_calls")
     keeps = parser in ("hermes", "mistral")  # their tags may be special tokens (as vLLM's parsers ask)
     assert [params.skip_special_tokens for _, [params] in captured] == [not keeps] * 3
+
+
+@pytest.mark.parametrize("choice", ["named", "required"])
+def test_under_a_reasoning_parser_the_calls_follow_the_thinking(served, client, monkeypatch, choice):
+    """With --reasoning-parser a named or "required" call is served (it was refused): the thinking is free, the
+    call's grammar holds the answer after it, each of n seeded samples on its own; streamed, the client's
+    accumulator joins the same reasoning and calls as the whole response's."""
+    front = served.app.state.frontend
+    monkeypatch.setattr(front, "config", dataclasses.replace(front.config, reasoning_parser="deepseek_r1"))
+    force_thinking(served, monkeypatch, "which tool")
+    kw = {"model": served.model, "messages": CHAT, "tools": TOOLS, "max_tokens": 400,
+          "tool_choice": NAMED if choice == "named" else "required", "parallel_tool_calls": False}  # fmt: skip
+    for out in client.chat.completions.create(n=2, temperature=1.0, seed=5, **kw).choices:
+        assert out.message.model_extra["reasoning"] == "which tool" and out.message.content == ""
+        assert out.finish_reason == ("stop" if choice == "named" else "tool_calls") and out.message.tool_calls
+        for call in out.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    out = client.chat.completions.create(temperature=0.0, **kw).choices[0]
+    with client.chat.completions.stream(temperature=0.0, **kw) as stream:
+        joined = stream.get_final_completion().choices[0]
+    assert joined.message.model_extra["reasoning"] == out.message.model_extra["reasoning"] == "which tool"
+    assert (whole(joined), joined.finish_reason) == (whole(out), out.finish_reason) and whole(out)
 
 
 def test_required_calls_follow_their_tools_schemas_and_parallel_false_makes_one(served, client):
