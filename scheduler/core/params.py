@@ -61,7 +61,8 @@ class SamplingParams:
     is divided by it, a negative one multiplied), ``frequency_penalty`` and
     ``presence_penalty`` (subtracted per occurrence / once for tokens of the output).
     ``structured_outputs`` constrains every sample to a JSON schema, regex, choice or grammar
-    (the engine needs a tokenizer for it: ``LLMEngine.enable_structured_outputs``).
+    (the engine needs a tokenizer for it: ``LLMEngine.enable_structured_outputs``), from its first
+    token or, with its ``start_after``, from after a marker (a reasoning model's end of thinking).
     """
 
     max_tokens: int = 16

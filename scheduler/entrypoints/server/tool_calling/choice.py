@@ -19,7 +19,8 @@ sample's own: "stop" for a named call, "length" for one cut off (OpenAI's; vLLM 
 first delta has its index, id, type and name, the next ones its arguments' text as it is generated
 (a named call's from the first token; a "required" call's once its name's string closes; an "auto"
 call as its parser streams it: see each parser's module); the finish reason is the whole response's. Each call's id is
-``chatcmpl-tool-<random hex>``.
+``chatcmpl-tool-<random hex>``. Under ``--reasoning-parser`` a named or "required" call's constraint starts after
+the thinking (``reasoning.output``) and its calls are read from the text after it.
 """
 
 from __future__ import annotations
