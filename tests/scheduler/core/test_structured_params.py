@@ -45,6 +45,8 @@ def test_a_schema_is_kept_as_json_text_in_its_key_order():
     (dict(choice=["a", ""]), "structured_outputs.choice="), (dict(choice=["a", 3]), "structured_outputs.choice="),
     (dict(json_object=1), "structured_outputs.json_object="),
     (dict(regex="a", disable_any_whitespace="yes"), "structured_outputs.disable_any_whitespace="),
+    *[(dict(regex="a", start_after=bad), "structured_outputs.start_after=")
+      for bad in ([], 3, "ab", [1.5], [-1], [True], [[1]], {1, 2})],
 ])  # fmt: skip
 def test_bad_constraints_raise_naming_the_field(kw, field):
     with pytest.raises(InvalidArgumentError, match=f"^{field}"):
@@ -54,3 +56,13 @@ def test_bad_constraints_raise_naming_the_field(kw, field):
 def test_sampling_params_take_only_structured_outputs_params():
     with pytest.raises(InvalidArgumentError, match="^structured_outputs="):
         SamplingParams(structured_outputs={"regex": "a"})
+
+
+def test_start_after_is_kept_as_a_tuple_outside_the_language_and_waits_unless_the_prompt_ends_with_it():
+    """The marker is part of the params (equality, hash) but not of their language, the compiled grammar's key; a
+    sample waits for it unless its prompt already ends with it (the thinking ended there)."""
+    spec = StructuredOutputsParams(regex="a+", start_after=[7, 8])
+    assert spec.start_after == (7, 8) and spec != StructuredOutputsParams(regex="a+") and hash(spec)
+    assert spec.language == StructuredOutputsParams(regex="a+") and spec.language.start_after is None
+    assert spec.waits([1, 7, 8, 2]) == (7, 8) and spec.waits([8]) == (7, 8) and spec.waits([1, 7, 8]) is None
+    assert StructuredOutputsParams(regex="a+").waits([1]) is None
