@@ -398,4 +398,6 @@ EXEMPT: dict[str, str] = {
     "scheduler.LlamaModel.compute_logits": "the LM head of forward over the model's own hidden states",
     "scheduler.LLMEngine.sample": "the default selection hook over an engine-made SchedulerOutput and its logits "
     "(engine internals)",
+    "scheduler.StructuredOutputsParams.waits": "the scheduler's question at admission, over a prompt add_request has "
+    "already checked (engine internals)",
 }
