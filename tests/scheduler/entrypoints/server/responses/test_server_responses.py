@@ -18,7 +18,7 @@ import pytest
 from fault_helpers import FAULT_SALT, plant_sampling_fault
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
-from server_helpers import hold_steps, refused, wait_aborted, wait_idle
+from server_helpers import force_thinking, hold_steps, refused, wait_aborted, wait_idle
 
 WEATHER = {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}, "days": {"enum": [1, 2, 3]}},
            "required": ["unit", "days"], "additionalProperties": False}  # fmt: skip
@@ -28,7 +28,6 @@ NAMED = {"type": "function", "name": "weather"}
 ANSWER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "ok": {"type": "boolean"}},
           "required": ["city", "ok"], "additionalProperties": False}  # fmt: skip
 JSON_SCHEMA = {"format": {"type": "json_schema", "name": "answer", "schema": ANSWER, "strict": True}}
-THINK = r"<think>[a-z ]{2,12}</think>[A-Za-z ]{2,12}"  # a thinking block, then an answer
 AUTO_CALL = r'Hi <tool_call>\{"name": "weather", "arguments": \{"unit": "c", "days": 2\}\}</tool_call>'
 EVENTS = TypeAdapter(ResponseStreamEvent)
 USER = {"role": "user", "content": "hello there"}  # the chat message of the default input
@@ -271,13 +270,14 @@ def test_responses_are_stored_retrieved_and_deleted(served, client):
     refused(served.post("responses", body), "previous_response_id", 404)
 
 
-def test_the_reasoning_is_an_item_of_its_own_and_its_tokens_count(served, client, options):
+def test_the_reasoning_is_an_item_of_its_own_and_its_tokens_count(served, client, options, monkeypatch):
     options(reasoning_parser="deepseek_r1")
-    shaped = {"structured_outputs": {"regex": THINK}}
-    kw = {"max_output_tokens": 100, "reasoning": {"effort": "low"}, "extra_body": shaped}
+    force_thinking(served, monkeypatch, "let me see")  # then the model's own answer
+    kw = {"max_output_tokens": 100, "reasoning": {"effort": "low"}}
     r = create(served, client, **kw)
     assert [item.type for item in r.output] == ["reasoning", "message"] and r.reasoning.effort == "low"
-    c = chat(served, client, [USER], max_completion_tokens=100, logprobs=True, extra_body=shaped)
+    assert r.output[0].content[0].text == "let me see"
+    c = chat(served, client, [USER], max_completion_tokens=100, logprobs=True)
     message = c.choices[0].message
     assert r.output[0].content[0].text == message.model_extra["reasoning"] and r.output_text == message.content
     tokens, text = 0, ""  # the thinking's tokens: up to the one that completes its end tag
