@@ -6,6 +6,13 @@ attends through the block tables (causal within the new tokens, full over the
 cached prefix). Only the rows in ``logits_indices`` go through the LM head.
 Weights load from a transformers ``LlamaForCausalLM`` or its state dict
 (:mod:`scheduler.model.weights`).
+
+The same layers run the checkpoints that are a Llama with one attention change: Mistral
+(no sliding window in use), Qwen2/Qwen2.5 (q/k/v biases, always on) and dense Qwen3 (a
+per-head RMSNorm on q and on k before RoPE, ``ModelConfig.qk_norm``). :meth:`ModelConfig.from_hf`
+refuses anything else by the config field that would make it compute differently: another
+``model_type`` (Qwen2-MoE, Qwen3-MoE, Gemma...), activation, MLP biases, or a sliding window some
+layer attends through (vLLM runs Qwen's per-layer windows; this model has no windowed attention).
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on every q and k head, after the projection, before RoPE
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "head_dim"):
@@ -61,6 +69,7 @@ class ModelConfig:
         check_real("rope_theta", self.rope_theta, low=0.0, open_low=True)
         check_bool("tie_word_embeddings", self.tie_word_embeddings)
         check_bool("attention_bias", self.attention_bias)
+        check_bool("qk_norm", self.qk_norm)
         if self.rope_scaling is not None:
             check_type("rope_scaling", self.rope_scaling, Mapping, "a mapping (transformers' rope_scaling) or None")
         if self.num_heads % self.num_kv_heads:
@@ -68,11 +77,11 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf_config: object) -> ModelConfig:
-        """Read a transformers ``LlamaConfig`` (v4 ``rope_scaling`` or v5 ``rope_parameters``)."""
+        """Read a transformers Llama, Mistral, Qwen2 or Qwen3 config (v4 ``rope_scaling`` or v5 ``rope_parameters``)."""
         c = hf_config
         if not all(hasattr(c, a) for a in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")):
             raise InvalidArgumentError(describe("hf_config", type(c).__name__, "a transformers LlamaConfig"))
-        _check_llama_family(c)
+        model_type = _check_llama_family(c)
         rope = dict(getattr(c, "rope_scaling", None) or getattr(c, "rope_parameters", None) or {})
         theta = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -83,16 +92,19 @@ class ModelConfig:
             rms_norm_eps=c.rms_norm_eps, rope_theta=float(theta), rope_scaling=rope or None,
             max_position_embeddings=c.max_position_embeddings,
             tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
-            attention_bias=bool(getattr(c, "attention_bias", False)),
+            attention_bias=model_type == "qwen2" or bool(getattr(c, "attention_bias", False)),
+            qk_norm=model_type == "qwen3",
         )  # fmt: skip
 
 
-LLAMA_FAMILY = ("llama", "mistral")  # model types whose layers are this model's (Mistral without a sliding window)
+# model types whose layers are this model's: Qwen2's q/k/v biases are always on (its config has no
+# attention_bias), Qwen3 adds q/k norms; Mistral and Qwen only without a sliding window in use
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 
 
-def _check_llama_family(c: object) -> None:
-    """Refuse a config this model would run with other math, never silently: another architecture, another
-    activation, MLP biases, or a sliding window shorter than the context."""
+def _check_llama_family(c: object) -> str:
+    """The config's model type, after refusing what this model would run with other math, never silently:
+    another architecture, another activation, MLP biases, or a sliding window shorter than the context."""
     model_type = getattr(c, "model_type", None) or "llama"
     if model_type not in LLAMA_FAMILY:
         raise InvalidArgumentError(describe("hf_config.model_type", model_type, f"one of {LLAMA_FAMILY}"))
@@ -101,10 +113,30 @@ def _check_llama_family(c: object) -> None:
         raise InvalidArgumentError(describe("hf_config.hidden_act", act, '"silu" (a Llama MLP)'))
     if getattr(c, "mlp_bias", False):
         raise InvalidArgumentError(describe("hf_config.mlp_bias", True, "False (MLP biases are not supported)"))
-    window = getattr(c, "sliding_window", None) if getattr(c, "use_sliding_window", True) else None
+    window = _window_in_use(c)
     if window is not None and window < c.max_position_embeddings:
-        expected = f"None or at least max_position_embeddings={c.max_position_embeddings} (no sliding-window attention)"
+        expected = (f"None or at least max_position_embeddings={c.max_position_embeddings}, or no layer sliding "
+                    "(use_sliding_window, max_window_layers, layer_types): no sliding-window attention")
         raise InvalidArgumentError(describe("hf_config.sliding_window", window, expected))
+    return model_type
+
+
+def _window_in_use(c: object) -> int | None:
+    """The sliding window some layer attends through in transformers, or None.
+
+    Mistral: every layer, when ``sliding_window`` is set. Qwen2/Qwen3: only when
+    ``use_sliding_window``, and only the layers ``layer_types`` marks "sliding_attention"
+    (transformers v5 derives them: the layers from ``max_window_layers`` on; v4 configs have no
+    ``layer_types`` and the same rule applies).
+    """
+    window = getattr(c, "sliding_window", None)
+    if window is None or not getattr(c, "use_sliding_window", True):
+        return None
+    layer_types = getattr(c, "layer_types", None)
+    if layer_types is not None:
+        return window if "sliding_attention" in layer_types else None
+    first = getattr(c, "max_window_layers", None)
+    return window if first is None or first < c.num_hidden_layers else None
 
 
 def local_kv_heads(cfg: ModelConfig, shard: TPShard) -> int:
@@ -122,7 +154,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, H] -> [T, H] in x's dtype."""
+        """x: [..., H] -> [..., H] in x's dtype (a whole hidden state, or one head per row for q/k norms)."""
         h = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)  # transformers' x * rsqrt(mean(x^2) + eps), fused
         return self.weight * h.to(x.dtype)
 
@@ -140,17 +172,27 @@ class Attention(nn.Module):
         self.qkv = ColumnParallelLinear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
         self.o = RowParallelLinear(q_size, cfg.hidden_size, shard=shard)
         self.scale = cfg.head_dim**-0.5
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:  # weights over head_dim: every rank holds the whole of both (replicated)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, rotary: Rotary, cache: PagedKVCache, plan: AttentionPlan):
         """x: [T, hidden] -> [T, hidden]; rotary: the step's (cos, sin) [T, 1, D]."""
         qkv = self.qkv(x)  # [T, (Hq + 2 Hkv) D]
-        qk = rotate(qkv[:, : self.qk_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim), *rotary)
+        qk = qkv[:, : self.qk_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = rotate(self.norm_heads(qk) if self.qk_norm else qk, *rotary)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, Hq, D], [T, Hkv, D] (strided)
         v = qkv[:, self.qk_size :].view(-1, self.num_kv_heads, self.head_dim).contiguous()  # [T, Hkv, D]
         kv = cache.layers[self.layer]
         plan.write(kv, k, v)
         out = plan.attend(q.contiguous(), k, v, kv, self.scale)  # [T, Hq, D]
         return self.o(out.reshape(out.shape[0], -1))
+
+    def norm_heads(self, qk: torch.Tensor) -> torch.Tensor:
+        """Qwen3's q/k norms: qk [T, Hq + Hkv, D] -> the same, each q head through q_norm, each k head k_norm."""
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        return torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
 
 
 class MLP(nn.Module):

@@ -1,9 +1,11 @@
 """Slicing a whole model's weights (this project's fused key names) into one rank's shard.
 
-Fused weights are split part by part: ``qkv`` keeps this rank's query heads, then its KV
-heads of K, then of V; ``gate_up`` keeps this rank's gate rows, then its up rows. Row-parallel
-weights (``o``, ``down``) keep their input columns. The embedding and LM head keep this
-rank's vocabulary rows, the last rank's part padded with zero rows.
+Fused weights are split part by part: ``qkv`` (its weight and, for Qwen2, its bias) keeps this
+rank's query heads, then its KV heads of K, then of V; ``gate_up`` keeps this rank's gate rows,
+then its up rows. Row-parallel weights (``o``, ``down``) keep their input columns. The embedding
+and LM head keep this rank's vocabulary rows, the last rank's part padded with zero rows. The
+norms are replicated: the layer norms, and Qwen3's q/k norms, whose weight over ``head_dim`` is
+the same for every head.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def shard_state_dict(cfg: ModelConfig, state: Mapping[str, torch.Tensor], shard:
             out[key] = t[:, i0:i1].clone()
         elif key in ("embed.weight", "lm_head.weight"):
             out[key] = _vocab_rows(t, shard)
-        else:  # norms: replicated
+        else:  # norms (input, post-attention, final, q/k): replicated
             out[key] = t.clone()
     return out
 

@@ -1,7 +1,9 @@
-"""Load a :class:`~scheduler.model.llama.LlamaModel` from a transformers Llama model or its state dict.
+"""Load a :class:`~scheduler.model.llama.LlamaModel` from a transformers Llama-family model or its state dict.
 
 The checkpoint's separate q/k/v and gate/up projections are concatenated into
-the fused ``qkv`` and ``gate_up`` weights (one matmul each per layer).
+the fused ``qkv`` and ``gate_up`` weights (one matmul each per layer). Llama, Mistral,
+Qwen2 and Qwen3 share these key names; Qwen2 adds the q/k/v biases (fused the same way)
+and Qwen3 the per-head ``self_attn.q_norm`` / ``self_attn.k_norm`` weights.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from scheduler.model.llama import LlamaModel, ModelConfig
 
 
 def from_hf_model(hf_model: torch.nn.Module, *, dtype: torch.dtype | None = None, device=None) -> LlamaModel:
-    """Build a model with the weights of a transformers ``LlamaForCausalLM`` (or compatible) object."""
+    """Build a model with the weights of a transformers ``LlamaForCausalLM`` (Mistral, Qwen2, Qwen3) object."""
     if not hasattr(hf_model, "config") or not hasattr(hf_model, "state_dict"):
         raise InvalidArgumentError(describe("hf_model", type(hf_model).__name__, "a transformers causal LM"))
     _check_target(dtype, device)
@@ -62,6 +64,9 @@ def convert_state_dict(cfg: ModelConfig, state: Mapping[str, torch.Tensor]) -> d
         if cfg.attention_bias:
             out[dst + "attn.qkv.bias"] = torch.cat([get(attn + f"{p}_proj.bias") for p in "qkv"])
         out[dst + "attn.o.weight"] = get(attn + "o_proj.weight")
+        if cfg.qk_norm:
+            out[dst + "attn.q_norm.weight"] = get(attn + "q_norm.weight")
+            out[dst + "attn.k_norm.weight"] = get(attn + "k_norm.weight")
         mlp = src + "mlp."
         out[dst + "mlp.gate_up.weight"] = torch.cat([get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight")])
         out[dst + "mlp.down.weight"] = get(src + "mlp.down_proj.weight")

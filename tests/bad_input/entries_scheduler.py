@@ -210,7 +210,8 @@ def _rows() -> list[Entry]:
             "rope_theta": Arg("real", 10000.0, bad={OUT_OF_RANGE: [0.0, -1.0]}),
             "rope_scaling": Arg("obj", None, bad={WRONG_TYPE: ["linear", 3, ["linear"]]}),
             "max_position_embeddings": Arg("int", 128, bad={OUT_OF_RANGE: [0]}),
-            "tie_word_embeddings": Arg("bool", False), "attention_bias": Arg("bool", False)}),
+            "tie_word_embeddings": Arg("bool", False), "attention_bias": Arg("bool", False),
+            "qk_norm": Arg("bool", False)}),
         Entry("scheduler.ModelConfig.from_hf", scheduler.ModelConfig.from_hf, {
             "hf_config": Arg("obj", lambda: hf_config(), bad={WRONG_TYPE: [None, "x", 3]})}),
         Entry("scheduler.BeamSearchParams", scheduler.BeamSearchParams, {
