@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sched_helpers import NUM_NEW, SHARED, VOCAB, tiny_llama
+from sched_helpers import SHARED, VOCAB, greedy_reference, tiny_llama
 
 
 @pytest.fixture(autouse=True)
@@ -39,19 +39,8 @@ def beam_prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="session")
 def hf_greedy(tiny_hf, prompts) -> list[list[int]]:
-    """transformers' greedy continuation of every prompt (NUM_NEW tokens each).
-
-    The explicit all-ones mask keeps a prompt token equal to ``pad_token_id`` from being taken for padding.
-    """
-    refs = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        out = tiny_hf.generate(
-            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NUM_NEW,
-            min_new_tokens=NUM_NEW, pad_token_id=0,
-        )  # fmt: skip
-        refs.append(out[0, len(p) :].tolist())
-    return refs
+    """transformers' greedy continuation of every prompt (NUM_NEW tokens each)."""
+    return greedy_reference(tiny_hf, prompts)
 
 
 @pytest.fixture(scope="session")

@@ -1,9 +1,12 @@
-"""Helpers of the scheduler tests: constants, a tiny random Llama and an engine factory over a transformers model."""
+"""Helpers of the scheduler tests: constants, tiny random Llama and Qwen models, their greedy references and logits
+over packed steps, and an engine factory over a transformers model."""
 
 from __future__ import annotations
 
 import torch
 
+from kernels.metadata import prepare_attention_metadata
+from paged_kv.kv_cache import PagedKVCache
 from scheduler import CacheConfig, EngineConfig, LLMEngine, SchedulerConfig
 
 VOCAB = 256
@@ -22,6 +25,65 @@ def tiny_llama(seed: int = 0, **overrides):
 
     torch.manual_seed(seed)
     return LlamaForCausalLM(LlamaConfig(**(TINY_LLAMA | overrides))).eval()
+
+
+def tiny_qwen(kind: str, seed: int = 0, **overrides):
+    """A seeded random float32 Qwen2ForCausalLM ("qwen2") or Qwen3ForCausalLM ("qwen3") of ``TINY_LLAMA``'s shape.
+
+    transformers starts the q/k/v biases at 0 and the q/k norm weights at 1; they are drawn here too, so a model
+    that skipped them would compute other logits.
+    """
+    import transformers
+
+    name = {"qwen2": "Qwen2", "qwen3": "Qwen3"}[kind]
+    config_cls, model_cls = getattr(transformers, f"{name}Config"), getattr(transformers, f"{name}ForCausalLM")
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**(TINY_LLAMA | overrides))).eval()
+    with torch.no_grad():
+        for key, p in model.named_parameters():
+            if key.endswith(("_proj.bias", "q_norm.weight", "k_norm.weight")):
+                p.add_(torch.randn_like(p) * 0.5)
+    return model
+
+
+def greedy_reference(hf_model, prompts: list[list[int]], num_new: int = NUM_NEW) -> list[list[int]]:
+    """transformers' greedy continuation of every prompt (``num_new`` tokens each).
+
+    The explicit all-ones mask keeps a prompt token equal to ``pad_token_id`` from being taken for padding.
+    """
+    refs = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        out = hf_model.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=num_new,
+            min_new_tokens=num_new, pad_token_id=0,
+        )  # fmt: skip
+        refs.append(out[0, len(p) :].tolist())
+    return refs
+
+
+def packed_forward(model, seqs: list[list[int]], chunks: list[list[int]], block: int = 4) -> list[torch.Tensor]:
+    """Run ``seqs`` through ``model`` (a LlamaModel) in packed steps (chunks[s] = new-token counts of seq s per
+    step) over a paged cache with non-trivial block ids; every position's logits, per sequence."""
+    cache = PagedKVCache(model.kv_cache_spec(block), 96)
+    tables = [list(range(32 * i, 32 * i + 32)) for i in range(len(seqs))][::-1]
+    done, logits = [0] * len(seqs), [[] for _ in seqs]
+    for step in range(len(chunks[0])):
+        counts = [c[step] for c in chunks]
+        ids = [t for s, n, d in zip(seqs, counts, done) for t in s[d : d + n]]
+        pos = [p for n, d in zip(counts, done) for p in range(d, d + n)]
+        meta = prepare_attention_metadata(tables, done, counts, block_size=block, num_blocks=96)
+        out = model(torch.tensor(ids), torch.tensor(pos), cache, meta, torch.arange(len(ids)))
+        for s, rows in enumerate(out.split(counts)):
+            logits[s].append(rows)
+        done = [d + n for d, n in zip(done, counts)]
+    return [torch.cat(rows) for rows in logits]
+
+
+def hf_logits(hf_model, tokens: list[int]) -> torch.Tensor:
+    """transformers' logits ``[len(tokens), vocab]`` (float32) over one unpadded sequence."""
+    with torch.no_grad():
+        return hf_model(torch.tensor([tokens])).logits[0].float()
 
 
 def make_engine(

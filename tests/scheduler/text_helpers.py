@@ -1,4 +1,4 @@
-"""Helpers of the text-level tests: a tiny byte-level BPE tokenizer with a chat template and a tiny Llama dir."""
+"""Helpers of the text-level tests: a tiny byte-level BPE tokenizer with a chat template, tiny Llama and Qwen dirs."""
 
 from __future__ import annotations
 
@@ -7,6 +7,12 @@ from pathlib import Path
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Qwen3's switch: enable_thinking=False writes an empty thinking block after the assistant's header
+QWEN3_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
+    "<|im_start|>assistant\n{% endif %}",
+    "<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+    "{% endif %}{% endif %}",
 )
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [
@@ -49,6 +55,19 @@ def save_tiny_model(folder: Path) -> Path:
         eos_token_id=tokenizer.eos_token_id, bos_token_id=None, pad_token_id=tokenizer.pad_token_id,
     )  # fmt: skip
     LlamaForCausalLM(cfg).eval().save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def save_tiny_qwen(folder: Path, kind: str, **overrides) -> Path:
+    """Write a seeded random 2-layer Qwen2 or Qwen3 (``sched_helpers.tiny_qwen``, safetensors) and the tiny
+    tokenizer with a Qwen3-style ChatML template into ``folder``."""
+    from sched_helpers import tiny_qwen
+
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
+    ids = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    tiny_qwen(kind, vocab_size=len(tokenizer), **ids, **overrides).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
 

@@ -4,36 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from sched_helpers import hf_logits, packed_forward
 
-from kernels.metadata import prepare_attention_metadata
 from paged_kv.errors import InvalidArgumentError
-from paged_kv.kv_cache import PagedKVCache
 from scheduler import ModelConfig, from_hf_model, from_state_dict
 from scheduler.model.rope import inverse_frequencies
-
-BLOCK = 4
-
-
-def _forward(model, seqs: list[list[int]], chunks: list[list[int]]) -> list[torch.Tensor]:
-    """Run ``seqs`` through the model in steps (chunks[s] = new-token counts of seq s per step); all logits."""
-    cache = PagedKVCache(model.kv_cache_spec(BLOCK), 96)
-    tables = [list(range(32 * i, 32 * i + 32)) for i in range(len(seqs))][::-1]  # non-trivial block ids
-    done, logits = [0] * len(seqs), [[] for _ in seqs]
-    for step in range(len(chunks[0])):
-        counts = [c[step] for c in chunks]
-        ids = [t for s, n, d in zip(seqs, counts, done) for t in s[d : d + n]]
-        pos = [p for n, d in zip(counts, done) for p in range(d, d + n)]
-        meta = prepare_attention_metadata(tables, done, counts, block_size=BLOCK, num_blocks=96)
-        out = model(torch.tensor(ids), torch.tensor(pos), cache, meta, torch.arange(len(ids)))
-        for s, rows in enumerate(out.split(counts)):
-            logits[s].append(rows)
-        done = [d + n for d, n in zip(done, counts)]
-    return [torch.cat(rows) for rows in logits]
-
-
-def _hf_logits(hf, tokens: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([tokens])).logits[0].float()
 
 
 def test_packed_mixed_batches_match_transformers(tiny_hf, prompts):
@@ -41,8 +16,8 @@ def test_packed_mixed_batches_match_transformers(tiny_hf, prompts):
     seqs = [prompts[3], prompts[2], prompts[6][:20]]  # 63, 33 and 20 tokens
     # step 0: prefills of different lengths; later: chunks, single tokens (decode) and idle sequences mixed
     chunks = [[30, 1, 30, 1, 1], [10, 20, 1, 1, 1], [1, 1, 16, 1, 1]]
-    for seq, got, n in zip(seqs, _forward(model, seqs, chunks), map(sum, chunks)):
-        assert torch.allclose(got, _hf_logits(tiny_hf, seq[:n]), atol=1e-4, rtol=1e-4)
+    for seq, got, n in zip(seqs, packed_forward(model, seqs, chunks), map(sum, chunks)):
+        assert torch.allclose(got, hf_logits(tiny_hf, seq[:n]), atol=1e-4, rtol=1e-4)
 
 
 def test_llama3_rope_scaling_matches_transformers():
@@ -63,8 +38,8 @@ def test_llama3_rope_scaling_matches_transformers():
     hf = LlamaForCausalLM(cfg).eval()
     model = from_hf_model(hf)
     tokens = torch.randint(0, 256, (80,), generator=torch.Generator().manual_seed(0)).tolist()  # past 16 positions
-    (got_logits,) = _forward(model, [tokens], [[80]])
-    assert torch.allclose(got_logits, _hf_logits(hf, tokens), atol=1e-4, rtol=1e-4)
+    (got_logits,) = packed_forward(model, [tokens], [[80]])
+    assert torch.allclose(got_logits, hf_logits(hf, tokens), atol=1e-4, rtol=1e-4)
 
 
 def test_linear_scaling_divides_the_frequencies():
@@ -95,7 +70,7 @@ def test_weight_loading_errors_are_typed(tiny_hf):
 def test_state_dict_loading_equals_model_loading(tiny_hf, prompts):
     a = from_hf_model(tiny_hf)
     b = from_state_dict(ModelConfig.from_hf(tiny_hf.config), tiny_hf.state_dict())
-    (la,), (lb,) = _forward(a, [prompts[2]], [[33]]), _forward(b, [prompts[2]], [[33]])
+    (la,), (lb,) = packed_forward(a, [prompts[2]], [[33]]), packed_forward(b, [prompts[2]], [[33]])
     assert torch.equal(la, lb)
 
 

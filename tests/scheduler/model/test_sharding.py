@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -34,3 +36,16 @@ def test_shards_hold_their_rows_and_the_last_vocab_part_is_padded():
     assert torch.equal(torch.cat([p["layers.0.attn.o.weight"] for p in parts], 1), full["layers.0.attn.o.weight"])
     for r, part in enumerate(parts):
         LlamaModel(CFG, TPShard(r, 2)).load_state_dict(part, strict=True)  # shapes fit the shard's layers
+
+
+def test_qkv_biases_are_sliced_like_their_rows_and_q_k_norms_replicated():
+    cfg = dataclasses.replace(CFG, attention_bias=True, qk_norm=True)  # Qwen2's biases with Qwen3's norms
+    torch.manual_seed(0)
+    full = {k: torch.randn_like(v) for k, v in LlamaModel(cfg).state_dict().items()}
+    parts = [shard_state_dict(cfg, full, TPShard(r, 2)) for r in range(2)]
+    bias = full["layers.0.attn.qkv.bias"]  # [q 16 | k 8 | v 8]: rank 0 keeps q heads 0-1, k head 0, v head 0
+    assert torch.equal(parts[0]["layers.0.attn.qkv.bias"], torch.cat([bias[:8], bias[16:20], bias[24:28]]))
+    for r, part in enumerate(parts):
+        for norm in ("q_norm", "k_norm"):  # over head_dim, the same for every head: each rank holds it whole
+            assert torch.equal(part[f"layers.0.attn.{norm}.weight"], full[f"layers.0.attn.{norm}.weight"])
+        LlamaModel(cfg, TPShard(r, 2)).load_state_dict(part, strict=True)

@@ -1,0 +1,144 @@
+"""Qwen2 (q/k/v biases) and dense Qwen3 (per-head q/k norms) run on the Llama layers, equal to transformers.
+
+Tiny seeded random models built offline (GQA; Qwen3 with its own head_dim, tied and untied
+embeddings): logits over packed steps, greedy generation through the engine with prefix sharing
+and chunked prefill, a saved checkpoint folder through the loader and ``LLM.chat``, and the configs
+that would compute differently (sliding windows in use, MoE, other activations) refused by field.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sched_helpers import (
+    NUM_NEW,
+    after_each_schedule,
+    greedy_reference,
+    hf_logits,
+    make_engine,
+    packed_forward,
+    tiny_qwen,
+)
+
+from paged_kv.errors import InvalidArgumentError
+from scheduler import CacheConfig, EngineConfig, ModelConfig, SamplingParams, from_hf_model, from_state_dict
+
+MODELS = {  # name: (kind, config overrides)
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {"head_dim": 32}),  # head_dim != hidden / heads, as in real Qwen3 checkpoints
+    "qwen3_tied": ("qwen3", {"head_dim": 16, "tie_word_embeddings": True}),
+}
+GREEDY = SamplingParams(max_tokens=NUM_NEW, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def qwen(request, prompts):
+    """(name, transformers model, its greedy continuations of ``prompts``)."""
+    kind, overrides = MODELS[request.param]
+    hf = tiny_qwen(kind, **overrides)
+    return request.param, hf, greedy_reference(hf, prompts)
+
+
+def test_the_config_names_what_differs_from_llama(qwen):
+    name, hf, _ = qwen
+    cfg = ModelConfig.from_hf(hf.config)
+    assert cfg.attention_bias == (name == "qwen2")  # Qwen2's biases are always on; its config has no field
+    assert cfg.qk_norm == name.startswith("qwen3")
+    assert cfg.tie_word_embeddings == (name == "qwen3_tied")
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (4, 2, MODELS[name][1].get("head_dim", 16))
+
+
+def test_packed_logits_match_transformers(qwen, prompts):
+    _, hf, _ = qwen
+    model = from_hf_model(hf)
+    seqs = [prompts[3], prompts[2], prompts[6][:20]]
+    chunks = [[30, 1, 30, 1, 1], [10, 20, 1, 1, 1], [1, 1, 16, 1, 1]]  # prefills, chunks, decodes and idle rows
+    for seq, got, n in zip(seqs, packed_forward(model, seqs, chunks), map(sum, chunks)):
+        torch.testing.assert_close(got, hf_logits(hf, seq[:n]), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("sched", [dict(), dict(max_num_batched_tokens=8, max_num_seqs=4)], ids=["prefix", "chunked"])
+def test_greedy_generation_is_token_identical_to_transformers(qwen, prompts, sched):
+    _, hf, refs = qwen
+    engine = make_engine(hf, **sched)
+    steps = []
+    after_each_schedule(engine, steps.append)
+    outs = engine.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    if sched:  # some prompt was split over steps
+        assert any(s.num_tokens < s.seq.num_tokens - s.start for out in steps for s in out.scheduled)
+    else:  # the prompts sharing a 40-token prefix read its cached blocks
+        assert engine.block_manager.stats().hit_rate > 0.1
+
+
+def test_a_saved_checkpoint_folder_loads_and_chats_through_llm(tmp_path):
+    from text_helpers import save_tiny_qwen
+
+    from scheduler.entrypoints.llm import LLM
+    from scheduler.model.loader import load_model
+
+    folder = save_tiny_qwen(tmp_path / "tiny-qwen3", "qwen3", head_dim=32)
+    loaded = load_model(folder)
+    assert type(loaded.hf_model).__name__ == "Qwen3ForCausalLM"
+    llm = LLM(loaded, engine_config=EngineConfig(cache=CacheConfig(block_size=4, num_gpu_blocks=128), device="cpu"))
+    messages = [{"role": "user", "content": "hello world"}]
+    ids = llm.chat_prompt(messages, chat_template_kwargs={"enable_thinking": False})
+    text = "<|im_start|>user\nhello world<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert llm.tokenizer.decode(ids) == text
+    (out,) = llm.chat(messages, GREEDY, chat_template_kwargs={"enable_thinking": False})
+    assert out.prompt_token_ids == ids
+    assert out.outputs[0].token_ids == greedy_reference(loaded.hf_model, [ids])[0]
+
+
+def test_a_state_dict_without_the_q_norm_weights_is_refused_naming_the_key():
+    hf = tiny_qwen("qwen3", head_dim=16)
+    state = dict(hf.state_dict())
+    del state["model.layers.1.self_attn.q_norm.weight"]
+    with pytest.raises(InvalidArgumentError, match="q_norm"):
+        from_state_dict(ModelConfig.from_hf(hf.config), state)
+
+
+SHAPE = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+             num_key_value_heads=1, max_position_embeddings=128)  # fmt: skip
+
+
+def _config(cls_name: str, **fields):
+    import transformers
+
+    return getattr(transformers, cls_name)(**SHAPE, **fields)
+
+
+@pytest.mark.parametrize("cls_name", ["Qwen2Config", "Qwen3Config"])
+@pytest.mark.parametrize("fields", [
+    dict(use_sliding_window=False, sliding_window=64),  # the window is off (every Qwen2.5/Qwen3 checkpoint)
+    dict(use_sliding_window=True, sliding_window=64, max_window_layers=2),  # no layer from max_window_layers on
+    dict(use_sliding_window=True, sliding_window=128, max_window_layers=0),  # a window as long as the context
+])  # fmt: skip
+def test_qwen_configs_without_a_window_in_use_are_accepted(cls_name, fields):
+    assert ModelConfig.from_hf(_config(cls_name, **fields)).num_layers == 2
+
+
+WINDOW = dict(use_sliding_window=True, sliding_window=64)
+
+
+@pytest.mark.parametrize(("ok", "bad", "fields", "field"), [
+    ("Qwen2Config", "Qwen2Config", WINDOW | dict(max_window_layers=1), "sliding_window"),  # layer 1 slides
+    ("Qwen3Config", "Qwen3Config", WINDOW | dict(max_window_layers=0), "sliding_window"),
+    ("Qwen3Config", "Qwen3Config", WINDOW | dict(layer_types=["sliding_attention", "full_attention"]),
+     "sliding_window"),
+    ("Qwen2Config", "Qwen2Config", dict(hidden_act="gelu"), "hidden_act"),
+    ("Qwen3Config", "Qwen3Config", dict(hidden_act="relu"), "hidden_act"),
+    ("Qwen2Config", "Qwen2MoeConfig", dict(), "model_type"),
+    ("Qwen3Config", "Qwen3MoeConfig", dict(), "model_type"),
+])  # fmt: skip
+def test_qwen_configs_this_model_would_compute_differently_are_refused_naming_the_field(ok, bad, fields, field):
+    assert ModelConfig.from_hf(_config(ok)).num_layers == 2  # the dense Qwen of the same shape loads
+    with pytest.raises(InvalidArgumentError, match=f"hf_config.{field}"):
+        ModelConfig.from_hf(_config(bad, **fields))
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_a_qk_norm_that_is_not_a_bool_is_refused_naming_it(value):
+    with pytest.raises(InvalidArgumentError, match="qk_norm"):
+        ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=2, num_kv_heads=1,
+                    head_dim=4, qk_norm=value)  # fmt: skip
