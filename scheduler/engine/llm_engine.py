@@ -137,7 +137,7 @@ class LLMEngine:
 
     @classmethod
     def from_hf(cls, hf_model: torch.nn.Module, config: EngineConfig | None = None) -> LLMEngine:
-        """An engine over the weights of a transformers Llama model, EOS taken from its configs."""
+        """An engine over a transformers Llama-family model (Llama, Mistral, Qwen2, Qwen3), EOS from its configs."""
         from scheduler.model.weights import from_hf_model
 
         model = from_hf_model(hf_model)  # checks hf_model first

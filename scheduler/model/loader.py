@@ -4,6 +4,9 @@
 tokenizer files, or a ``.gguf`` file (read through transformers' GGUF
 support, dequantized), or None for the bundled SmolLM2-135M-Instruct.
 Nothing is fetched from a hub: a path that does not exist is an error.
+transformers builds any architecture it knows; the engine then takes the
+Llama-family ones (Llama, Mistral, Qwen2, Qwen3:
+:meth:`scheduler.model.llama.ModelConfig.from_hf` refuses the others by field).
 """
 
 from __future__ import annotations
