@@ -7,6 +7,8 @@ Nothing is fetched from a hub: a path that does not exist is an error.
 transformers builds any architecture it knows; the engine then takes the
 Llama-family ones (Llama, Mistral, Qwen2, Qwen3:
 :meth:`scheduler.model.llama.ModelConfig.from_hf` refuses the others by field).
+transformers' GGUF reader takes a Qwen3 file's head_dim from Qwen3Config's default
+(128, every released dense Qwen3's): it reads no ``qwen3.attention.key_length``.
 """
 
 from __future__ import annotations

@@ -72,6 +72,36 @@ def save_tiny_qwen(folder: Path, kind: str, **overrides) -> Path:
     return folder
 
 
+def save_tiny_qwen_gguf(path: Path, kind: str, **overrides):
+    """Write ``sched_helpers.tiny_qwen(kind)`` over the tiny tokenizer as a float32 GGUF file at ``path`` (llama.cpp's
+    tensor names, as gguf-py maps them, and its hyperparameter and byte-level BPE tokenizer keys); returns the
+    transformers model it was written from."""
+    import json
+
+    import gguf
+    from sched_helpers import tiny_qwen
+    from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
+
+    tokenizer = tiny_tokenizer()
+    hf = tiny_qwen(kind, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, **overrides)
+    c, w = hf.config, gguf.GGUFWriter(str(path), kind)
+    w.add_block_count(c.num_hidden_layers), w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size), w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads), w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_freq_base(10000.0), w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    model = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
+    tokens = sorted(tokenizer.get_vocab(), key=tokenizer.get_vocab().get)
+    w.add_tokenizer_model("gpt2"), w.add_tokenizer_pre("qwen2"), w.add_token_list(tokens)
+    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])  # 3: control tokens
+    w.add_token_merges([" ".join(m) for m in model["merges"]]), w.add_eos_token_id(tokenizer.eos_token_id)
+    w.add_chat_template(QWEN3_CHAT_TEMPLATE)
+    gguf_names = {hf_name: name for name, hf_name in get_gguf_hf_weights_map(hf, TensorProcessor()).items()}
+    for key, t in hf.state_dict().items():
+        w.add_tensor(gguf_names[key], t.numpy())
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    return hf
+
+
 def first_text_token(tokenizer, tokens: list[int]) -> int:
     """The position (after the first) of the first token with letters of its own text, seen nowhere before it."""
     texts = [tokenizer.decode([t]) for t in tokens]

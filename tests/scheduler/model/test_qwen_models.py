@@ -90,6 +90,22 @@ def test_a_saved_checkpoint_folder_loads_and_chats_through_llm(tmp_path):
     assert out.outputs[0].token_ids == greedy_reference(loaded.hf_model, [ids])[0]
 
 
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_a_gguf_file_loads_through_transformers_gguf_reader(tmp_path, prompts, kind):
+    # transformers reads no head_dim from a qwen3 GGUF (Qwen3Config's default, 128, is every Qwen3's)
+    from text_helpers import save_tiny_qwen_gguf, tiny_tokenizer
+
+    from scheduler.model.loader import load_model
+
+    hf = save_tiny_qwen_gguf(tmp_path / f"tiny-{kind}.gguf", kind, **({"head_dim": 128} if kind == "qwen3" else {}))
+    loaded = load_model(tmp_path / f"tiny-{kind}.gguf")
+    assert type(loaded.hf_model).__name__ == type(hf).__name__ and loaded.name == f"tiny-{kind}"
+    text = "hello world, the quick brown fox"
+    assert loaded.tokenizer.encode(text, add_special_tokens=False) == tiny_tokenizer().encode(text)
+    outs = make_engine(loaded.hf_model).generate(prompts[:3], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == greedy_reference(hf, prompts[:3])
+
+
 def test_a_state_dict_without_the_q_norm_weights_is_refused_naming_the_key():
     hf = tiny_qwen("qwen3", head_dim=16)
     state = dict(hf.state_dict())
