@@ -36,7 +36,7 @@ from scheduler.model.parallel_layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from scheduler.model.rope import RotaryEmbedding, rotate
+from scheduler.model.rope import RotaryEmbedding, context_length, rope_type, rotate, yarn_scaling
 
 Rotary = tuple[torch.Tensor, torch.Tensor]  # the step's (cos, sin) [T, 1, D], from RotaryEmbedding.cos_sin
 
@@ -55,7 +55,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: Mapping[str, object] | None = field(default=None, hash=False)
-    max_position_embeddings: int = 2048
+    max_position_embeddings: int = 2048  # the context the engine serves (from_hf: yarn's original * factor)
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on every q and k head, after the projection, before RoPE
@@ -81,8 +81,9 @@ class ModelConfig:
         c = hf_config
         if not all(hasattr(c, a) for a in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")):
             raise InvalidArgumentError(describe("hf_config", type(c).__name__, "a transformers LlamaConfig"))
-        model_type = _check_llama_family(c)
-        rope = dict(getattr(c, "rope_scaling", None) or getattr(c, "rope_parameters", None) or {})
+        rope = _hf_rope(c)
+        context = context_length(rope, c.max_position_embeddings)
+        model_type = _check_llama_family(c, context)
         theta = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         return cls(
@@ -90,7 +91,7 @@ class ModelConfig:
             num_layers=c.num_hidden_layers, num_heads=c.num_attention_heads,
             num_kv_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads, head_dim=head_dim,
             rms_norm_eps=c.rms_norm_eps, rope_theta=float(theta), rope_scaling=rope or None,
-            max_position_embeddings=c.max_position_embeddings,
+            max_position_embeddings=context,
             tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
             attention_bias=model_type == "qwen2" or bool(getattr(c, "attention_bias", False)),
             qk_norm=model_type == "qwen3",
@@ -102,9 +103,26 @@ class ModelConfig:
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 
 
-def _check_llama_family(c: object) -> str:
+def _hf_rope(c: object) -> dict:
+    """The config's rope scaling (v4 ``rope_scaling`` or v5 ``rope_parameters``), yarn's fallbacks written in.
+
+    As transformers' ``standardize_rope_params``: a top-level ``original_max_position_embeddings``
+    (Phi-3 style) wins, else it defaults to ``max_position_embeddings``; a ``factor`` of None
+    becomes their ratio, so the model config states the numbers it runs with.
+    """
+    rope = dict(getattr(c, "rope_scaling", None) or getattr(c, "rope_parameters", None) or {})
+    if rope_type(rope) == "yarn":
+        if hasattr(c, "original_max_position_embeddings"):
+            rope["original_max_position_embeddings"] = c.original_max_position_embeddings
+        if rope.get("original_max_position_embeddings") is None:
+            rope["original_max_position_embeddings"] = c.max_position_embeddings
+        rope["factor"] = yarn_scaling(rope, c.max_position_embeddings).factor  # validated; None: the ratio
+    return rope
+
+
+def _check_llama_family(c: object, context: int) -> str:
     """The config's model type, after refusing what this model would run with other math, never silently:
-    another architecture, another activation, MLP biases, or a sliding window shorter than the context."""
+    another architecture, another activation, MLP biases, or a sliding window shorter than the ``context``."""
     model_type = getattr(c, "model_type", None) or "llama"
     if model_type not in LLAMA_FAMILY:
         raise InvalidArgumentError(describe("hf_config.model_type", model_type, f"one of {LLAMA_FAMILY}"))
@@ -114,8 +132,9 @@ def _check_llama_family(c: object) -> str:
     if getattr(c, "mlp_bias", False):
         raise InvalidArgumentError(describe("hf_config.mlp_bias", True, "False (MLP biases are not supported)"))
     window = _window_in_use(c)
-    if window is not None and window < c.max_position_embeddings:
-        expected = (f"None or at least max_position_embeddings={c.max_position_embeddings}, or no layer sliding "
+    if window is not None and window < context:
+        expected = (f"None or at least the model context {context} (max_position_embeddings; under yarn "
+                    "original_max_position_embeddings * factor), or no layer sliding "
                     "(use_sliding_window, max_window_layers, layer_types): no sliding-window attention")
         raise InvalidArgumentError(describe("hf_config.sliding_window", window, expected))
     return model_type
@@ -242,7 +261,7 @@ class LlamaModel(nn.Module):
         self.config, self.shard = cfg, shard
         shard.split(cfg.intermediate_size, "intermediate_size")
         shard.kv_heads(cfg.num_kv_heads, cfg.num_heads)  # checks the heads split evenly
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
         self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, shard=shard)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, shard) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -46,7 +46,7 @@ def test_linear_scaling_divides_the_frequencies():
     assert torch.allclose(inverse_frequencies(8, 100.0, {"rope_type": "linear", "factor": 4.0}),
                           inverse_frequencies(8, 100.0) / 4)  # fmt: skip
     with pytest.raises(InvalidArgumentError):
-        inverse_frequencies(8, 100.0, {"rope_type": "yarn", "factor": 4.0})
+        inverse_frequencies(8, 100.0, {"rope_type": "longrope", "factor": 4.0})
 
 
 def test_weight_loading_errors_are_typed(tiny_hf):
