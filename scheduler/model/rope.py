@@ -177,8 +177,8 @@ def _yarn_scaled(head_dim: int, theta: float, yarn: YarnScaling) -> torch.Tensor
         high += 0.001  # a step rather than a division by zero
     ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)  # 0: keep, 1: scale
     keep = 1 - ramp
-    wavelength = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)  # / 2 pi
-    return 1.0 / (yarn.factor * wavelength) * (1 - keep) + 1.0 / wavelength * keep
+    period = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)  # 1 / speed, per pair
+    return 1.0 / (yarn.factor * period) * (1 - keep) + 1.0 / period * keep
 
 
 def _correction_pair(turns: float, head_dim: int, theta: float, old_len: float) -> float:
