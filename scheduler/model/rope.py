@@ -60,7 +60,7 @@ def rope_parameters(
         return _yarn_scaled(head_dim, theta, yarn), yarn.attention_factor
     try:
         if kind == "linear":
-            return inv_freq / check_real("rope_scaling['factor']", scaling["factor"], low=0.0, open_low=True), 1.0
+            return inv_freq / check_real("rope_scaling.factor", scaling["factor"], low=0.0, open_low=True), 1.0
         if kind == "llama3":
             return _llama3_scaled(inv_freq, scaling), 1.0
     except KeyError as missing:  # a field the scaling needs
@@ -92,11 +92,11 @@ def context_length(scaling: Mapping[str, object] | None, max_position_embeddings
 def _llama3_scaled(inv_freq: torch.Tensor, scaling: Mapping[str, object]) -> torch.Tensor:
     """Llama 3.1 long-context scaling: slow pairs divided by ``factor``, fast pairs kept, a linear blend between."""
     factor, low, high, old_len = (
-        check_real(f"rope_scaling[{k!r}]", scaling[k], low=0.0, open_low=True)
+        check_real(f"rope_scaling.{k}", scaling[k], low=0.0, open_low=True)
         for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     )
     if not low < high:
-        raise InvalidArgumentError(describe("rope_scaling['high_freq_factor']", high, f"> low_freq_factor={low}"))
+        raise InvalidArgumentError(describe("rope_scaling.high_freq_factor", high, f"> low_freq_factor={low}"))
     wavelen = 2 * math.pi / inv_freq
     # blend = 0 at wavelengths >= old_len / low (fully scaled), 1 at <= old_len / high (unscaled)
     blend = ((old_len / wavelen - low) / (high - low)).clamp(0.0, 1.0)

@@ -149,3 +149,18 @@ def test_length_dependent_rope_types_are_refused_naming_rope_type(kind, why):
                       head_dim=8, rope_scaling={"rope_type": kind, "factor": 2.0})  # fmt: skip
     with pytest.raises(InvalidArgumentError, match=f"rope_scaling.rope_type.*{kind}.*{why}"):
         LlamaModel(cfg)
+
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}  # fmt: skip
+
+
+@pytest.mark.parametrize(("scaling", "name"), [
+    ({"rope_type": "linear", "factor": 0.0}, "rope_scaling.factor"),
+    ({**LLAMA3, "low_freq_factor": -1.0}, "rope_scaling.low_freq_factor"),
+    ({**LLAMA3, "high_freq_factor": 1.0}, "rope_scaling.high_freq_factor"),  # not above low_freq_factor
+])  # fmt: skip
+def test_bad_linear_and_llama3_values_are_refused_naming_the_key_as_yarn_does(scaling, name):
+    with pytest.raises(InvalidArgumentError, match=rf"^{name}=") as info:
+        inverse_frequencies(64, 10000.0, scaling)
+    assert "rope_scaling[" not in str(info.value)
