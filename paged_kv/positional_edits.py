@@ -74,7 +74,8 @@ class PositionalEdits:
         return self._blocks_to_write(requests)
 
     def truncate(self, seq_id: SeqId, num_tokens: int) -> None:
-        """Shrink a sequence to its first ``num_tokens`` tokens; whole blocks past them are freed.
+        """Shrink a sequence to its first ``num_tokens`` tokens; whole blocks past them are freed (``num_tokens``
+        equal to its count frees only lookahead blocks, its hashes kept as they are).
 
         The journal records nothing for the entries dropped (a reader never reads past a table's end).
         """
@@ -84,6 +85,8 @@ class PositionalEdits:
         keep = self._blocks_for(num_tokens)
         self.gpu.release(reversed(seq.blocks[keep:]), seq.priority)
         del seq.blocks[keep:]
+        if num_tokens == seq.num_tokens:  # only lookahead blocks dropped: no token cut, the hashes hold
+            return
         if seq.hashes is not None:
             seq.hashes = seq.hashes.copy(num_tokens)  # a private copy: a caller's object is only ever extended
         else:

@@ -18,6 +18,7 @@ from paged_kv.errors import InvalidArgumentError, check_bool, check_int, check_r
 from paged_kv.kv_cache import KERNEL_DTYPES
 from paged_kv.tensor_checks import check_device, check_dtype
 from scheduler.core.kv_events_config import KVEventsConfig
+from scheduler.core.speculative_config import SpeculativeConfig
 
 PreemptionMode = Literal["recompute", "swap"]
 PREEMPTION_MODES = ("recompute", "swap")
@@ -138,6 +139,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     distributed_timeout_s: float = 60.0  # a worker that dies or hangs fails a step within this
     kv_events: KVEventsConfig | None = None  # KV cache events for routers (vLLM's format, on ZeroMQ); None: off
+    # n-gram speculative decoding (vLLM's --speculative-config; scheduler.engine.spec_decode); None: off
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.enforce_eager, bool):
@@ -150,6 +153,9 @@ class EngineConfig:
             raise InvalidArgumentError(describe("kv_events", self.kv_events, "a KVEventsConfig or None"))
         if not isinstance(self.scheduler, SchedulerConfig):
             raise InvalidArgumentError(describe("scheduler", self.scheduler, "a SchedulerConfig"))
+        if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
+            raise InvalidArgumentError(describe("speculative_config", self.speculative_config,
+                                                "a SpeculativeConfig or None"))
         if self.tensor_parallel_size > 1 and self.cache.kv_offloading_bytes:
             raise InvalidArgumentError(describe("cache.kv_offloading_bytes", self.cache.kv_offloading_bytes,
                                                 "0 with tensor_parallel_size > 1 (tiers run on one rank)"))

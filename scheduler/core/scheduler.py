@@ -85,6 +85,14 @@ class Prefetcher(Protocol):
         ...
 
 
+class Proposer(Protocol):
+    """Proposes draft tokens for a sequence's next positions (speculative decoding)."""
+
+    def propose(self, token_ids: list[int], k: int | None = None) -> list[int]:
+        """Up to ``k`` drafts to follow ``token_ids`` (``[]``: none)."""
+        ...
+
+
 class Scheduler:
     """Decides, step by step, which tokens of which sequences run through the model.
 
@@ -93,9 +101,10 @@ class Scheduler:
 
     def __init__(
         self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: Iterable[int] = (), *,
-        prefetch: Prefetcher | None = None, max_model_len: int | None = None,
+        prefetch: Prefetcher | None = None, max_model_len: int | None = None, proposer: Proposer | None = None,
     ) -> None:  # fmt: skip
-        """``max_model_len``: a sample that holds that many tokens stops with "length" (None: only at max_tokens)."""
+        """``max_model_len``: a sample that holds that many tokens stops with "length" (None: only at max_tokens).
+        ``proposer``: drafts for the decode sequences of groups with ``speculative`` set (None: no drafts)."""
         self.config = config
         self.bm = block_manager
         self.max_model_len = max_model_len
@@ -108,6 +117,9 @@ class Scheduler:
         self.swapped: deque[SequenceGroup] = deque()
         self.num_preemptions = {"recompute": 0, "swap": 0}
         self._ids = itertools.count()
+        self.proposer = proposer
+        self._drafting = False  # whether the step being planned runs drafts (a proposer, and the caller allows)
+        self._drafts: dict[Sequence, list[int]] = {}  # the drafts of the step being planned (speculative decoding)
 
     # -- requests ---------------------------------------------------------
     def add_request(
@@ -252,15 +264,41 @@ class Scheduler:
         goes into ``failed``, the request's later tokens are skipped, and the caller aborts it.
         """
         now = time.perf_counter()
+        record = self._record if not out.num_draft_tokens else self._record_verified
         for t in sampled:
             if failed is None:
-                self._record(t, now)
+                record(t, now)
             elif t.group not in failed:
                 try:
-                    self._record(t, now)
+                    record(t, now)
                 except Exception as e:
                     failed[t.group] = e
+        if out.num_draft_tokens:
+            self._keep_accepted(out)
         return self._retire_finished()
+
+    def _record_verified(self, t: SampledToken, now: float) -> None:
+        """:meth:`_record` in a step that verified drafts: a sequence gets several tokens, and those after the one
+        that stopped it are dropped."""
+        if not t.seq.is_finished:
+            self._record(t, now)
+
+    def _keep_accepted(self, out: SchedulerOutput) -> None:
+        """After verification: the accepted drafts' KV (written by the step) is kept, the rejected drafts' dropped.
+
+        A drafting sequence held ``start + num_tokens`` tokens plus lookahead slots; its recorded tokens are the
+        accepted drafts, then one token with no KV yet. The block manager records the accepted drafts (so full
+        blocks are hashed from kept tokens only) and frees the lookahead blocks past them.
+        """
+        for s in out.scheduled:
+            seq = s.seq
+            if not s.drafts or seq.is_finished or seq.seq_id not in self.bm:
+                continue
+            first = s.start + s.num_tokens
+            if seq.num_tokens - 1 > first:
+                self.bm.append(seq.seq_id, seq.token_ids[first : seq.num_tokens - 1])
+                seq.num_computed = seq.num_tokens - 1
+            self.bm.truncate(seq.seq_id, seq.num_computed)  # frees the blocks past the kept tokens
 
     def _record(self, t: SampledToken, now: float) -> None:
         """Append one sampled token and apply the stop conditions to its sequence."""
@@ -291,9 +329,13 @@ class Scheduler:
         return done
 
     # -- one step ---------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
-        """Pick this step's work and record it with the block manager."""
+    def schedule(self, *, drafts: bool = True) -> SchedulerOutput:
+        """Pick this step's work and record it with the block manager (``drafts``: with the proposer's drafts, if
+        there is a proposer)."""
         step = SchedulerOutput()
+        self._drafting = drafts and self.proposer is not None
+        if self._drafting:
+            self._drafts.clear()
         self._schedule_running(step)
         if not step.preempted:
             self._schedule_queued(step)
@@ -353,6 +395,8 @@ class Scheduler:
         ``append_all`` takes exactly what the per-group commits would: when it
         fits, the per-group loop would have preempted nothing and made the same steps.
         """
+        if self._drafting:  # drafts take lookahead slots: each group is committed on its own
+            return False
         plans, left, num_seqs = [], self._tokens_left(step), len(step.scheduled)
         for group in groups:
             plan = self._plan_running(group, left, num_seqs)
@@ -380,9 +424,29 @@ class Scheduler:
                 continue
             if not self.config.enable_chunked_prefill and n < todo:
                 break
+            if self._drafting and todo == 1 and group.speculative:
+                n += self._propose(group, seq, left - 1)
             plan.append((seq, n))
             left -= n
         return plan
+
+    def _propose(self, group: SequenceGroup, seq: Sequence, budget: int) -> int:
+        """Draft tokens for a decode sequence within ``budget`` tokens (kept for the commit); how many.
+
+        None while samples are still to fork or parked (they share its row), before ``min_tokens`` outputs (no
+        stop token may be masked in a draft row), nor past ``max_tokens`` or the model's context.
+        """
+        params = group.params
+        self._drafts.pop(seq, None)  # a plan made earlier in the step and not committed
+        if group.unforked or group.parked or seq.num_outputs < max(1, params.min_tokens):
+            return 0
+        k = min(budget, params.max_tokens - seq.num_outputs - 1)
+        if self.max_model_len is not None:
+            k = min(k, self.max_model_len - seq.num_tokens - 1)  # no draft position reaches max_model_len - 1
+        drafts = self.proposer.propose(seq.token_ids, k) if k > 0 else []
+        if drafts:
+            self._drafts[seq] = drafts
+        return len(drafts)
 
     def _make_room(self, group: SequenceGroup, plan: list[tuple[Sequence, int]], step: SchedulerOutput) -> bool:
         """Preempt later groups until ``plan`` fits; preempt ``group`` itself if nothing else can go."""
@@ -427,8 +491,21 @@ class Scheduler:
     def _commit(self, group: SequenceGroup, plan: list[tuple[Sequence, int]], step: SchedulerOutput) -> None:
         for seq, n in plan:
             start = seq.num_computed
+            if self._drafting and seq in self._drafts:
+                self._commit_drafts(step, group, seq, n)
+                continue
             step.copies += self.bm.append(seq.seq_id, seq.token_ids[start : start + n])
             self._scheduled(step, group, seq, start, n)
+
+    def _commit_drafts(self, step: SchedulerOutput, group: SequenceGroup, seq: Sequence, n: int) -> None:
+        """Record a decode sequence's last token with lookahead slots for its drafts (``n`` counts both): the
+        drafts have slots but no place in its token count or its block hashes until they are accepted."""
+        drafts = tuple(self._drafts.pop(seq))
+        start, real = seq.num_computed, n - len(drafts)
+        step.copies += self.bm.append(seq.seq_id, seq.token_ids[start : start + real], num_lookahead_slots=len(drafts))
+        seq.num_computed = start + real
+        group.first_scheduled_time = group.first_scheduled_time or time.perf_counter()
+        step.add_speculative(ScheduledSeq(seq, group, start, real, drafts=drafts))
 
     def _scheduled(self, step: SchedulerOutput, group: SequenceGroup, seq: Sequence, start: int, n: int) -> None:
         """Count ``n`` recorded tokens of ``seq`` in the step; at its first sample, fork the group's other samples."""

@@ -20,6 +20,9 @@ class ScheduledSeq:
     forks: tuple[Sequence, ...] = ()  # samples forked from ``seq`` this step: they sample from its logits too
     # positions (among the new ones) whose logits score the next prompt token (SamplingParams.prompt_logprobs)
     prompt_positions: range = range(0)
+    # speculative decoding: draft tokens run after the new ones (positions [start + num_tokens, ...)), in lookahead
+    # slots the block manager does not count; verified after the step (never part of ``seq.token_ids`` until kept)
+    drafts: tuple[int, ...] = ()
 
     @property
     def samples(self) -> bool:
@@ -59,11 +62,29 @@ class SchedulerOutput:
     num_batched_tokens: int = 0  # new tokens the step runs through the model
     tier_ops: TierOps = field(default_factory=TierOps)  # host-tier stores, fills and loads (paged_kv.host_tier)
     refused: list[tuple[SequenceGroup, str]] = field(default_factory=list)  # aborted: can never fit (and why)
+    num_draft_tokens: int = 0  # speculative drafts among num_batched_tokens (each has a logits row after the others)
 
     def add(self, item: ScheduledSeq) -> None:
         """Schedule ``item`` (counted against the step's token budget)."""
         self.scheduled.append(item)
         self.num_batched_tokens += item.num_tokens
+
+    def add_speculative(self, item: ScheduledSeq) -> None:
+        """Schedule ``item`` with its drafts (its new tokens and drafts counted against the step's token budget)."""
+        self.add(item)
+        self.num_batched_tokens += len(item.drafts)
+        self.num_draft_tokens += len(item.drafts)
+
+    @property
+    def draft_rows(self) -> dict[Sequence, range]:
+        """Each drafting sequence's verification rows: after the sampled and the prompt rows, in schedule order
+        (row ``j`` verifies draft ``j``; its sampled row is the bonus row)."""
+        rows, at = {}, self.num_sample_rows + sum(len(s.prompt_positions) for s in self.scheduled)
+        for s in self.scheduled:
+            if s.drafts:
+                rows[s.seq] = range(at, at + len(s.drafts))
+                at += len(s.drafts)
+        return rows
 
     @property
     def samples(self) -> list[tuple[SequenceGroup, Sequence, int]]:

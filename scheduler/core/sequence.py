@@ -177,6 +177,9 @@ class SequenceGroup:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     # beside it, entry for entry: prompt token i's rank in the vocabulary (None for the first)
     prompt_ranks: list[int | None] | None = None
+    # speculative decoding: its decode sequences may run drafts (set at admission by the engine when it drafts and
+    # the request's parameters are served exactly by verification; see scheduler.engine.spec_decode)
+    speculative: bool = False
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:

@@ -83,6 +83,7 @@ from scheduler.engine.request_checks import (
     check_sampling_ids,
     check_structured_outputs,
 )
+from scheduler.engine.spec_decode import SpecDecode
 from scheduler.engine.step_sampling import Selector, StepSampling
 from scheduler.model.llama import LlamaModel
 from scheduler.runner.sampler import Sampler
@@ -111,8 +112,10 @@ class LLMEngine:
         self.runner = make_runner(model, spec, num_blocks, config, self.device, self.executor, graphs)
         self.tiers = make_tiers(model, spec, cc, self.block_manager, self.runner)
         prefetch = self.tiers.prefetch if self.tiers is not None else None
+        self.spec = SpecDecode(config.speculative_config) if config.speculative_config is not None else None
         self.scheduler = Scheduler(config.scheduler, self.block_manager, eos_ids, prefetch=prefetch,
-                                   max_model_len=model.config.max_position_embeddings)  # fmt: skip
+                                   max_model_len=model.config.max_position_embeddings,
+                                   proposer=self.spec.proposer if self.spec is not None else None)  # fmt: skip
         self.pins = PinnedPrefixes(self.block_manager, self._warm_up)
         disk = self.tiers.disk if self.tiers is not None else None
         self.cache_events = None if events is None else CacheEvents(events, self.block_manager, disk)
@@ -177,7 +180,10 @@ class LLMEngine:
         prompt, params = self.check_request(request_id, prompt_token_ids, sampling_params)
         if not fork_samples and params.structured_outputs is not None:  # a caller's selection would skip the mask
             raise InvalidArgumentError(describe("fork_samples", False, "True with structured_outputs (no beam search)"))
-        return self.scheduler.add_request(request_id, prompt, params, fork_samples=fork_samples, priority=priority)
+        group = self.scheduler.add_request(request_id, prompt, params, fork_samples=fork_samples, priority=priority)
+        if self.spec is not None:  # drafts only where verification gives exactly the request's tokens
+            group.speculative = self.spec.serves(params, fork_samples=fork_samples)
+        return group
 
     def add_beam_search(
         self, request_id: str, prompt_token_ids: Seq[int], params: BeamSearchParams, *, priority: int = 0,
@@ -322,8 +328,8 @@ class LLMEngine:
         start = time.perf_counter()
         failures: dict[SequenceGroup, Failure] = {}
         try:
-            out = self.scheduler.schedule()
-            logits = self.runner.run(out)  # [R + P, vocab]: sampled rows, then prompt positions scored
+            out = self._schedule(select)
+            logits = self.runner.run(out)  # [R + P + D, vocab]: sampled rows, prompt positions scored, draft rows
             if select is None:
                 sampled = self._choose(out, logits, failures)
             else:
@@ -340,16 +346,29 @@ class LLMEngine:
         failed += [self._failed(g, why) for g, why in out.refused]
         return self.pins.settle([self._retire(group) for group in finished if group not in failures] + failed)
 
+    def _schedule(self, select: Selector | None) -> SchedulerOutput:
+        """The step's work; a selection hook's step runs no drafts (the hook chooses one token per row)."""
+        if select is None or self.spec is None:
+            return self.scheduler.schedule()
+        return self.scheduler.schedule(drafts=False)
+
     def _choose(self, out: SchedulerOutput, logits: torch.Tensor,
                 failures: dict[SequenceGroup, Failure]) -> list[SampledToken]:  # fmt: skip
         """Every token of the step: the beam searches select theirs (one transfer for all), the others' rows are
         sampled (one more); a request whose selection or sampling raises goes into ``failures``."""
         beam_rows, rows = self.beams.split(out.samples)
+        drafting = []
+        if out.num_draft_tokens:  # speculative decoding: the drafting sequences' rows are verified apart
+            rows, drafting = self.spec.split(out, rows)
         self.beams.measure()
         sampling_errors: dict[SequenceGroup, BaseException] = {}
         beam_errors: dict[SequenceGroup, BaseException] = {}
         sampled = self.sampling.sample_each(out, logits, rows, sampling_errors)
         self._note_failures(failures, "sampling", sampling_errors)
+        if drafting:
+            verify_errors: dict[SequenceGroup, BaseException] = {}
+            sampled += self.spec.verify(out, logits, drafting, self.sampling, verify_errors)
+            self._note_failures(failures, "draft verification", verify_errors)
         sampled += self.beams.select(beam_rows, logits, beam_errors)
         self._note_failures(failures, "beam selection", beam_errors)
         return sampled

@@ -20,6 +20,7 @@ from paged_kv.errors import InvalidArgumentError, check_bool, check_int, check_t
 from paged_kv.tokens import as_id_list
 from scheduler.core.config import EngineConfig
 from scheduler.core.params import SamplingParams, per_prompt
+from scheduler.core.speculative_config import SpeculativeConfig
 from scheduler.engine.beam_search import BeamHypothesis, BeamSearch, BeamSearchOutput, BeamSearchParams
 from scheduler.engine.llm_engine import LLMEngine
 from scheduler.entrypoints.chat_rendering import ChatOptions, Messages, render_chat
@@ -35,10 +36,18 @@ class LLM:
     """A model, its tokenizer and a continuous-batching engine behind a text-in, text-out API."""
 
     def __init__(self, model: str | os.PathLike | LoadedModel | None = None, *,
-                 engine_config: EngineConfig | None = None) -> None:  # fmt: skip
-        """Load ``model`` (a local folder, a .gguf file, None for SmolLM2, or an already loaded model)."""
+                 engine_config: EngineConfig | None = None,
+                 speculative_config: SpeculativeConfig | dict | None = None) -> None:  # fmt: skip
+        """Load ``model`` (a local folder, a .gguf file, None for SmolLM2, or an already loaded model).
+
+        ``speculative_config`` (a SpeculativeConfig or its fields as a dict, as vLLM's ``LLM``) turns on n-gram
+        speculative decoding; it replaces ``engine_config``'s.
+        """
         check_type("model", model, (str, os.PathLike, LoadedModel, type(None)), "a path, a LoadedModel or None")
         check_type("engine_config", engine_config, (EngineConfig, type(None)), "an EngineConfig or None")
+        if speculative_config is not None:
+            spec = _speculative(speculative_config)
+            engine_config = dataclasses.replace(engine_config or EngineConfig(), speculative_config=spec)
         loaded = model if isinstance(model, LoadedModel) else load_model(model)
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
@@ -189,6 +198,14 @@ class LLM:
                         done[req.request_id] = req.result()
                         bar.update(1)
         return [done[i] for i in ids]
+
+
+def _speculative(config: SpeculativeConfig | dict) -> SpeculativeConfig:
+    """A SpeculativeConfig of its own or of a dict of its fields (a bad field raises naming it)."""
+    if isinstance(config, SpeculativeConfig):
+        return config
+    check_type("speculative_config", config, dict, "a SpeculativeConfig, a dict of its fields or None")
+    return SpeculativeConfig.from_dict(config)
 
 
 def _priorities(priority: int | Sequence[int], n: int) -> list[int]:

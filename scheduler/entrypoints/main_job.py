@@ -14,10 +14,12 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from paged_kv.errors import PagedKVError
+from paged_kv.errors import InvalidArgumentError, PagedKVError
 from scheduler.core.config import PREEMPTION_MODES, SCHEDULING_POLICIES, CacheConfig, EngineConfig, SchedulerConfig
 from scheduler.core.outputs import RequestOutput
+from scheduler.core.speculative_config import SpeculativeConfig
 from scheduler.engine.llm_engine import LLMEngine
+from scheduler.engine.spec_decode import SpecDecodeStats
 from scheduler.entrypoints.tier_options import add_tier_options, kv_events, tier_fields, tier_summary
 from scheduler.entrypoints.workload import ChatRequest, chat_workload
 from scheduler.model.loader import load_smollm2
@@ -81,6 +83,10 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1: small decode matmuls gain little from more, "
                         "and lose badly when the cores are shared; 0: torch's default)")  # fmt: skip
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding with n-gram drafts (vLLM\'s flag), e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}\'; '
+                        "default off")
     add_tier_options(p)
 
 
@@ -101,7 +107,18 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         cache=cache, scheduler=sched, device=args.device, enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size, kv_events=kv_events(args),
+        speculative_config=speculative_config(args.speculative_config),
     )  # fmt: skip
+
+
+def speculative_config(text: str | None) -> SpeculativeConfig | None:
+    """The ``--speculative-config`` JSON as a config (None: off); a bad one raises naming the flag and the field."""
+    if text is None:
+        return None
+    try:
+        return SpeculativeConfig.from_json(text)
+    except InvalidArgumentError as e:
+        raise InvalidArgumentError(f"--speculative-config: {e}") from e
 
 
 def checked_engine_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> EngineConfig:
@@ -164,6 +181,13 @@ def beam_example(engine: LLMEngine, tokenizer, width: int, max_tokens: int) -> N
           f"({mem.saving:.0%} saved; {mem.mean_saving:.0%} averaged over steps)")  # fmt: skip
 
 
+def spec_summary(stats: SpecDecodeStats) -> str:
+    """Speculative decoding's figures: drafts run and accepted, the acceptance rate and by position."""
+    per_pos = ", ".join(f"{n / stats.num_drafts:.0%}" for n in stats.accepted_per_pos) if stats.num_drafts else "-"
+    return (f"speculative decoding: {stats.num_accepted_tokens} of {stats.num_draft_tokens} draft tokens accepted "
+            f"({stats.acceptance_rate:.0%}) in {stats.num_drafts} drafts; accepted by position: {per_pos}")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the main job."""
     args = parse_args(argv)
@@ -186,6 +210,8 @@ def main(argv: list[str] | None = None) -> None:
     tiers = tier_summary(engine)
     if tiers is not None:
         print(tiers)
+    if engine.spec is not None:
+        print(spec_summary(engine.spec.stats))
     if args.beam_width:
         beam_example(engine, tokenizer, args.beam_width, max_tokens=24)
     engine.shutdown()

@@ -125,9 +125,12 @@ class TextRequest:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, tokenizer,
                  prompt: str | None = None, eos_token_ids: frozenset[int] = frozenset(), *,
-                 beam: bool = False) -> None:  # fmt: skip
+                 beam: bool = False, per_token: bool = False) -> None:  # fmt: skip
         self.request_id = request_id
         self.beam = beam  # a beam search: only its final output is read
+        # stop strings are looked for after each new token, not each snapshot (speculative decoding: a step adds
+        # several tokens, and the output must be the one of a token per step; the tokens after a stop are dropped)
+        self.per_token = per_token
         self.eos_token_ids = eos_token_ids
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
@@ -158,7 +161,29 @@ class TextRequest:
 
     def _advance(self, index: int, s: _Sample, o: CompletionOutput) -> SampleDelta:
         new = slice(s.num_tokens, len(o.token_ids))
-        s.num_tokens = len(o.token_ids)
+        if self.per_token and self.params.stop and new.stop - new.start > 1:
+            return self._advance_each(index, s, o, new)
+        return self._advance_span(index, s, o, new)
+
+    def _advance_each(self, index: int, s: _Sample, o: CompletionOutput, new: slice) -> SampleDelta:
+        """The new tokens one at a time: a stop string ends the sample at the token that completes it, and the
+        tokens after it are dropped (as if they had come one per step)."""
+        deltas = []
+        for i in range(new.start, new.stop):
+            deltas.append(self._advance_span(index, s, o, slice(i, i + 1)))
+            if s.finish_reason:
+                break
+        last = deltas[-1]
+        return SampleDelta(
+            index=index, text="".join(d.text for d in deltas), token_ids=[t for d in deltas for t in d.token_ids],
+            logprobs=[x for d in deltas for x in d.logprobs], top_logprobs=[x for d in deltas for x in d.top_logprobs],
+            finish_reason=last.finish_reason, stop_reason=last.stop_reason, ranks=[x for d in deltas for x in d.ranks],
+        )  # fmt: skip
+
+    def _advance_span(self, index: int, s: _Sample, o: CompletionOutput, new: slice) -> SampleDelta:
+        """Take the new tokens ``new`` of ``o`` (the engine's finish reason applies to its last token only)."""
+        s.num_tokens = new.stop
+        finish_reason = o.finish_reason if new.stop == len(o.token_ids) else None
         ids, lps, tops, ranks = o.token_ids[new], o.logprobs[new], o.top_logprobs[new], o.ranks[new]
         s.token_ids += ids
         s.logprobs += lps
@@ -166,7 +191,7 @@ class TextRequest:
         s.ranks += ranks
         # the engine says "stop" only for a stop token or EOS, the sample's last token: it adds no text
         # unless the stop is to be kept in the output
-        stop_token = ids[-1] if o.finish_reason == "stop" and ids else None
+        stop_token = ids[-1] if finish_reason == "stop" and ids else None
         keep_stop = self.params.include_stop_str_in_output
         start = len(s.text)
         text_ids = ids if stop_token is None or keep_stop else ids[:-1]
@@ -174,14 +199,14 @@ class TextRequest:
         if early:
             s.text += s.detok.add(text_ids[:early])
             s.stop_from = len(s.text)
-        s.text += s.detok.add(text_ids[early:]) + (s.detok.flush() if o.finish_reason else "")
+        s.text += s.detok.add(text_ids[early:]) + (s.detok.flush() if finish_reason else "")
         stops = self.params.stop
         hit = find_stop(s.text, max(start, s.stop_from), stops) if stops and len(s.text) > s.stop_from else None
         if hit is not None:
             end = hit[0] + (len(hit[1]) if keep_stop else 0)
             s.text, s.finish_reason, s.stop_reason = s.text[:end], "stop", hit[1]
         else:
-            s.finish_reason, s.stop_reason = o.finish_reason, self._token_stop_reason(stop_token)
+            s.finish_reason, s.stop_reason = finish_reason, self._token_stop_reason(stop_token)
         held = 0 if s.finish_reason or keep_stop else holdback(s.text, stops)  # a kept stop is text either way
         release = len(s.text) - held
         text, s.sent = s.text[s.sent : release], max(s.sent, release)
@@ -248,7 +273,8 @@ class OutputProcessor:
                *, beam: bool = False) -> TextRequest:  # fmt: skip
         eos = self.engine.scheduler.eos_token_ids
         req = self.requests[request_id] = TextRequest(request_id, list(prompt_token_ids), params, self.tokenizer,
-                                                      prompt, eos, beam=beam)  # fmt: skip
+                                                      prompt, eos, beam=beam,
+                                                      per_token=self.engine.spec is not None)  # fmt: skip
         return req
 
     def abort(self, request_id: str) -> TextRequest | None:

@@ -93,12 +93,12 @@ class Sampler:
             self.counts.record(controls.slots, controls.slots_t, tokens[controls.penalized])
         vocab = logits.shape[-1]
         k = min(max((p.logprobs for p in params), default=0), vocab)
-        parts = _logprob_parts(logits, tokens, k)
+        parts = logprob_parts(logits, tokens, k)
         kp = 0
         if prompt is not None and prompt.targets:
             kp = min(max(prompt.num_top), vocab)
             (targets,) = upload(logits.device, [prompt.targets], torch.int64)
-            parts += _logprob_parts(prompt_logits.float(), targets, kp)[1:]
+            parts += logprob_parts(prompt_logits.float(), targets, kp)[1:]
         host = torch.cat([p.reshape(-1).double() for p in parts]).tolist()  # the step's one device->host transfer
         return _unpack(host, params, k, prompt, kp)
 
@@ -115,7 +115,13 @@ def sample(
 
 def _sample_rows(logits: torch.Tensor, rows: list[SampleRow], top_k: torch.Tensor) -> torch.Tensor:
     """Random draws for rows with temperature > 0: processed logits [R, V] -> tokens [R] (``top_k [R]`` uploaded)."""
-    params = [r.params for r in rows]
+    probs = processed_probs(logits, [r.params for r in rows], top_k)  # [R, V]
+    return (probs / exponential_noise(probs, [r.generator for r in rows])).argmax(dim=-1)
+
+
+def processed_probs(logits: torch.Tensor, params: Sequence[SamplingParams], top_k: torch.Tensor) -> torch.Tensor:
+    """The distribution random rows draw from: logits [R, V] (controls applied) through temperature, min-p, top-k and
+    top-p, softmaxed -> probabilities [R, V] (``top_k [R]`` uploaded)."""
     temperature, top_p, min_p = upload(
         logits.device, [[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params]],
         torch.float32,
@@ -125,8 +131,7 @@ def _sample_rows(logits: torch.Tensor, rows: list[SampleRow], top_k: torch.Tenso
     if any(p.min_p > 0.0 for p in params):
         scaled = apply_min_p(scaled, min_p)
     use = (any(p.top_k > 0 for p in params), any(p.top_p < 1.0 for p in params))
-    probs = torch.softmax(apply_top_k_top_p(scaled, top_k, top_p, use=use), dim=-1)  # [R, V]
-    return (probs / exponential_noise(probs, [r.generator for r in rows])).argmax(dim=-1)
+    return torch.softmax(apply_top_k_top_p(scaled, top_k, top_p, use=use), dim=-1)  # [R, V]
 
 
 def exponential_noise(like: torch.Tensor, gens: list[torch.Generator | None]) -> torch.Tensor:
@@ -164,7 +169,7 @@ def apply_top_k_top_p(
     return torch.empty_like(logits).scatter_(-1, order, ordered.masked_fill(drop, float("-inf")))
 
 
-def _logprob_parts(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> list[torch.Tensor]:
+def logprob_parts(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> list[torch.Tensor]:
     """Device tensors to transfer: ``tokens [R]``, their raw log-probabilities [R] and ranks [R], the top-k values
     and ids."""
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [R, 1]

@@ -162,9 +162,21 @@ class StepInputBuilder:
         seq_lens = computed + new  # [S]
         samples = seq_lens == np.fromiter((s.seq.num_tokens for s in items), np.int64, n)
         rows = self.tables.rows([s.seq.seq_id for s in items])
+        if out.num_draft_tokens:  # speculative decoding: drafts run after their sequence's new tokens
+            return self._pack_drafts(out, rows, computed, new, samples)
         ids = [t for s in items for t in s.seq.token_ids[s.start : s.start + s.num_tokens]]
         cascade = self._plan_cascade(rows, new, seq_lens)
         return self._pack(out, rows, computed, new, seq_lens, samples, ids, cascade)
+
+    def _pack_drafts(self, out: SchedulerOutput, rows, computed, new, samples) -> StepPayload:
+        """A step with drafts: each drafting sequence's query is its new token and its drafts (their slots are the
+        lookahead slots its table already has); its draft rows follow the sampled and the prompt rows."""
+        items = out.scheduled
+        new = new + np.fromiter((len(s.drafts) for s in items), np.int64, len(items))  # [S]
+        ids = [t for s in items for t in (*s.seq.token_ids[s.start : s.start + s.num_tokens], *s.drafts)]
+        cu = offsets(new)
+        drafts = [cu[i] + np.arange(len(s.drafts)) for i, s in enumerate(items) if s.drafts]
+        return self._pack(out, rows, computed, new, computed + new, samples, ids, None, drafts)
 
     def _plan_cascade(self, rows, new, seq_lens) -> CascadeArrays | None:
         """The step's cascade arrays when it is a decode step whose sequences share enough blocks, else None."""
@@ -179,14 +191,16 @@ class StepInputBuilder:
             return None
         return cascade_host_arrays(tables, seq_lens, plan.seq_groups, plan.prefix_lens, bs)
 
-    def _pack(self, out, rows, computed, new, seq_lens, samples, ids, cascade: CascadeArrays | None) -> StepPayload:
+    def _pack(self, out, rows, computed, new, seq_lens, samples, ids, cascade: CascadeArrays | None,
+              draft_rows: list[np.ndarray] | None = None) -> StepPayload:
         cu = offsets(new)
         seq_of_token, positions = host_positions(computed, new, cu)  # [T], [T]
         slots = host_slot_mapping(self.tables.host, rows, seq_of_token, positions, self.block_size)
         upd_rows, upd_cols, upd_ids = self.tables.take_updates()
         prompt_rows = [cu[i] + np.arange(s.prompt_positions.start, s.prompt_positions.stop) - s.start
                        for i, s in enumerate(out.scheduled) if s.prompt_positions]  # fmt: skip
-        logits_rows = np.concatenate([cu[1:][samples] - 1, *prompt_rows])
+        draft_rows = draft_rows or []
+        logits_rows = np.concatenate([cu[1:][samples] - 1, *prompt_rows, *draft_rows])
         parts = [np.asarray(ids, dtype=np.int64), positions, slots, seq_lens, cu, rows, logits_rows,
                  upd_rows, upd_cols, upd_ids, *(cascade.parts() if cascade else [])]  # fmt: skip
         return StepPayload(
@@ -194,5 +208,5 @@ class StepInputBuilder:
             host_query_lens=new, max_seq_len=int(seq_lens.max(initial=0)), num_blocks=self.num_blocks,
             table_rows=self.tables.host.shape[0],
             swap_out=out.swap_out, swap_in=out.swap_in, copies=out.copies, cascade=cascade,
-            num_prompt_rows=len(logits_rows) - int(samples.sum()),
+            num_prompt_rows=len(logits_rows) - int(samples.sum()) - sum(len(d) for d in draft_rows),
         )  # fmt: skip

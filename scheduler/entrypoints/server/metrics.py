@@ -19,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from scheduler.engine.kv_events import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORAGE
 from scheduler.engine.llm_engine import LLMEngine
 from scheduler.engine.metrics import RequestTimes
+from scheduler.engine.spec_decode import SpecDecodeStats
 from scheduler.engine.tiered_cache import TierStats
 from scheduler.entrypoints.server.tier_metrics import tier_families
 
@@ -60,6 +61,7 @@ class EngineSnapshot:
     preemptions: int = 0
     cow_copies: int = 0
     tiers: TierStats | None = None  # the lower tiers' figures (None: no host tier)
+    spec: SpecDecodeStats | None = None  # speculative decoding's counters (None: off)
 
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineSnapshot:
@@ -71,6 +73,7 @@ class EngineSnapshot:
             cpu_usage=stats.num_cpu_used / cpu_blocks if cpu_blocks else 0.0, prefix_queries=stats.num_queried_tokens,
             prefix_hits=stats.num_hit_tokens, preemptions=sum(s.num_preemptions.values()),
             cow_copies=stats.num_cow_copies, tiers=engine.tiers.stats(stats) if engine.tiers is not None else None,
+            spec=engine.spec.stats.copy() if engine.spec is not None else None,
         )  # fmt: skip
 
     @property
@@ -200,6 +203,22 @@ class ServerMetrics:
                                 "prefix_cache_queries.", value=rate)  # fmt: skip
         if s.tiers is not None:
             yield from tier_families(s.tiers, s.hits_by_medium, s.prefix_queries, self.labels)
+        if s.spec is not None:
+            yield from self._spec_families(s.spec)
+
+    def _spec_families(self, spec: SpecDecodeStats) -> Iterator[Metric]:
+        """vLLM's spec-decode counters: drafts, draft tokens, accepted tokens, accepted tokens by position."""
+        for name, doc, value in (
+            ("vllm:spec_decode_num_drafts", "Sequences that ran drafts, once per step.", spec.num_drafts),
+            ("vllm:spec_decode_num_draft_tokens", "Draft tokens run.", spec.num_draft_tokens),
+            ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens),
+        ):
+            yield self._family(CounterMetricFamily, name, doc, value)
+        family = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                     "Draft tokens accepted, by position.", labels=(*LABELS, "position"))  # fmt: skip
+        for position, value in enumerate(spec.accepted_per_pos):
+            family.add_metric((*self.labels, str(position)), value)
+        yield family
 
     def _family(self, kind: type, name: str, doc: str, value: float) -> Metric:
         family = kind(name, doc, labels=LABELS)

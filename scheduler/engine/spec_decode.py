@@ -1,0 +1,111 @@
+"""Speculative decoding with n-gram drafts (vLLM's ``--speculative-config '{"method": "ngram", ...}'``).
+
+The scheduler asks the :class:`~scheduler.engine.ngram_proposer.NgramProposer` for up to ``k`` drafts per decode
+sequence of a request this module serves (:meth:`SpecDecode.serves`) and runs them in the same step as the
+sequence's last token: a query of ``1 + k`` tokens over its paged KV, the drafts in lookahead slots. The runner
+returns a row of logits per draft after the step's other rows; :meth:`SpecDecode.verify` keeps the accepted drafts
+and one more token (:mod:`scheduler.runner.rejection_sampler`), which then go through the scheduler's per-token
+path (stop tokens, ``max_tokens``, ...) like sampled ones; the KV of rejected drafts is dropped by the scheduler
+in the same step's bookkeeping (``Scheduler._keep_accepted``).
+
+Served exactly, per request, and otherwise decoded one token per step (no error): no beam search, no structured
+outputs, no logits controls (penalties, ``logit_bias``, ``bad_words``, ``allowed_token_ids``), no
+``prompt_logprobs``; ``min_tokens`` drafts only once it is reached. A selection hook's step (``LLMEngine.step(select)``)
+runs no drafts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from scheduler.core.params import SamplingParams
+from scheduler.core.scheduler_output import SampledToken, SchedulerOutput
+from scheduler.core.sequence import Sequence, SequenceGroup
+from scheduler.core.speculative_config import SpeculativeConfig
+from scheduler.engine.faults import isolate, restoring
+from scheduler.engine.ngram_proposer import NgramProposer
+from scheduler.engine.step_sampling import SampleEntry, StepSampling
+from scheduler.runner.logits_processors import uses_penalties
+from scheduler.runner.rejection_sampler import DraftRows, verify
+
+# (group, seq, bonus row, draft rows): a drafting sequence of the step
+DraftEntry = tuple[SequenceGroup, Sequence, int, range]
+
+
+@dataclass
+class SpecDecodeStats:
+    """vLLM's spec-decode counters: sequences that ran drafts, drafts, accepted drafts, accepted by position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # [k]: drafts accepted at position i
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafts / drafts run (0 before any)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    def copy(self) -> SpecDecodeStats:
+        """An independent copy (a snapshot another thread reads)."""
+        return SpecDecodeStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                               list(self.accepted_per_pos))  # fmt: skip
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        """One sequence's verification: ``num_drafts`` run, the first ``num_accepted`` kept."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        for i in range(num_accepted):
+            self.accepted_per_pos[i] += 1
+
+
+class SpecDecode:
+    """The engine's speculative decoding: which requests draft, the proposer, the verification, the counters."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        k = config.num_speculative_tokens
+        self.proposer = NgramProposer(k=k, min_n=config.min_n, max_n=config.max_n)
+        self.stats = SpecDecodeStats(accepted_per_pos=[0] * k)
+
+    @staticmethod
+    def serves(params: SamplingParams, *, fork_samples: bool = True) -> bool:
+        """Whether verification gives a request exactly its tokens: none of beam search (or a caller's own forks),
+        structured outputs, logits controls but ``min_tokens``, prompt log-probabilities."""
+        p = params
+        controls = uses_penalties(p) or bool(p.logit_bias or p.allowed_token_ids or p.bad_words
+                                             or p.bad_words_token_ids)  # fmt: skip
+        return fork_samples and p.structured_outputs is None and p.prompt_logprobs is None and not controls
+
+    def split(self, out: SchedulerOutput, rows: list[SampleEntry]) -> tuple[list[SampleEntry], list[DraftEntry]]:
+        """The sampled rows apart from the drafting sequences' (whose bonus rows are verified with their drafts)."""
+        draft_rows = out.draft_rows
+        plain = [r for r in rows if r[1] not in draft_rows]
+        drafting = [(g, s, row, draft_rows[s]) for g, s, row in rows if s in draft_rows]
+        return plain, drafting
+
+    def verify(self, out: SchedulerOutput, logits: torch.Tensor, entries: list[DraftEntry], sampling: StepSampling,
+               failed: dict[SequenceGroup, BaseException]) -> list[SampledToken]:  # fmt: skip
+        """The tokens each drafting sequence keeps (its accepted drafts, then one more), in one transfer; a request
+        whose verification raises goes into ``failed`` (found by halving, as sampling's)."""
+        drafts = {s.seq: s.drafts for s in out.scheduled if s.drafts}
+        return isolate(entries, lambda part: self._verify(part, drafts, logits, sampling), lambda e: e[0], failed)
+
+    def _verify(self, entries: list[DraftEntry], drafts: dict[Sequence, tuple[int, ...]], logits: torch.Tensor,
+                sampling: StepSampling) -> list[SampledToken]:  # fmt: skip
+        """Verify these entries (any subset of the step's) in one transfer; nothing recorded if it raises."""
+        rows = [r for _, _, bonus, draft_rows in entries for r in (*draft_rows, bonus)]
+        seqs = [DraftRows(g.params, sampling.generator(g, s), drafts[s]) for g, s, _, _ in entries]
+        picked = logits[torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)]
+        with restoring([s.generator for s in seqs]):  # a draw that raises leaves the generators as they were
+            verdicts = verify(picked, seqs)
+        tokens = []
+        for (group, seq, _, _), v, s in zip(entries, verdicts, seqs):
+            self.stats.record(len(s.drafts), v.num_accepted)
+            chosen = zip(v.token_ids, v.logprobs, v.top_logprobs, v.ranks)
+            tokens += [SampledToken(group, seq, *c) for c in chosen]
+        return tokens
+

@@ -1,0 +1,115 @@
+"""Verification of draft tokens (speculative decoding): the target model's rows decide which drafts are kept.
+
+A sequence with ``k`` drafts ``d_1..d_k`` has ``k + 1`` rows of logits: row ``j < k`` is the target's
+distribution ``p_j`` for the token after its ``j`` first drafts, row ``k`` the one after all of them.
+
+- Greedy rows (temperature 0): ``d_j`` is accepted while it is ``argmax p_j``; the first mismatch emits the argmax
+  instead, and when every draft is accepted the argmax of row ``k`` is the bonus token. The tokens are exactly
+  those of decoding one token per step.
+- Random rows: the drafts come from a deterministic proposer (a one-hot draft distribution), so the standard
+  rejection rule is: accept ``d_j`` with probability ``p_j(d_j)``; at the first rejection emit a token drawn from
+  ``p_j`` with ``d_j`` removed (renormalized); when all are accepted, the bonus token is drawn from ``p_k``. Each
+  emitted token is then distributed exactly as ``p_j`` (``P(t) = p(d) [t = d] + (1 - p(d)) p(t) / (1 - p(d))``
+  for ``t != d``). ``p_j`` is the fully processed distribution the sampler draws from (temperature, min-p,
+  top-k, top-p: :func:`~scheduler.runner.sampler.processed_probs`); logits controls are never applied here
+  (requests that use them decode without drafts).
+
+Reported log-probabilities and ranks are the raw ones, as the sampler's. Everything is computed on the logits'
+device and comes back in one transfer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from scheduler.core.params import SamplingParams
+from scheduler.runner.logits_processors import upload
+from scheduler.runner.sampler import exponential_noise, logprob_parts, processed_probs
+
+
+@dataclass(frozen=True)
+class DraftRows:
+    """One sequence to verify: its parameters, generator (None: the global one) and drafts (its rows: one per
+    draft, then the bonus row)."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    drafts: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Verified:
+    """A sequence's verdict: the drafts accepted, then the tokens emitted (the accepted drafts and one more)."""
+
+    num_accepted: int
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float] | None]
+    ranks: list[int]
+
+
+def verify(logits: torch.Tensor, seqs: list[DraftRows]) -> list[Verified]:
+    """The verdict of each sequence from ``logits [sum(k_i + 1), V]`` (each sequence's draft rows, then its bonus
+    row, in order)."""
+    logits = logits.float()
+    params = [s.params for s in seqs for _ in range(len(s.drafts) + 1)]
+    targets = [t for s in seqs for t in (*s.drafts, -1)]  # -1: the bonus row has no draft
+    (targets_t,) = upload(logits.device, [targets], torch.int64)
+    tokens = logits.argmax(dim=-1)  # [N]: greedy rows keep these
+    accepted = tokens == targets_t  # [N]
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if random_rows:
+        gens = [s.generator for s in seqs for _ in range(len(s.drafts) + 1)]
+        rows_t, top_k = upload(logits.device, [random_rows, [params[i].top_k for i in random_rows]], torch.int64)
+        picked, kept = reject(logits[rows_t], [params[i] for i in random_rows], top_k, targets_t[rows_t],
+                              [gens[i] for i in random_rows])  # fmt: skip
+        tokens[rows_t], accepted[rows_t] = picked, kept
+    k = min(max(p.logprobs for p in params), logits.shape[-1])
+    parts = [*logprob_parts(logits, tokens, k), accepted]
+    host = torch.cat([p.reshape(-1).double() for p in parts]).tolist()  # the one device->host transfer
+    return _verdicts(host, seqs, k)
+
+
+def reject(logits: torch.Tensor, params: list[SamplingParams], top_k: torch.Tensor, drafts: torch.Tensor,
+           generators: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Random rows ``logits [R, V]`` with their draft ``drafts [R]`` (-1: none, a bonus row): the token each row
+    emits if it is the first rejection (the draft when accepted) and whether its draft is accepted, ``[R]`` each."""
+    probs = processed_probs(logits, params, top_k)  # [R, V]
+    has = drafts >= 0
+    d = drafts.clamp(min=0)[:, None]  # [R, 1]
+    p_draft = probs.gather(1, d)  # [R, 1]
+    accept = (uniform_noise(has, generators) < p_draft[:, 0]) & has
+    residual = probs.scatter(1, d, p_draft * ~has[:, None])  # the draft removed (a bonus row keeps its p)
+    recovered = (residual / exponential_noise(residual, generators)).argmax(dim=-1)  # the race renormalizes
+    return torch.where(accept, d[:, 0], recovered), accept
+
+
+def uniform_noise(like: torch.Tensor, gens: list[torch.Generator | None]) -> torch.Tensor:
+    """U[0, 1) noise shaped like ``like [R]``; row i from ``gens[i]`` when set, else the global generator."""
+    noise = torch.empty(like.shape, dtype=torch.float32, device=like.device)
+    if any(g is None for g in gens):
+        noise.uniform_()
+    for i, g in enumerate(gens):
+        if g is not None:
+            noise[i : i + 1].uniform_(generator=g)
+    return noise
+
+
+def _verdicts(host: list[float], seqs: list[DraftRows], k: int) -> list[Verified]:
+    """Per sequence: its rows up to the first rejection (or its bonus row), from the flat transfer."""
+    n = sum(len(s.drafts) + 1 for s in seqs)
+    tokens, lps, ranks = host[:n], host[n : 2 * n], host[2 * n : 3 * n]
+    values, ids, accepted = host[3 * n : 3 * n + n * k], host[3 * n + n * k : 3 * n + 2 * n * k], host[-n:]
+    out, at = [], 0
+    for s in seqs:
+        m = next((j for j in range(len(s.drafts)) if not accepted[at + j]), len(s.drafts))  # drafts accepted
+        rows = range(at, at + m + 1)
+        top = [{int(ids[r * k + i]): values[r * k + i] for i in range(min(s.params.logprobs, k))} for r in rows]
+        out.append(Verified(
+            num_accepted=m, token_ids=[int(tokens[r]) for r in rows], logprobs=[lps[r] for r in rows],
+            top_logprobs=top if s.params.logprobs else [None] * len(rows), ranks=[int(ranks[r]) for r in rows],
+        ))  # fmt: skip
+        at += len(s.drafts) + 1
+    return out
