@@ -120,6 +120,7 @@ class Scheduler:
         self.proposer = proposer
         self._drafting = False  # whether the step being planned runs drafts (a proposer, and the caller allows)
         self._drafts: dict[Sequence, list[int]] = {}  # the drafts of the step being planned (speculative decoding)
+        self._decodes_left = 0  # running decode sequences not planned yet this step: drafts leave them a token each
 
     # -- requests ---------------------------------------------------------
     def add_request(
@@ -336,6 +337,7 @@ class Scheduler:
         self._drafting = drafts and self.proposer is not None
         if self._drafting:
             self._drafts.clear()
+            self._decodes_left = sum(s.num_uncomputed == 1 for g in self.running for s in g.active())
         self._schedule_running(step)
         if not step.preempted:
             self._schedule_queued(step)
@@ -424,8 +426,10 @@ class Scheduler:
                 continue
             if not self.config.enable_chunked_prefill and n < todo:
                 break
-            if self._drafting and todo == 1 and group.speculative:
-                n += self._propose(group, seq, left - 1)
+            if self._drafting and todo == 1:
+                self._decodes_left = max(0, self._decodes_left - 1)
+                if group.speculative:  # after a token for each decode sequence still to plan
+                    n += self._propose(group, seq, left - 1 - self._decodes_left)
             plan.append((seq, n))
             left -= n
         return plan
@@ -450,7 +454,7 @@ class Scheduler:
 
     def _make_room(self, group: SequenceGroup, plan: list[tuple[Sequence, int]], step: SchedulerOutput) -> bool:
         """Preempt later groups until ``plan`` fits; preempt ``group`` itself if nothing else can go."""
-        while not self._fits(plan):
+        while not self._fits_without_drafts(plan):
             scheduled = {s.group for s in step.scheduled}
             pool = self.running
             if self._by_priority:  # only the groups after it are less important (the ones before may be unscheduled)
@@ -483,6 +487,16 @@ class Scheduler:
         if self.config.preemption_mode == "swap" or len(group.active()) == 1:
             return True
         return group.restarted_alone_at == group.num_tokens
+
+    def _fits_without_drafts(self, plan: list[tuple[Sequence, int]]) -> bool:
+        """``_fits``; a plan with drafts that does not fit drops them (in place) and is asked again: drafts never
+        preempt a group nor keep one from running."""
+        if self._fits(plan):
+            return True
+        if not (self._drafting and any(seq in self._drafts for seq, _ in plan)):
+            return False
+        plan[:] = [(seq, n - len(self._drafts.pop(seq, ()))) for seq, n in plan]
+        return self._fits(plan)
 
     def _fits(self, plan: list[tuple[Sequence, int]]) -> bool:
         """Whether the pool holds the blocks ``append`` will take for ``plan`` (new blocks and copy-on-write copies)."""
@@ -592,7 +606,7 @@ class Scheduler:
         group.set_status(SequenceStatus.RUNNING)
         self._admitted(group)
         plan = self._plan_running(group, self._tokens_left(step), len(step.scheduled))
-        if plan and self._fits(plan):
+        if plan and self._fits_without_drafts(plan):
             self._commit(group, plan, step)
         return True
 

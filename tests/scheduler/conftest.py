@@ -23,6 +23,12 @@ def tiny_hf():
 
 
 @pytest.fixture(scope="session")
+def looping_hf():
+    """A tiny LlamaForCausalLM with small weights: its greedy outputs fall into loops (n-gram drafts get accepted)."""
+    return tiny_llama(seed=0, initializer_range=0.02)
+
+
+@pytest.fixture(scope="session")
 def prompts() -> list[list[int]]:
     """Prompts of different lengths; three share a 40-token prefix, one is a single token."""
     g = torch.Generator().manual_seed(1)
