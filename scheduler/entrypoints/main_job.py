@@ -14,7 +14,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from paged_kv.errors import InvalidArgumentError, PagedKVError
+from paged_kv.errors import PagedKVError
 from scheduler.core.config import PREEMPTION_MODES, SCHEDULING_POLICIES, CacheConfig, EngineConfig, SchedulerConfig
 from scheduler.core.outputs import RequestOutput
 from scheduler.core.speculative_config import SpeculativeConfig
@@ -117,8 +117,8 @@ def speculative_config(text: str | None) -> SpeculativeConfig | None:
         return None
     try:
         return SpeculativeConfig.from_json(text)
-    except InvalidArgumentError as e:
-        raise InvalidArgumentError(f"--speculative-config: {e}") from e
+    except PagedKVError as e:
+        raise type(e)(f"--speculative-config: {e}") from e
 
 
 def checked_engine_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> EngineConfig:

@@ -63,3 +63,11 @@ def tiny_model_dir(tmp_path_factory):
     from text_helpers import save_tiny_model
 
     return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def looping_model_dir(tmp_path_factory):
+    """As ``tiny_model_dir``, with small weights: greedy outputs fall into loops (n-gram drafts get accepted)."""
+    from text_helpers import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("looping-llama"), initializer_range=0.02)

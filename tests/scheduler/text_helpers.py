@@ -42,8 +42,9 @@ def tiny_tokenizer():
     return fast
 
 
-def save_tiny_model(folder: Path) -> Path:
-    """Write a seeded random 2-layer Llama (safetensors) and the tiny tokenizer into ``folder``."""
+def save_tiny_model(folder: Path, initializer_range: float = 0.2) -> Path:
+    """Write a seeded random 2-layer Llama (safetensors) and the tiny tokenizer into ``folder`` (small weights, e.g.
+    ``initializer_range=0.02``: greedy outputs that fall into loops)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -51,7 +52,7 @@ def save_tiny_model(folder: Path) -> Path:
     torch.manual_seed(0)
     cfg = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=initializer_range,
         eos_token_id=tokenizer.eos_token_id, bos_token_id=None, pad_token_id=tokenizer.pad_token_id,
     )  # fmt: skip
     LlamaForCausalLM(cfg).eval().save_pretrained(folder)

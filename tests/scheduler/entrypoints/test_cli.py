@@ -126,3 +126,23 @@ def test_kv_cache_dtype_maps_to_the_page_storage_and_the_engine_runs_with_it(tin
     assert len(out.outputs[0].token_ids) == 6 and out.outputs[0].finish_reason == "length"
     with pytest.raises(SystemExit):
         serve_parser().parse_args(["--kv-cache-dtype", "fp4"])
+
+
+@pytest.mark.parametrize("make_args", [parse_args, serve_args], ids=["run", "serve"])
+def test_speculative_config_flag_reaches_the_engine_config(make_args):
+    assert engine_config(make_args([])).speculative_config is None
+    flag = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+    spec = engine_config(make_args(["--speculative-config", flag])).speculative_config
+    assert (spec.method, spec.num_speculative_tokens, spec.min_n, spec.max_n) == ("ngram", 3, 2, 4)
+
+
+@pytest.mark.parametrize("flag, field", [
+    ('{"num_speculative_tokens": 0}', "num_speculative_tokens"), ('{"method": "medusa", "num_speculative_tokens": 2}',
+    "method"), ("not json", "speculative_config"), ('{"num_speculative_tokens": 2, "draft": 1}', "draft"),
+])  # fmt: skip
+@pytest.mark.parametrize("make_args", [parse_args, serve_args], ids=["run", "serve"])
+def test_a_bad_speculative_config_is_a_usage_error_naming_the_flag_and_field(make_args, flag, field, capsys):
+    with pytest.raises(SystemExit) as info:
+        make_args(["--speculative-config", flag])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and f"--speculative-config: {field}=" in err
