@@ -3,6 +3,7 @@
 from scheduler.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from scheduler.core.outputs import CompletionOutput, RequestOutput
 from scheduler.core.params import SamplingParams
+from scheduler.core.speculative_config import SpeculativeConfig
 from scheduler.core.structured_params import StructuredOutputsParams
 from scheduler.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from scheduler.engine.llm_engine import LLMEngine
@@ -13,5 +14,5 @@ from scheduler.model.weights import from_hf_model, from_state_dict
 __all__ = [
     "BeamSearch", "BeamSearchOutput", "BeamSearchParams", "CacheConfig", "CompletionOutput", "EngineConfig",
     "LLM", "LLMEngine", "LlamaModel", "ModelConfig", "RequestOutput", "SamplingParams", "SchedulerConfig",
-    "StructuredOutputsParams", "from_hf_model", "from_state_dict",
+    "SpeculativeConfig", "StructuredOutputsParams", "from_hf_model", "from_state_dict",
 ]

@@ -197,7 +197,21 @@ def _rows() -> list[Entry]:
             "device": Arg("device", "cpu"), "enforce_eager": Arg("bool", False),
             "tensor_parallel_size": Arg("int", 1, bad={OUT_OF_RANGE: [0, -1, 1 << 62]}),
             "distributed_timeout_s": Arg("real", 60.0, bad={OUT_OF_RANGE: [0.0, -1.0]}),
-            "kv_events": Arg("obj", None, bad={WRONG_TYPE: ["tcp://*:5557", {}, 3]})}),
+            "kv_events": Arg("obj", None, bad={WRONG_TYPE: ["tcp://*:5557", {}, 3]}),
+            "speculative_config": Arg("obj", None, bad={WRONG_TYPE: ['{"num_speculative_tokens": 2}', {}, 3]})}),
+        Entry("scheduler.SpeculativeConfig", scheduler.SpeculativeConfig, {
+            "method": Arg("obj", "ngram", bad={WRONG_TYPE: [None, 3, "eagle"]}),
+            "num_speculative_tokens": Arg("int", 2, bad={OUT_OF_RANGE: [0, -1, 65]}),
+            "prompt_lookup_max": Arg("opt_int", 3, bad={OUT_OF_RANGE: [0, -1, 1 << 20]}),
+            "prompt_lookup_min": Arg("opt_int", 1, bad={OUT_OF_RANGE: [0, -1, 4]})}),  # 4: above the max
+        Entry("scheduler.SpeculativeConfig.from_json", scheduler.SpeculativeConfig.from_json, {
+            "text": Arg("obj", '{"num_speculative_tokens": 2}', bad={WRONG_TYPE: [None, 3, "{", "[2]"]})},
+              named={"text": ("speculative_config",)}),
+        Entry("scheduler.SpeculativeConfig.from_dict", scheduler.SpeculativeConfig.from_dict, {
+            "values": Arg("obj", lambda: {"num_speculative_tokens": 2}, bad={
+                WRONG_TYPE: [{"num_speculative_tokens": "2"}, {"num_speculative_tokens": None}],
+                OUT_OF_RANGE: [{"num_speculative_tokens": 0}]})},
+              named={"values": ("num_speculative_tokens",)}),
         Entry("scheduler.ModelConfig", scheduler.ModelConfig, {
             "vocab_size": Arg("int", 64, bad={OUT_OF_RANGE: [0]}),
             "hidden_size": Arg("int", 16, bad={OUT_OF_RANGE: [0]}),
@@ -279,7 +293,8 @@ def _rows() -> list[Entry]:
         Entry("scheduler.LLM", scheduler.LLM, {
             "model": Arg("obj", loaded_tiny, bad={WRONG_TYPE: [3, ["x"], 2.5],
                 BAD_ID: ["/no/such/model", "/no/such/model.gguf"]}),
-            "engine_config": Arg("obj", engine_config, bad={WRONG_TYPE: ["x", {}, 3]})},
+            "engine_config": Arg("obj", engine_config, bad={WRONG_TYPE: ["x", {}, 3]}),
+            "speculative_config": Arg("obj", None, bad={WRONG_TYPE: ["ngram", 3, ["x"]]})},
             named={"model": ("model",)}),
         Entry("scheduler.LLM.encode", "encode", {
             "prompt": Arg("obj", "hello", bad={WRONG_TYPE: [None, 3, b"hi"], BOOL_FOR_INT: [[True]],
