@@ -46,6 +46,14 @@ sharing none, the tokens they all start with), then the others are forked from i
 (``SequenceGroup.parked``), so the shared prefix is computed and held once and no step computes
 more than one sequence's tokens.
 
+With a proposer (speculative decoding, ``scheduler.engine.spec_decode``), a decode sequence of a group with
+``speculative`` set runs its last token and up to ``k`` drafts in one query: the drafts take lookahead slots
+(``BlockManager.append(num_lookahead_slots=...)``), not counted in ``num_computed`` nor hashed, and the step's
+token budget after one token for every running decode sequence still to plan. A plan whose drafts do not fit drops
+them before anything is preempted. After verification (:meth:`Scheduler.update_from_output`) the accepted drafts
+are recorded with the block manager (and hashed, so the prefix cache only ever holds kept tokens), ``num_computed``
+counts them, and the blocks past them are freed (``truncate``): the invariant above holds again.
+
 A step that fails after ``schedule`` leaves its sequences' ``num_computed`` advanced with no KV
 written (or no token sampled): only an abort repairs that. The engine aborts the requests the
 failure belongs to (every one, if the model step failed); the others append their tokens as

@@ -7,6 +7,9 @@ One step is four calls, each owned by one module (the third by two: sampling, be
     sampled = _choose(out, logits)                      # engine/step_sampling.py, engine/beam_requests.py
     finished = scheduler.update_from_output(out, sampled)  # append, stop, free, retire
 
+With ``EngineConfig.speculative_config`` (:mod:`scheduler.engine.spec_decode`) decode sequences of the requests it
+serves run n-gram drafts, verified in step 3; the others decode as without it.
+
 Beam searches (:meth:`add_beam_search`) are requests like the others: their rows of a step are
 selected by :mod:`scheduler.engine.beam_requests` (fork, prune, hypotheses), the other rows are
 sampled (:mod:`scheduler.engine.step_sampling`), and a finished search is returned by :meth:`step`

@@ -88,7 +88,8 @@ class StepPayload:
 
     ``flat`` holds, one after the other (lengths in ``sizes``): token ids, positions, slots,
     sequence lengths, cu_seqlens_q, table rows, logits rows (the sampled sequences' last tokens, then
-    the prompt positions scored for prompt log-probabilities), and the block-table updates
+    the prompt positions scored for prompt log-probabilities, then each drafting sequence's positions that
+    verify its drafts), and the block-table updates
     (rows, columns, ids), then a cascade step's index arrays (``cascade.parts()``).
     Tensor-parallel workers receive it by broadcast.
     """
