@@ -12,6 +12,18 @@ from scheduler import CacheConfig, EngineConfig, LLMEngine, SchedulerConfig
 VOCAB = 256
 NUM_NEW = 12  # tokens generated per prompt in the reference runs
 SHARED = list(range(100, 140))  # a 40-token "system prompt" several prompts start with
+# engine settings the greedy-equality tests run under: name -> (engine kwargs, what must have happened)
+ENGINE_CASES = {
+    "prefix_caching": (dict(), "hits"),
+    "chunked_prefill": (dict(max_num_batched_tokens=8, max_num_seqs=4), "chunks"),
+    "whole_prefill": (dict(enable_chunked_prefill=False, max_num_batched_tokens=128), None),
+    "no_prefix_cache": (dict(prefix=False), None),
+    "preempt_recompute": (dict(num_blocks=20, max_num_batched_tokens=32, max_num_seqs=8), "recompute"),
+    "preempt_swap": (
+        dict(num_blocks=20, num_cpu_blocks=64, preemption_mode="swap", max_num_batched_tokens=32, max_num_seqs=8),
+        "swap",
+    ),
+}
 TINY_LLAMA = dict(
     vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, eos_token_id=None,

@@ -3,24 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from sched_helpers import NUM_NEW, make_engine
+from sched_helpers import ENGINE_CASES, NUM_NEW, make_engine
 
 from scheduler import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=NUM_NEW, ignore_eos=True)
 
-CASES = {
-    # name: (engine kwargs, what must have happened)
-    "prefix_caching": (dict(), "hits"),
-    "chunked_prefill": (dict(max_num_batched_tokens=8, max_num_seqs=4), "chunks"),
-    "whole_prefill": (dict(enable_chunked_prefill=False, max_num_batched_tokens=128), None),
-    "no_prefix_cache": (dict(prefix=False), None),
-    "preempt_recompute": (dict(num_blocks=20, max_num_batched_tokens=32, max_num_seqs=8), "recompute"),
-    "preempt_swap": (
-        dict(num_blocks=20, num_cpu_blocks=64, preemption_mode="swap", max_num_batched_tokens=32, max_num_seqs=8),
-        "swap",
-    ),
-}
+CASES = ENGINE_CASES
 
 
 def _run_traced(engine, prompts, params):

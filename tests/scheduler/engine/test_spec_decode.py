@@ -8,7 +8,7 @@ import random
 from dataclasses import replace
 
 import pytest
-from sched_helpers import NUM_NEW, after_each_schedule, make_engine, tiny_llama
+from sched_helpers import ENGINE_CASES, NUM_NEW, after_each_schedule, make_engine, tiny_llama
 from spec_helpers import (
     SPEC,
     assert_drafts_accepted_and_rejected,
@@ -23,17 +23,7 @@ from scheduler.core.speculative_config import SpeculativeConfig
 
 GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
 
-CASES = {
-    # name: (engine kwargs, what must have happened)
-    "prefix_caching": (dict(), "hits"),
-    "chunked_prefill": (dict(max_num_batched_tokens=8, max_num_seqs=4), "chunks"),
-    "whole_prefill": (dict(enable_chunked_prefill=False, max_num_batched_tokens=128), None),
-    "no_prefix_cache": (dict(prefix=False), None),
-    "preempt_recompute": (dict(num_blocks=24, max_num_batched_tokens=32, max_num_seqs=8), "recompute"),
-    "preempt_swap": (
-        dict(num_blocks=24, num_cpu_blocks=64, preemption_mode="swap", max_num_batched_tokens=32, max_num_seqs=8),
-        "swap",
-    ),
+CASES = ENGINE_CASES | {
     "priority_policy": (dict(scheduling_policy="priority", num_blocks=24, max_num_batched_tokens=32, max_num_seqs=8),
                         None),
 }
