@@ -612,6 +612,26 @@ def test_truncate_frees_whole_blocks_past_the_new_end():
     m.check()
 
 
+def test_draft_slots_are_never_hashed_and_truncate_to_the_own_length_keeps_the_hashes():
+    """Speculative decoding's use: drafts in lookahead slots, the accepted ones appended after, the rest dropped."""
+    from paged_kv.block_hash import BlockHashes
+
+    m = make(num_blocks=16)
+    hashes = BlockHashes(4)
+    m.allocate("a", [1, 2, 3], hashes=hashes)
+    m.append("a", [4], num_lookahead_slots=6)  # a token, then 6 drafts' slots (positions 4..9)
+    assert len(m.block_table("a")) == 3 and m.num_tokens("a") == 4
+    assert m.num_cached_tokens([1, 2, 3, 4, 5, 6, 7, 8, 0]) == 4  # only [1, 2, 3, 4] is cached: no draft block
+    m.append("a", [5, 6, 7])  # 3 drafts accepted: their slots exist, no block taken
+    assert len(m.block_table("a")) == 3 and m.gpu.num_free == 13
+    assert m.num_cached_tokens([1, 2, 3, 4, 5, 6, 7, 0, 9]) == 4  # the second block is not full yet
+    m.truncate("a", 7)  # the blocks past the kept tokens are freed; the sequence's hashes are its own still
+    assert len(m.block_table("a")) == 2 and m.gpu.num_free == 14
+    m.append("a", [8, 9])
+    assert m.num_cached_tokens([1, 2, 3, 4, 5, 6, 7, 8, 0]) == 8 and hashes.num_tokens == 9  # extended in place
+    m.check()
+
+
 def test_append_after_truncate_into_a_cached_block_unregisters_it():
     m = make(num_blocks=16)
     m.allocate("a", list(range(9)))
