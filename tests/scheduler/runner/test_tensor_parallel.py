@@ -12,7 +12,6 @@ from __future__ import annotations
 import pytest
 import torch
 from sched_helpers import NUM_NEW, make_engine
-from spec_helpers import SPEC, assert_drafts_accepted_and_rejected, repeating_prompts, token_ids
 
 from scheduler import BeamSearch, BeamSearchParams, SamplingParams
 
@@ -94,13 +93,3 @@ def test_every_rank_pool_equals_its_head_slice_of_one_rank(runs, pool):
             torch.testing.assert_close(k, want.k[:, :, rank : rank + 1], rtol=1e-4, atol=1e-5)
             torch.testing.assert_close(v, want.v[:, :, rank : rank + 1], rtol=1e-4, atol=1e-5)
 
-
-def test_ngram_drafts_over_two_ranks_give_the_tokens_of_one_rank_without_drafts(looping_hf):
-    """Speculative decoding with tp=2: the drafts travel in the step payload, every rank runs their query."""
-    params = SamplingParams(max_tokens=30, ignore_eos=True)
-    ref = make_engine(looping_hf, **ENGINE).generate(repeating_prompts(), params, use_tqdm=False)
-    with make_engine(looping_hf, tp=2, speculative=SPEC, **ENGINE) as two:
-        outs = two.generate(repeating_prompts(), params, use_tqdm=False)
-        assert token_ids(outs) == token_ids(ref)
-        assert_drafts_accepted_and_rejected(two)
-        assert two.block_manager.stats().num_used == 0
