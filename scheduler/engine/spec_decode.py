@@ -12,6 +12,11 @@ Served exactly, per request, and otherwise decoded one token per step (no error)
 outputs, no logits controls (penalties, ``logit_bias``, ``bad_words``, ``allowed_token_ids``), no
 ``prompt_logprobs``; ``min_tokens`` drafts only once it is reached. A selection hook's step (``LLMEngine.step(select)``)
 runs no drafts.
+
+Differences from vLLM (README, "Speculative decoding"): only the n-gram method; drafts are also capped at
+``max_tokens``, never take a running decode sequence's token of the step budget and never cause a preemption; the
+lookahead blocks are freed after each verification; steps with drafts run eagerly (no CUDA graph); which sampling
+parameters draft is this module's own list.
 """
 
 from __future__ import annotations

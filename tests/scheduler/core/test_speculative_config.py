@@ -10,7 +10,8 @@ from scheduler.core.speculative_config import SpeculativeConfig
 
 
 def test_lookup_bounds_default_to_each_other_then_to_five_as_vllm():
-    assert (SpeculativeConfig(num_speculative_tokens=3).min_n, SpeculativeConfig(num_speculative_tokens=3).max_n) == (5, 5)
+    neither = SpeculativeConfig(num_speculative_tokens=3)
+    assert (neither.min_n, neither.max_n) == (5, 5)
     only_max = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=4)
     only_min = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=2)
     assert (only_max.min_n, only_max.max_n) == (4, 4) and (only_min.min_n, only_min.max_n) == (2, 2)
