@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from dataclasses import astuple, dataclass
+from dataclasses import MISSING, dataclass, fields
 
 import torch
 
@@ -52,14 +52,23 @@ def model_identity(model: torch.nn.Module, config: object) -> str:
     Two checkpoints of one geometry (a base model and its fine-tune) write different K/V for the
     same tokens; the disk tier must never serve one the other's. Each tensor's name, shape,
     dtype and first and last 512 values are hashed: cheap at start-up, and any fine-tune moves them.
+    The config counts by the fields it sets away from their defaults (:func:`config_items`).
     """
-    digest = hashlib.blake2b(repr(astuple(config)).encode(), digest_size=16)
+    digest = hashlib.blake2b(repr(config_items(config)).encode(), digest_size=16)
     for name, t in model.state_dict().items():
         flat = t.detach().reshape(-1)
         digest.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
         for part in (flat[:512], flat[-512:]):
             digest.update(part.float().cpu().numpy().tobytes())
     return f"llama:{digest.hexdigest()}"
+
+
+def config_items(config: object) -> list[tuple[str, object]]:
+    """A dataclass config's (name, value) pairs but those at their field's default: a field added later whose
+    default keeps the old computation (as ``ModelConfig.qk_norm``) leaves the identity, and so the disk tier's
+    files, of every model that does not set it as they were."""
+    return [(f.name, getattr(config, f.name)) for f in fields(config)
+            if f.default is MISSING or getattr(config, f.name) != f.default]  # fmt: skip
 
 
 class TieredCache:

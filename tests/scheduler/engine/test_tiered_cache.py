@@ -6,9 +6,11 @@ import random
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 
 import msgspec
 import pytest
+import torch
 import zmq
 from sched_helpers import tiny_llama
 from vllm_kv_consumer import KVEventBatch, subscribe
@@ -17,6 +19,8 @@ from paged_kv.errors import InvalidArgumentError
 from scheduler import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from scheduler.core.kv_events_config import KVEventsConfig
 from scheduler.engine.kv_event_publisher import ZmqEventPublisher
+from scheduler.engine.tiered_cache import model_identity
+from scheduler.model.llama import ModelConfig
 
 BS = 4
 
@@ -426,3 +430,20 @@ def test_after_a_reset_kv_events_announce_the_disks_blocks_again(hf_model, tmp_p
     finally:
         ctx.destroy(linger=0)
         eng.shutdown()
+
+
+def test_model_identity_ignores_config_fields_left_at_their_defaults():
+    """A config field added with a default that keeps the old math (as qk_norm was) leaves the identity of a model
+    that does not set it, so its disk-tier files stay valid; setting the field changes it."""
+    @dataclass(frozen=True, kw_only=True)
+    class Later(ModelConfig):
+        new_switch: bool = False
+
+    torch.manual_seed(0)
+    weights = torch.nn.Linear(4, 4)
+    cfg = ModelConfig(vocab_size=32, hidden_size=8, intermediate_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
+                      head_dim=4)  # fmt: skip
+    assert model_identity(weights, Later(**asdict(cfg))) == model_identity(weights, cfg)
+    assert model_identity(weights, Later(**asdict(cfg), new_switch=True)) != model_identity(weights, cfg)
+    for changed in ({"qk_norm": True}, {"rope_theta": 5e5}, {"num_layers": 2}):
+        assert model_identity(weights, Later(**(asdict(cfg) | changed))) != model_identity(weights, cfg), changed
