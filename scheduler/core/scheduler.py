@@ -124,6 +124,7 @@ class Scheduler:
         self.running: list[SequenceGroup] = []
         self.swapped: deque[SequenceGroup] = deque()
         self.num_preemptions = {"recompute": 0, "swap": 0}
+        self.num_recorded_tokens = 0  # tokens appended to sequences so far (not those dropped after a stop)
         self._ids = itertools.count()
         self.proposer = proposer
         self._drafting = False  # whether the step being planned runs drafts (a proposer, and the caller allows)
@@ -312,6 +313,7 @@ class Scheduler:
     def _record(self, t: SampledToken, now: float) -> None:
         """Append one sampled token and apply the stop conditions to its sequence."""
         t.seq.append_token(t.token_id, t.logprob, t.top_logprobs, t.rank)
+        self.num_recorded_tokens += 1
         t.group.first_token_time = t.group.first_token_time or now
         reason = self._stop_reason(t.group.params, t.seq, t.token_id)
         if reason is not None:

@@ -330,6 +330,7 @@ class LLMEngine:
         self._check_select(select)
         start = time.perf_counter()
         failures: dict[SequenceGroup, Failure] = {}
+        recorded = self.scheduler.num_recorded_tokens
         try:
             out = self._schedule(select)
             logits = self.runner.run(out)  # [R + P + D, vocab]: sampled rows, prompt positions scored, draft rows
@@ -342,7 +343,8 @@ class LLMEngine:
             self._abort_all(e)
             raise
         usage = self.block_manager.usage
-        self.metrics.record_step(start, out, len(sampled), usage)
+        # the tokens kept (appended), not those a stop among accepted drafts dropped
+        self.metrics.record_step(start, out, self.scheduler.num_recorded_tokens - recorded, usage)
         if self.cache_events is not None:
             self.cache_events.after_step()
         failed = [self._failed(g, f.describe()) for g, f in failures.items()]

@@ -21,7 +21,7 @@ class StepRecord:
     end_time: float
     duration: float
     num_prompt_tokens: int  # prompt tokens computed (prefix-cache hits excluded)
-    num_generated_tokens: int  # tokens sampled
+    num_generated_tokens: int  # tokens kept (appended to their sequences)
     num_seqs: int
     kv_usage: float  # fraction of GPU blocks referenced after the step
     num_batched_tokens: int  # tokens run through the model: prefill chunks and decode tokens
@@ -56,7 +56,7 @@ class EngineMetrics:
     start_time: float | None = None
 
     def record_step(self, start: float, out: SchedulerOutput, generated: int, usage: float) -> None:
-        """Add one step: its output ``out``, ``generated`` tokens sampled, the pool's usage after it."""
+        """Add one step: its output ``out``, ``generated`` tokens kept, the pool's usage after it."""
         end = time.perf_counter()
         self.start_time = start if self.start_time is None else self.start_time
         record = StepRecord(end, end - start, out.num_prompt_tokens, generated, len(out.scheduled), usage,

@@ -97,7 +97,7 @@ def test_parallel_samples_with_preemption(looping_hf):
 
 
 def _multi_token_steps(looping_hf, prompts, params):
-    """A run with drafts that records, per request, each verification's tokens (in order)."""
+    """A run with drafts that records, per request, each verification's (first output index, tokens), in order."""
     engine = make_engine(looping_hf, speculative=SPEC)
     verify, steps = engine.spec.verify, {}
 
@@ -105,37 +105,49 @@ def _multi_token_steps(looping_hf, prompts, params):
         tokens = verify(*args, **kwargs)
         by_seq = {}
         for t in tokens:
-            by_seq.setdefault(t.group.request_id, []).append(t.token_id)
-        for request_id, ids in by_seq.items():
-            steps.setdefault(request_id, []).append(ids)
+            by_seq.setdefault(t.group.request_id, (t.seq.num_outputs, []))[1].append(t.token_id)
+        for request_id, emitted in by_seq.items():
+            steps.setdefault(request_id, []).append(emitted)
         return tokens
 
     engine.spec.verify = recorded
     return engine.generate(prompts, params, use_tqdm=False), steps
 
 
-def test_a_stop_token_among_accepted_drafts_ends_the_sample_there(looping_hf):
-    prompts = repeating_prompts()
+def _stop_among_accepted_drafts(looping_hf) -> tuple[list[int], int, list[int]]:
+    """(prompt, stop token, its tokens without the stop): a token that a verification emits with later tokens after
+    it, and that appears there first in its sample. The prompts go on with their first outputs: drafts copy the
+    loops already in them, so tokens new to the sample come among accepted drafts."""
+    outs, _ = _multi_token_steps(looping_hf, repeating_prompts(), GREEDY)
+    prompts = [p + o.outputs[0].token_ids[:cut] for p, o in zip(repeating_prompts(), outs) for cut in (3, 6, 12)]
     outs, steps = _multi_token_steps(looping_hf, prompts, GREEDY)
-    # a token emitted by a verification that kept later tokens too, never emitted before it
-    chosen = None
-    for i, out in enumerate(outs):
+    for prompt, out in zip(prompts, outs):
         tokens = out.outputs[0].token_ids
-        for ids in steps.get(out.request_id, []):
-            first = ids[0]
-            if len(ids) > 1 and first not in tokens[: tokens.index(first)] and first not in prompts[i]:
-                chosen = (i, first)
-                break
-        if chosen:
-            break
-    assert chosen is not None, "no verification kept several tokens"
-    i, stop = chosen
+        for start, ids in steps.get(out.request_id, []):
+            for j, t in enumerate(ids[:-1]):
+                if tokens.index(t) == start + j:
+                    return prompt, t, tokens
+    raise AssertionError("no verification kept a token new to its sample with others after it")
+
+
+def test_a_stop_token_among_accepted_drafts_ends_the_sample_there(looping_hf):
+    prompt, stop, unstopped = _stop_among_accepted_drafts(looping_hf)
     params = SamplingParams(max_tokens=40, ignore_eos=True, stop_token_ids=(stop,))
-    ref = run_without_drafts(looping_hf, [prompts[i]], params)
-    (out,), engine = run_with_drafts(looping_hf, [prompts[i]], params)
+    ref = run_without_drafts(looping_hf, [prompt], params)
+    (out,), engine = run_with_drafts(looping_hf, [prompt], params)
     assert out.outputs[0].token_ids == ref[0].outputs[0].token_ids
     assert out.outputs[0].token_ids[-1] == stop and out.outputs[0].finish_reason == "stop"
-    assert len(out.outputs[0].token_ids) < len(outs[i].outputs[0].token_ids)
+    assert len(out.outputs[0].token_ids) < len(unstopped)
+
+
+def test_metrics_count_the_kept_tokens_only(looping_hf):
+    """A stop among accepted drafts drops the tokens after it: the step metrics do not count them."""
+    prompt, stop, _ = _stop_among_accepted_drafts(looping_hf)
+    params = SamplingParams(max_tokens=40, ignore_eos=True, stop_token_ids=(stop,))
+    (out,), engine = run_with_drafts(looping_hf, [prompt], params)
+    kept = len(out.outputs[0].token_ids)
+    assert sum(s.num_generated_tokens for s in engine.metrics.steps) == kept
+    assert engine.metrics_summary().generated_tokens == kept
 
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 3, 5, 8, 13])
