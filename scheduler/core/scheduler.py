@@ -447,12 +447,12 @@ class Scheduler:
     def _propose(self, group: SequenceGroup, seq: Sequence, budget: int) -> int:
         """Draft tokens for a decode sequence within ``budget`` tokens (kept for the commit); how many.
 
-        None while samples are still to fork or parked (they share its row), before ``min_tokens`` outputs (no
-        stop token may be masked in a draft row), nor past ``max_tokens`` or the model's context.
+        None while samples are still to fork or parked (they share its row), before the first output, nor past
+        ``max_tokens`` or the model's context.
         """
         params = group.params
         self._drafts.pop(seq, None)  # a plan made earlier in the step and not committed
-        if group.unforked or group.parked or seq.num_outputs < max(1, params.min_tokens):
+        if group.unforked or group.parked or seq.num_outputs < 1:
             return 0
         k = min(budget, params.max_tokens - seq.num_outputs - 1)
         if self.max_model_len is not None:

@@ -9,14 +9,15 @@ path (stop tokens, ``max_tokens``, ...) like sampled ones; the KV of rejected dr
 in the same step's bookkeeping (``Scheduler._keep_accepted``).
 
 Served exactly, per request, and otherwise decoded one token per step (no error): no beam search, no structured
-outputs, no logits controls (penalties, ``logit_bias``, ``bad_words``, ``allowed_token_ids``), no
-``prompt_logprobs``; ``min_tokens`` drafts only once it is reached. A selection hook's step (``LLMEngine.step(select)``)
-runs no drafts.
+outputs, no ``prompt_logprobs``. Logits controls (penalties, ``logit_bias``, ``bad_words``, ``allowed_token_ids``,
+``min_tokens``) are applied to each draft row as the one-token path applies them at that position, the drafts before
+it counted as outputs (:mod:`scheduler.runner.rejection_sampler`); the sampler's penalty counts count the kept tokens.
+A selection hook's step (``LLMEngine.step(select)``) runs no drafts.
 
 Differences from vLLM (README, "Speculative decoding"): only the n-gram method; drafts are also capped at
 ``max_tokens``, never take a running decode sequence's token of the step budget and never cause a preemption; the
 lookahead blocks are freed after each verification; steps with drafts run eagerly (no CUDA graph); which sampling
-parameters draft is this module's own list.
+parameters draft is this module's own list (``min_tokens`` included, from the first output on).
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from scheduler.core.speculative_config import SpeculativeConfig
 from scheduler.engine.faults import isolate, restoring
 from scheduler.engine.ngram_proposer import NgramProposer
 from scheduler.engine.step_sampling import SampleEntry, StepSampling
-from scheduler.runner.logits_processors import uses_penalties
 from scheduler.runner.rejection_sampler import DraftRows, verify
 
 # (group, seq, bonus row, draft rows): a drafting sequence of the step
@@ -79,11 +79,8 @@ class SpecDecode:
     @staticmethod
     def serves(params: SamplingParams, *, fork_samples: bool = True) -> bool:
         """Whether verification gives a request exactly its tokens: none of beam search (or a caller's own forks),
-        structured outputs, logits controls but ``min_tokens``, prompt log-probabilities."""
-        p = params
-        controls = uses_penalties(p) or bool(p.logit_bias or p.allowed_token_ids or p.bad_words
-                                             or p.bad_words_token_ids)  # fmt: skip
-        return fork_samples and p.structured_outputs is None and p.prompt_logprobs is None and not controls
+        structured outputs, prompt log-probabilities (logits controls are applied per draft row)."""
+        return fork_samples and params.structured_outputs is None and params.prompt_logprobs is None
 
     def split(self, out: SchedulerOutput, rows: list[SampleEntry]) -> tuple[list[SampleEntry], list[DraftEntry]]:
         """The sampled rows apart from the drafting sequences' (whose bonus rows are verified with their drafts)."""
@@ -103,10 +100,11 @@ class SpecDecode:
                 sampling: StepSampling) -> list[SampledToken]:  # fmt: skip
         """Verify these entries (any subset of the step's) in one transfer; nothing recorded if it raises."""
         rows = [r for _, _, bonus, draft_rows in entries for r in (*draft_rows, bonus)]
-        seqs = [DraftRows(g.params, sampling.generator(g, s), drafts[s]) for g, s, _, _ in entries]
+        seqs = [DraftRows(g.params, sampling.generator(g, s), drafts[s], s) for g, s, _, _ in entries]
         picked = logits[torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)]
+        sampler = sampling.sampler  # its penalty counts, kept across steps, count the emitted tokens too
         with restoring([s.generator for s in seqs]):  # a draw that raises leaves the generators as they were
-            verdicts = verify(picked, seqs)
+            verdicts = verify(picked, seqs, sampler.counts, sampler.eos_token_ids)
         tokens = []
         for (group, seq, _, _), v, s in zip(entries, verdicts, seqs):
             self.stats.record(len(s.drafts), v.num_accepted)

@@ -13,6 +13,11 @@ rows use no control builds nothing (None).
 Penalties need each sequence's token counts on the device. :class:`PenaltyCounts` keeps
 them per sequence across steps, in a slot row, updated with the sampled tokens on the
 device; a slot is rebuilt from the host's token lists when it is new or out of step.
+
+Draft verification (speculative decoding) plans its rows with ``pending``: row ``j`` of a drafting
+sequence is its sequence's history followed by its ``j`` first drafts, so every control sees the
+outputs it would see at that position without drafts. The rows of one sequence share its slot; the
+pending drafts are added to the gathered counts of each row on the device, never to the slot.
 """
 
 from __future__ import annotations
@@ -164,14 +169,25 @@ class PenaltyCounts:
         self.in_prompt.index_fill_(0, slots, False)
         self.counts.index_put_((out_slots, out_ids), torch.ones_like(out_ids, dtype=torch.float32), accumulate=True)
         self.in_prompt.index_put_((prompt_slots, prompt_ids), torch.ones_like(prompt_ids, dtype=torch.bool))
-        for k, n in counted:
-            self._counted[k] = n
+        self.set_counted(counted)
 
     def record(self, slots: list[int], slots_t: torch.Tensor, tokens: torch.Tensor) -> None:
         """Count one sampled token per slot: ``tokens [n]`` on the device, ``slots`` on the host and device."""
         self.counts.index_put_((slots_t, tokens), torch.ones_like(tokens, dtype=torch.float32), accumulate=True)
         for k in slots:
             self._counted[k] += 1
+
+    def record_kept(self, slots: list[int], slots_t: torch.Tensor, tokens: torch.Tensor, kept: torch.Tensor) -> None:
+        """Count ``tokens [n]`` where ``kept [n]`` (device) into ``slots_t [n]``; the host learns how many later
+        (:meth:`set_counted`): until then the slots count as out of step (rebuilt if it never comes)."""
+        self.counts.index_put_((slots_t, tokens), kept.float(), accumulate=True)
+        for k in slots:
+            self._counted[k] = -1
+
+    def set_counted(self, counted: list[tuple[int, int]]) -> None:
+        """Each ``(slot, outputs)``: the slot now holds the counts of its sequence's first ``outputs`` outputs."""
+        for k, n in counted:
+            self._counted[k] = n
 
 
 @dataclass(frozen=True, eq=False)
@@ -187,6 +203,7 @@ class Controls:
     rebuild: tuple | None  # PenaltyCounts.rebuild's arguments: (slot, outputs) pairs, then the uploaded tensors
     use_repetition: bool
     use_frequency: bool  # frequency or presence
+    pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (index in penalized, token) [M]: drafts before rows
 
     def apply(self, logits: torch.Tensor, counts: PenaltyCounts) -> torch.Tensor:
         """Apply every control to ``logits [R, V]`` in place (vLLM's order); return it."""
@@ -202,8 +219,12 @@ class Controls:
                 counts.rebuild(*self.rebuild)
             rows, slots = self.penalized, self.slots_t
             in_prompt = counts.in_prompt.index_select(0, slots) if self.use_repetition else None
+            row_counts = counts.counts.index_select(0, slots)  # [N, V + 1]
+            if self.pending is not None:  # a draft row: the drafts before it count as outputs
+                row_counts.index_put_(self.pending, torch.ones_like(self.pending[1], dtype=torch.float32),
+                                      accumulate=True)  # fmt: skip
             penalized = apply_penalties(
-                logits.index_select(0, rows), counts.counts.index_select(0, slots), in_prompt, self.penalties,
+                logits.index_select(0, rows), row_counts, in_prompt, self.penalties,
                 repetition=self.use_repetition, frequency=self.use_frequency,
             )  # fmt: skip
             logits.index_copy_(0, rows, penalized)
@@ -243,20 +264,23 @@ def apply_min_p(scaled: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 def blocked_pairs(
-    params: Sequence[SamplingParams], histories: Sequence[TokenHistory], eos_token_ids: frozenset[int], vocab: int
-) -> tuple[list[int], list[int]]:
+    params: Sequence[SamplingParams], histories: Sequence[TokenHistory], eos_token_ids: frozenset[int], vocab: int,
+    pending: Sequence[Sequence[int]] | None = None,
+) -> tuple[list[int], list[int]]:  # fmt: skip
     """(row, token) pairs to block: bad words' last ids and, before ``min_tokens`` outputs, EOS and stop ids.
 
     vLLM's rules: a bad word's last id is blocked where the output ends with the rest of the
     word (the prompt is not matched); ids outside the vocabulary can never be sampled anyway.
+    ``pending[i]``: tokens that follow row i's history (its drafts before it), outputs like the others.
     """
     rows: list[int] = []
     tokens: list[int] = []
     for i, (p, h) in enumerate(zip(params, histories)):
-        num_out = len(h.token_ids) - h.prompt_len
+        extra = pending[i] if pending is not None else ()
+        num_out = len(h.token_ids) - h.prompt_len + len(extra)
         for word in p.bad_words_token_ids:
             k = len(word) - 1
-            if k <= num_out and (k == 0 or h.token_ids[len(h.token_ids) - k :] == list(word[:k])):
+            if k <= num_out and (k == 0 or _tail(h.token_ids, extra, k) == list(word[:k])):
                 rows.append(i)
                 tokens.append(word[-1])
         if num_out < p.min_tokens:
@@ -266,32 +290,47 @@ def blocked_pairs(
     return rows, tokens
 
 
+def _tail(token_ids: list[int], extra: Sequence[int], k: int) -> list[int]:
+    """The last ``k`` tokens of ``token_ids`` followed by ``extra`` (``k`` at most their total length)."""
+    if k <= len(extra):
+        return list(extra[len(extra) - k :])
+    return token_ids[len(token_ids) - (k - len(extra)) :] + list(extra)
+
+
 def plan_controls(
     params: Sequence[SamplingParams], histories: Sequence[TokenHistory], counts: PenaltyCounts,
-    eos_token_ids: frozenset[int] = frozenset(),
+    eos_token_ids: frozenset[int] = frozenset(), pending: Sequence[Sequence[int]] | None = None,
 ) -> Controls | None:  # fmt: skip
-    """The controls of a step's rows (None when no row uses any), built on the host and uploaded: one copy per dtype."""
+    """The controls of a step's rows (None when no row uses any), built on the host and uploaded: one copy per dtype.
+
+    ``pending`` (draft verification): per row, the tokens after its history (its drafts before it); rows of one
+    sequence (one ``seq_id``) then share its penalty slot, and their pending tokens are counted per row.
+    """
     if not any(uses_controls(p) for p in params):
         return None
     vocab = counts.vocab_size
     a_rows = [i for i, p in enumerate(params) if p.allowed_token_ids]
     a_pairs = [(j, t) for j, i in enumerate(a_rows) for t in params[i].allowed_token_ids]
-    m_rows, m_tokens = blocked_pairs(params, histories, eos_token_ids, vocab)
+    m_rows, m_tokens = blocked_pairs(params, histories, eos_token_ids, vocab, pending)
     bias = [(i, t, b) for i, p in enumerate(params) if p.logit_bias for t, b in p.logit_bias.items()]
     pen = [i for i, p in enumerate(params) if uses_penalties(p)]
-    slots, stale = counts.assign([histories[i] for i in pen]) if pen else ([], [])
-    stale_hist = [histories[pen[j]] for j in stale]
+    pen_hist = [histories[i] for i in pen]
+    assign = counts.assign if pending is None else lambda hs: _shared_slots(hs, counts)
+    slots, stale = assign(pen_hist) if pen else ([], [])
+    stale_hist = [pen_hist[j] for j in stale]
     rebuild = counts.rebuild_pairs([slots[j] for j in stale], stale_hist) if stale else ()
     counted = [(slots[j], len(h.token_ids) - h.prompt_len) for j, h in zip(stale, stale_hist)]
+    drafted = [(j, t) for j, i in enumerate(pen) for t in pending[i]] if pending is not None else []
     ints = [
         a_rows, [j for j, _ in a_pairs], [t for _, t in a_pairs],
         m_rows + [i for i, _, _ in bias], m_tokens + [t for _, t, _ in bias], pen, slots, *rebuild,
+        *([[j for j, _ in drafted], [t for _, t in drafted]] if drafted else []),
     ]  # fmt: skip
     floats = [
         [NEG_INF] * len(m_rows) + [b for _, _, b in bias],
         [[params[i].repetition_penalty, params[i].frequency_penalty, params[i].presence_penalty] for i in pen],
     ]
-    (a_r, a_j, a_t, q_r, q_t, pen_t, slots_t, *rebuild_t), (q_v, pen_v) = (
+    (a_r, a_j, a_t, q_r, q_t, pen_t, slots_t, *rest), (q_v, pen_v) = (
         upload(counts.device, ints, torch.int64), upload(counts.device, floats, torch.float32),
     )  # fmt: skip
     use_rep = any(params[i].repetition_penalty != 1.0 for i in pen)
@@ -299,8 +338,21 @@ def plan_controls(
     return Controls(
         allowed=(a_r, a_j, a_t) if a_rows else None, additive=(q_r, q_t, q_v) if ints[3] else None,
         penalized=pen_t if pen else None, slots=slots, slots_t=slots_t, penalties=pen_v.view(-1, 3),
-        rebuild=(counted, *rebuild_t) if stale else None, use_repetition=use_rep, use_frequency=use_freq,
+        rebuild=(counted, *rest[: len(rebuild)]) if stale else None, use_repetition=use_rep,
+        use_frequency=use_freq, pending=tuple(rest[len(rebuild) :]) if drafted else None,
     )  # fmt: skip
+
+
+def _shared_slots(histories: Sequence[TokenHistory], counts: PenaltyCounts) -> tuple[list[int], list[int]]:
+    """:meth:`PenaltyCounts.assign` for rows where a sequence may come several times: one slot per sequence, each
+    rebuilt at most once (the indices to rebuild are of its first row)."""
+    first: dict[int, int] = {}  # seq_id -> index of its first row
+    for j, h in enumerate(histories):
+        first.setdefault(h.seq_id, j)
+    unique = sorted(first.values())
+    slots, stale = counts.assign([histories[j] for j in unique])
+    slot_of = {histories[j].seq_id: k for j, k in zip(unique, slots)}
+    return [slot_of[h.seq_id] for h in histories], [unique[j] for j in stale]
 
 
 def processed_logits(

@@ -11,8 +11,13 @@ distribution ``p_j`` for the token after its ``j`` first drafts, row ``k`` the o
   ``p_j`` with ``d_j`` removed (renormalized); when all are accepted, the bonus token is drawn from ``p_k``. Each
   emitted token is then distributed exactly as ``p_j`` (``P(t) = p(d) [t = d] + (1 - p(d)) p(t) / (1 - p(d))``
   for ``t != d``). ``p_j`` is the fully processed distribution the sampler draws from (temperature, min-p,
-  top-k, top-p: :func:`~scheduler.runner.sampler.processed_probs`); logits controls are never applied here
-  (requests that use them decode without drafts).
+  top-k, top-p: :func:`~scheduler.runner.sampler.processed_probs`).
+
+Both read the logits after the request's logits controls (:mod:`scheduler.runner.logits_processors`), applied to
+row ``j`` as the one-token path applies them at that position: with the sequence's history followed by ``d_1..d_j``
+(the drafts before it count as outputs: for the penalties, the bad words' prefixes and ``min_tokens``). Row ``j``
+only matters when ``d_1..d_j`` are all accepted, so it then is exactly the one-token path's row. The emitted
+tokens are counted into the sequence's penalty slot on the device (those after the first rejection masked out).
 
 Reported log-probabilities and ranks are the raw ones, as the sampler's. Everything is computed on the logits'
 device and comes back in one transfer.
@@ -25,18 +30,26 @@ from dataclasses import dataclass
 import torch
 
 from scheduler.core.params import SamplingParams
-from scheduler.runner.logits_processors import upload
+from scheduler.runner.logits_processors import (
+    PenaltyCounts,
+    TokenHistory,
+    empty_histories,
+    plan_controls,
+    upload,
+    uses_penalties,
+)
 from scheduler.runner.sampler import exponential_noise, logprob_parts, processed_probs
 
 
 @dataclass(frozen=True)
 class DraftRows:
-    """One sequence to verify: its parameters, generator (None: the global one) and drafts (its rows: one per
-    draft, then the bonus row)."""
+    """One sequence to verify: its parameters, generator (None: the global one), drafts (its rows: one per
+    draft, then the bonus row) and its tokens so far (None: none, a row with no sequence behind it)."""
 
     params: SamplingParams
     generator: torch.Generator | None
     drafts: tuple[int, ...]
+    history: TokenHistory | None = None
 
 
 @dataclass(frozen=True)
@@ -50,26 +63,78 @@ class Verified:
     ranks: list[int]
 
 
-def verify(logits: torch.Tensor, seqs: list[DraftRows]) -> list[Verified]:
+def verify(logits: torch.Tensor, seqs: list[DraftRows], counts: PenaltyCounts | None = None,
+           eos_token_ids: frozenset[int] = frozenset()) -> list[Verified]:  # fmt: skip
     """The verdict of each sequence from ``logits [sum(k_i + 1), V]`` (each sequence's draft rows, then its bonus
-    row, in order)."""
+    row, in order), after each row's logits controls; ``counts`` keeps the penalized sequences' counts (the
+    sampler's, updated with the emitted tokens; None: counted from the histories once)."""
     logits = logits.float()
     params = [s.params for s in seqs for _ in range(len(s.drafts) + 1)]
     targets = [t for s in seqs for t in (*s.drafts, -1)]  # -1: the bonus row has no draft
     (targets_t,) = upload(logits.device, [targets], torch.int64)
-    tokens = logits.argmax(dim=-1)  # [N]: greedy rows keep these
+    counts = counts if counts is not None else PenaltyCounts(logits.shape[-1], logits.device)
+    controls = _plan(seqs, params, counts, eos_token_ids)
+    processed = logits if controls is None else controls.apply(logits.clone(), counts)
+    tokens = processed.argmax(dim=-1)  # [N]: greedy rows keep these
     accepted = tokens == targets_t  # [N]
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
         gens = [s.generator for s in seqs for _ in range(len(s.drafts) + 1)]
         rows_t, top_k = upload(logits.device, [random_rows, [params[i].top_k for i in random_rows]], torch.int64)
-        picked, kept = reject(logits[rows_t], [params[i] for i in random_rows], top_k, targets_t[rows_t],
+        picked, kept = reject(processed[rows_t], [params[i] for i in random_rows], top_k, targets_t[rows_t],
                               [gens[i] for i in random_rows])  # fmt: skip
         tokens[rows_t], accepted[rows_t] = picked, kept
+    if controls is not None and controls.penalized is not None:
+        emitted = _emitted(accepted, seqs)
+        pen = controls.penalized
+        counts.record_kept(controls.slots, controls.slots_t, tokens[pen], emitted[pen])
     k = min(max(p.logprobs for p in params), logits.shape[-1])
     parts = [*logprob_parts(logits, tokens, k), accepted]
     host = torch.cat([p.reshape(-1).double() for p in parts]).tolist()  # the one device->host transfer
-    return _verdicts(host, seqs, k)
+    verdicts = _verdicts(host, seqs, k)
+    if controls is not None and controls.penalized is not None:
+        counts.set_counted(_counted(controls.slots, seqs, verdicts))
+    return verdicts
+
+
+def _plan(seqs: list[DraftRows], params: list[SamplingParams], counts: PenaltyCounts, eos_token_ids: frozenset[int]):
+    """The rows' logits controls (None when no row uses any): row ``j`` of a sequence is its history followed by
+    its first ``j`` drafts (pending: not in its penalty slot)."""
+    stand_ins = iter(empty_histories(len(seqs)))
+    histories = [s.history if s.history is not None else next(stand_ins) for s in seqs]
+    rows = [h for h, s in zip(histories, seqs) for _ in range(len(s.drafts) + 1)]
+    pending = [s.drafts[:j] for s in seqs for j in range(len(s.drafts) + 1)]
+    return plan_controls(params, rows, counts, eos_token_ids, pending)
+
+
+def _emitted(accepted: torch.Tensor, seqs: list[DraftRows]) -> torch.Tensor:
+    """``[N]`` bool: the rows whose token is emitted, those up to each sequence's first rejection (or its bonus)."""
+    first_row = [at for at, s in zip(_starts(seqs), seqs) for _ in range(len(s.drafts) + 1)]
+    (first_t,) = upload(accepted.device, [first_row], torch.int64)
+    rejected = (~accepted).long()  # a bonus row counts as one: it ends its sequence
+    before = rejected.cumsum(0) - rejected  # [N] rejections before each row
+    return before == before[first_t]  # none since the sequence's first row
+
+
+def _counted(slots: list[int], seqs: list[DraftRows], verdicts: list[Verified]) -> list[tuple[int, int]]:
+    """(slot, outputs it now counts) of each penalized sequence: its outputs before the step and those emitted
+    (its rows come in order in ``slots``, one entry per row)."""
+    out, at = [], 0
+    for s, v in zip(seqs, verdicts):
+        if uses_penalties(s.params):
+            before = len(s.history.token_ids) - s.history.prompt_len if s.history is not None else 0
+            out.append((slots[at], before + len(v.token_ids)))
+            at += len(s.drafts) + 1
+    return out
+
+
+def _starts(seqs: list[DraftRows]) -> list[int]:
+    """Each sequence's first row."""
+    out, at = [], 0
+    for s in seqs:
+        out.append(at)
+        at += len(s.drafts) + 1
+    return out
 
 
 def reject(logits: torch.Tensor, params: list[SamplingParams], top_k: torch.Tensor, drafts: torch.Tensor,

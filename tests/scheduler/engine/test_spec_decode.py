@@ -200,28 +200,64 @@ def test_random_rows_whose_distribution_is_one_token_equal_greedy(looping_hf):
     assert_drafts_accepted_and_rejected(engine)
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(max_tokens=30, ignore_eos=True, repetition_penalty=1.3),
-    SamplingParams(max_tokens=30, ignore_eos=True, frequency_penalty=0.5),
-    SamplingParams(max_tokens=30, ignore_eos=True, logit_bias={7: 2.0}),
-    SamplingParams(max_tokens=30, ignore_eos=True, prompt_logprobs=1),
-], ids=["repetition_penalty", "frequency_penalty", "logit_bias", "prompt_logprobs"])  # fmt: skip
-def test_requests_it_cannot_serve_exactly_decode_without_drafts(looping_hf, params):
+def test_prompt_logprobs_requests_decode_without_drafts(looping_hf):
+    params = SamplingParams(max_tokens=30, ignore_eos=True, prompt_logprobs=1)
     ref = run_without_drafts(looping_hf, repeating_prompts(), params)
     outs, engine = run_with_drafts(looping_hf, repeating_prompts(), params)
     assert token_ids(outs) == token_ids(ref)
     assert engine.spec.stats.num_drafts == 0
 
 
-def test_min_tokens_drafts_only_once_reached(looping_hf):
-    params = SamplingParams(max_tokens=30, min_tokens=20, ignore_eos=True)
-    seen = []
+# each control, with values that change the looping model's greedy outputs (its loops repeat 105, 5, 82 165 235...)
+CONTROLS = {
+    "presence_penalty": dict(presence_penalty=0.1),  # penalties break the loops: small ones leave drafts accepted
+    "frequency_penalty": dict(frequency_penalty=0.05),
+    "repetition_penalty": dict(repetition_penalty=1.3),
+    "logit_bias": dict(logit_bias={5: -100.0, 105: -2.0, 235: 0.5}),
+    "allowed_token_ids": dict(allowed_token_ids=sorted({t for p in repeating_prompts() for t in p} - {105})),
+    "bad_words_single": dict(bad_words_token_ids=((105,), (5,))),
+    "bad_words_multi": dict(bad_words_token_ids=((82, 165), (250, 5, 250), (17, 122, 17))),
+    "min_tokens": dict(min_tokens=20, stop_token_ids=(105, 5, 37)),
+}
+
+
+def _controlled(name: str, max_tokens: int = 40, **extra) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **CONTROLS[name], **extra)
+
+
+@pytest.mark.parametrize("name", list(CONTROLS))
+def test_greedy_with_logits_controls_equals_without_drafts(looping_hf, name):
+    """Each control is applied to every draft row as the one-token path applies it at that position."""
+    params = _controlled(name)
+    ref = run_without_drafts(looping_hf, repeating_prompts(), params)
+    outs, engine = run_with_drafts(looping_hf, repeating_prompts(), params)
+    assert token_ids(outs) == token_ids(ref)
+    assert token_ids(ref) != token_ids(run_without_drafts(looping_hf, repeating_prompts(), GREEDY))  # it acts
+    assert_drafts_accepted_and_rejected(engine)
+
+
+@pytest.mark.parametrize("name", ["presence_penalty", "repetition_penalty", "bad_words_multi", "min_tokens"])
+def test_logits_controls_with_parallel_samples_and_preemption(looping_hf, name):
+    params = _controlled(name, max_tokens=30, n=2)
+    kwargs = dict(num_blocks=36, max_num_batched_tokens=32, max_num_seqs=8)
+    ref = run_without_drafts(looping_hf, repeating_prompts(), params, **kwargs)
+    outs, engine = run_with_drafts(looping_hf, repeating_prompts(), params, **kwargs)
+    assert token_ids(outs) == token_ids(ref)
+    assert engine.scheduler.num_preemptions["recompute"] >= 1
+    assert_drafts_accepted_and_rejected(engine)
+
+
+def test_min_tokens_drafts_before_it_is_reached(looping_hf):
+    """Draft rows before ``min_tokens`` outputs mask the stop tokens: drafts run from the first output on."""
+    params = _controlled("min_tokens")
+    drafted_at = []  # outputs of each drafting sequence when its drafts were scheduled
     engine = make_engine(looping_hf, speculative=SPEC)
-    after_each_schedule(engine, seen.append)
+    after_each_schedule(engine, lambda out: drafted_at.extend(s.seq.num_outputs for s in out.scheduled if s.drafts))
     outs = engine.generate(repeating_prompts(), params, use_tqdm=False)
     assert token_ids(outs) == token_ids(run_without_drafts(looping_hf, repeating_prompts(), params))
-    drafting = [s for out in seen for s in out.scheduled if s.drafts]
-    assert drafting and all(s.seq.num_outputs >= 20 for s in drafting)
+    assert any(n < params.min_tokens for n in drafted_at)
+    stopped = [o.outputs[0] for o in outs if o.outputs[0].finish_reason == "stop"]
+    assert stopped and all(len(o.token_ids) >= params.min_tokens for o in stopped)
 
 
 def test_a_selection_hook_step_runs_no_drafts(looping_hf):
