@@ -1,5 +1,5 @@
 """A server with speculative decoding: vLLM's spec-decode counters on /metrics, answers equal to those without drafts
-(a penalized request decodes without drafts), and no such series when it is off."""
+(a request with penalties and bad words drafts too), and no such series when it is off."""
 
 from __future__ import annotations
 
@@ -58,17 +58,19 @@ def test_metrics_show_the_spec_decode_counters_of_the_engine(served_spec, plain)
     assert sum(after["per_pos"].values()) == stats.num_accepted_tokens
 
 
-def test_a_penalized_request_decodes_without_drafts_and_answers_as_without(served_spec, plain):
+def test_a_request_with_logits_controls_drafts_and_answers_as_without(served_spec, plain):
+    """Penalties and bad words (the server tokenizes them) are applied per draft row: drafts run, same answer."""
     wait_idle(served_spec)
     before = served_spec.llm.engine.spec.stats.num_drafts
+    controls = dict(frequency_penalty=0.05, presence_penalty=0.05)
+    extra = dict(ignore_eos=True, repetition_penalty=1.05, bad_words=["mat"])
     with openai.OpenAI(base_url=served_spec.url + "/v1", api_key="-", max_retries=0) as client:
         answer = client.completions.create(model=served_spec.llm.model_name, prompt=PROMPT, max_tokens=30,
-                                           temperature=0, frequency_penalty=0.5, extra_body={"ignore_eos": True})
-    params = SamplingParams(max_tokens=30, ignore_eos=True, frequency_penalty=0.5)
-    (want,) = plain.generate([PROMPT], params)
+                                           temperature=0, **controls, extra_body=extra)  # fmt: skip
+    (want,) = plain.generate([PROMPT], SamplingParams(max_tokens=30, **controls, **extra))
     assert answer.choices[0].text == want.outputs[0].text
     wait_idle(served_spec)
-    assert served_spec.llm.engine.spec.stats.num_drafts == before
+    assert served_spec.llm.engine.spec.stats.num_drafts > before
 
 
 def test_no_spec_decode_series_when_it_is_off(served_chunked):
