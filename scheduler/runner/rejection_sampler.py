@@ -31,6 +31,7 @@ import torch
 
 from scheduler.core.params import SamplingParams
 from scheduler.runner.logits_processors import (
+    Controls,
     PenaltyCounts,
     TokenHistory,
     empty_histories,
@@ -97,7 +98,8 @@ def verify(logits: torch.Tensor, seqs: list[DraftRows], counts: PenaltyCounts | 
     return verdicts
 
 
-def _plan(seqs: list[DraftRows], params: list[SamplingParams], counts: PenaltyCounts, eos_token_ids: frozenset[int]):
+def _plan(seqs: list[DraftRows], params: list[SamplingParams], counts: PenaltyCounts,
+          eos_token_ids: frozenset[int]) -> Controls | None:  # fmt: skip
     """The rows' logits controls (None when no row uses any): row ``j`` of a sequence is its history followed by
     its first ``j`` drafts (pending: not in its penalty slot)."""
     stand_ins = iter(empty_histories(len(seqs)))
