@@ -236,6 +236,15 @@ def test_greedy_with_logits_controls_equals_without_drafts(looping_hf, name):
     assert_drafts_accepted_and_rejected(engine)
 
 
+@pytest.mark.parametrize("name", ["frequency_penalty", "repetition_penalty", "bad_words_multi", "min_tokens"])
+def test_random_rows_of_one_token_with_controls_equal_greedy(looping_hf, name):
+    """top_k=1 after the controls leaves one token: the rejection rule then follows the controlled argmax chain."""
+    params = _controlled(name, temperature=0.8, top_k=1)
+    outs, engine = run_with_drafts(looping_hf, repeating_prompts(), params)
+    assert token_ids(outs) == token_ids(run_without_drafts(looping_hf, repeating_prompts(), _controlled(name)))
+    assert_drafts_accepted_and_rejected(engine)
+
+
 @pytest.mark.parametrize("name", ["presence_penalty", "repetition_penalty", "bad_words_multi", "min_tokens"])
 def test_logits_controls_with_parallel_samples_and_preemption(looping_hf, name):
     params = _controlled(name, max_tokens=30, n=2)
