@@ -1,8 +1,8 @@
 """Tool calls written one after another, read as they arrive (llama3_json's and mistral's JSON objects, pythonic's
 Python calls).
 
-The items are separated by a separator (``;`` or ``,``, whitespace around it), and the sequence may
-be opened and closed by brackets (a list's ``[`` and ``]``). An item (:class:`Item`) that streams
+The items are separated by a separator (``;``, ``,`` or a tag such as mistral's ``[TOOL_CALLS]``, whitespace
+around it), and the sequence may be opened and closed by brackets (a list's ``[`` and ``]``). An item (:class:`Item`) that streams
 (a :class:`CallObject` that leads) is a call from the moment its first piece goes out, kept even if
 its text then breaks; any other is a call if, once closed, it reads as one. Reading calls stops at
 the first thing that is neither: from there on the text is content, with the text held since the
@@ -122,10 +122,14 @@ class CallSequence:
         """After an item: whitespace, then the separator (another item) or the closer (content after it)."""
         if not self._skip_space():
             return False
+        sep = self.separator
+        if sep.startswith(self._buffer) and len(self._buffer) < len(sep):  # may be a longer separator's start: wait
+            return False
+        if self._buffer.startswith(sep):
+            self.held, self._buffer, self._state = self.held + sep, self._buffer[len(sep) :], "expect"
+            return True
         ch, self._buffer = self._buffer[0], self._buffer[1:]
-        if ch == self.separator:
-            self.held, self._state = self.held + ch, "expect"
-        elif ch == self.closer:
+        if ch == self.closer:
             self.held, self._state = "", "content"
         else:
             self._buffer = ch + self._buffer

@@ -78,3 +78,71 @@ def test_written_calls_read_back_whole_and_in_any_split(written, before, cuts):
     assert [(c.name, json.loads(c.arguments)) for c in whole] == [c for c, _ in written]
     pieces = read_split(MistralReader(), text, cuts)
     assert ("".join(p for p in pieces if isinstance(p, str)) or None, joined(pieces)) == (content, whole)
+
+
+# The [TOOL_CALLS]name[ARGS]{...} format of Mistral's tokenizers v11+ (Mistral Small 3.2, Devstral, Magistral).
+NESTED = '{"q": "a\\"]\\n[TOOL_CALLS]", "where": {"city": "Zürich", "at": [1, {"x": null}]}}'
+
+
+def test_a_named_call_after_the_tag_has_its_arguments_as_written():
+    assert parse_mistral('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}') == (
+        None, [CallPiece(0, "get_weather", '{"city": "Paris"}')])  # fmt: skip
+    content, [call] = parse_mistral(f"[TOOL_CALLS]find.place-2[ARGS] {NESTED}")
+    assert content is None and (call.name, call.arguments) == ("find.place-2", NESTED)
+    assert json.loads(call.arguments)["where"]["city"] == "Zürich"  # escapes and non-ASCII kept as written
+
+
+def test_several_tags_in_a_row_are_several_calls_and_text_around_them_is_content():
+    text = f'Let me check. [TOOL_CALLS]a[ARGS]{{"x": 1}}\n[TOOL_CALLS]b[ARGS]{NESTED}[TOOL_CALLS]c[ARGS]{{}} Done.'
+    content, read = parse_mistral(text)
+    assert content == "Let me check.  Done."
+    assert [(c.index, c.name, c.arguments) for c in read] == [(0, "a", '{"x": 1}'), (1, "b", NESTED), (2, "c", "{}")]
+
+
+@pytest.mark.parametrize("text", ["[TOOL_CALLS]get weather[ARGS]{}", "[TOOL_CALLS]get_weather{}",
+                                  "[TOOL_CALLS]get_weather[ARG]{}", "[TOOL_CALLS]get_weather", "x [TOOL_CALLS] ",
+                                  '[TOOL_CALLS]"get"[ARGS]{}', "[TOOL_CALLS]f[ARGS]5", "[TOOL_CALLS]f[ARGS]"])  # fmt: skip
+def test_a_malformed_name_missing_args_tag_or_object_is_content_as_written(text):
+    assert parse_mistral(text) == (text, [])
+
+
+def test_reading_named_calls_stops_at_a_malformed_one_whose_tag_on_is_content():
+    text = '[TOOL_CALLS]a[ARGS]{"x": 1} [TOOL_CALLS]b c[ARGS]{} [TOOL_CALLS]d[ARGS]{}'
+    content, read = parse_mistral(text)
+    assert [c.name for c in read] == ["a"] and content == " [TOOL_CALLS]b c[ARGS]{} [TOOL_CALLS]d[ARGS]{}"
+    assert parse_mistral('[TOOL_CALLS]a[ARGS]{"x": 1} then') == (" then", [CallPiece(0, "a", '{"x": 1}')])
+
+
+def test_a_named_call_streams_its_name_first_then_its_arguments():
+    reader = MistralReader()
+    assert reader.feed("Hi [TOOL_CALLS]get_wea") == ["Hi "]
+    assert reader.feed("ther[AR") == []
+    assert reader.feed('GS]{"ci') == [CallPiece(0, "get_weather", '{"ci')]
+    assert reader.feed('ty": "Paris"}[TOOL_') == [CallPiece(0, None, 'ty": "Paris"}')]
+    assert reader.feed("CALLS]now[ARGS]{") == [CallPiece(1, "now", "{")]
+    assert reader.feed('"z": 1') + reader.finish() == [CallPiece(1, None, '"z": 1')]  # cut off: as far as written
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(st.lists(st.integers(0, 300), max_size=10))
+def test_any_split_reads_named_calls_as_the_whole_text(cuts):
+    text = f'Sure [TOOL_C [TOOL_CALLS] a[ARGS]{NESTED} [TOOL_CALLS]b_1[ARGS]{{}}[TOOL_CALLS]c[ARGS]{{"k" oops}} tail'
+    pieces = read_split(MistralReader(), text, cuts)
+    content = "".join(p for p in pieces if isinstance(p, str))
+    assert (content or None, joined(pieces)) == parse_mistral(text)
+    assert [c.name for c in joined(pieces)] == ["a", "b_1", "c"] and content == "Sure [TOOL_C oops} tail"
+    assert joined(pieces)[0].arguments == NESTED
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(st.from_regex(r"[A-Za-z_][A-Za-z0-9_.-]{0,8}", fullmatch=True), CALLS, STYLES),
+                min_size=1, max_size=3), st.text(max_size=4), st.lists(st.integers(0, 10**4), max_size=12))  # fmt: skip
+def test_written_named_calls_read_back_whole_and_in_any_split(written, before, cuts):
+    """Arguments with \\u escapes, non-ASCII text, {} and any whitespace, after names, split anywhere."""
+    before = before.replace("[", "")
+    text = before + "".join(f"[TOOL_CALLS]{name}[ARGS]{write(a, s)}" for name, (_, a), s in written)
+    content, whole = parse_mistral(text)
+    assert content == (before if before.strip() else None)
+    assert [(c.name, json.loads(c.arguments)) for c in whole] == [(name, a) for name, (_, a), _ in written]
+    pieces = read_split(MistralReader(), text, cuts)
+    assert ("".join(p for p in pieces if isinstance(p, str)) or None, joined(pieces)) == (content, whole)
