@@ -53,10 +53,12 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                    help="how \"auto\" reads tool calls out of the text (vLLM's flag): hermes, <tool_call>{...}"
                         "</tool_call> tags; llama3_json, [<|python_tag|>]{\"name\": ..., \"parameters\": {...}}; ...; "
-                        "pythonic, [f(a=1), g()]; mistral, [TOOL_CALLS][{\"name\": ..., \"arguments\": {...}}]")
+                        "pythonic, [f(a=1), g()]; mistral, [TOOL_CALLS][{\"name\": ..., \"arguments\": {...}}] or "
+                        "[TOOL_CALLS]name[ARGS]{...}")
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
-                   help="split a chat answer's thinking (<think>...</think>) out of its content into the message's "
-                        "reasoning and reasoning_content fields (vLLM's flag); default: no split")
+                   help="split a chat answer's thinking out of its content into the message's reasoning and "
+                        "reasoning_content fields (vLLM's flag): deepseek_r1 and qwen3, <think>...</think>; mistral, "
+                        "[THINK]...[/THINK] (Magistral); default: no split")
     p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                    help='a chat request with tool_choice "none" is rendered without its tools (vLLM\'s flag); '
                         "default off: the chat template gets them whatever the tool choice")

@@ -9,7 +9,7 @@ from scheduler.core.params import MAX_LOGPROBS
 
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # a request body past this gets 413 before it is parsed
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic", "mistral")  # readers of tool calls (``tool_calling.parsers``)
-REASONING_PARSERS = ("deepseek_r1", "qwen3")  # the readers of a model's thinking (``reasoning.output.PARSERS``)
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "mistral")  # readers of a model's thinking (``reasoning.output.PARSERS``)
 
 
 @dataclass(frozen=True, kw_only=True)

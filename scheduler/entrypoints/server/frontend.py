@@ -147,6 +147,8 @@ class Frontend:
         parser = self.config.tool_call_parser
         if keeps_special_tokens(body, parser):  # as vLLM's parser asks: a tool tag may be a special token
             body.skip_special_tokens = False
+        if reasoning is not None and reasoning.rules.keeps_special_tokens:  # its tags are special tokens
+            body.skip_special_tokens = False
         tool = tool_constraint(body)
         if tool:  # a named or "required" call's schema (check_tools refused any other constraint with it)
             constraints, param = tool, "tools"

@@ -75,6 +75,7 @@ def test_an_unknown_tool_call_parser_is_a_usage_error_naming_it(capsys):
 def test_reasoning_parser_reaches_the_server_config_and_an_unknown_one_is_refused_naming_the_flag(capsys):
     assert server_config(serve_args([])).reasoning_parser is None
     assert server_config(serve_args(["--reasoning-parser", "qwen3"])).reasoning_parser == "qwen3"
+    assert server_config(serve_args(["--reasoning-parser", "mistral"])).reasoning_parser == "mistral"
     with pytest.raises(SystemExit):
         serve_args(["--reasoning-parser", "granite"])
     assert "--reasoning-parser" in capsys.readouterr().err

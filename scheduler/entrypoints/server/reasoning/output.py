@@ -10,13 +10,19 @@ content is the same. Tool calls ("auto") are read from the content alone. Reason
 The parsers (``reader.ParserRules``): ``deepseek_r1`` and ``qwen3`` both read ``<think>...</think>``, a
 missing start tag as reasoning from the first token (their chat templates write it into the prompt); a
 qwen3 request with ``chat_template_kwargs.enable_thinking: false`` reads an output without the start tag
-as content (vLLM: the template wrote the whole thinking block into the prompt).
+as content (vLLM: the template wrote the whole thinking block into the prompt). ``mistral`` (Magistral) reads
+``[THINK]...[/THINK]``, special tokens of its tokenizer (the text keeps them: ``skip_special_tokens`` off, as
+for the hermes and mistral tool parsers), and an output that does not open with ``[THINK]`` as content, as
+vLLM's MistralReasoningParser. Differences from vLLM there: vLLM also takes a ``[THINK]`` after some text
+(that text is content) and drops a ``[/THINK]`` without a ``[THINK]``; ours reads the start tag only where
+the output opens (after whitespace) and keeps any other tag in the content as written.
 
 A request's output constraint (a named or "required" tool choice's, a ``response_format`` schema,
 ``structured_outputs``) starts after the thinking, as vLLM's grammar starts after its parser's end tag: the
 engine leaves the output free until it writes the end tag's tokens (the model's tokenizer's, tokenized once
 at start-up: ``end_tag_ids``), then holds the rest to the grammar (``StructuredOutputsParams.start_after``).
-An output that starts in its answer (qwen3 with thinking off) is held from its first token. The content, read
+An output that starts in its answer (qwen3 with thinking off) is held from its first token; mistral's
+grammar waits for ``[/THINK]`` even so (as vLLM's: an answer without thinking is not held). The content, read
 after the thinking, is then the grammar's text: a tool call's arguments, a response's JSON.
 """
 
@@ -28,7 +34,12 @@ from scheduler.core.structured_params import StructuredOutputsParams
 from scheduler.entrypoints.server.protocol import ChatCompletionRequest
 from scheduler.entrypoints.server.reasoning.reader import ParserRules, ReasoningReader, split
 
-PARSERS = {"deepseek_r1": ParserRules(), "qwen3": ParserRules(thinking_switch=True)}  # --reasoning-parser's
+PARSERS = {  # --reasoning-parser's (config.REASONING_PARSERS names them)
+    "deepseek_r1": ParserRules(),
+    "qwen3": ParserRules(thinking_switch=True),
+    # Magistral: [THINK] and [/THINK] are special tokens; no start tag, no thinking (as vLLM's MistralReasoningParser)
+    "mistral": ParserRules(start="[THINK]", end="[/THINK]", implicit_start=False, keeps_special_tokens=True),
+}
 FIELDS = ("reasoning", "reasoning_content")  # vLLM's current name and its older one, both sent
 
 
@@ -49,7 +60,7 @@ class ReasoningOutput:
     def constrain(self, spec: StructuredOutputsParams, end_ids: tuple[int, ...]) -> StructuredOutputsParams:
         """``spec`` starting after the thinking's end tag ``end_ids`` (as vLLM's grammar); from the first token when
         the output starts in its answer (qwen3 with thinking off: the template closed the thinking in the prompt)."""
-        return replace(spec, start_after=end_ids) if self.rules.implicit_start else spec
+        return replace(spec, start_after=end_ids) if self.rules.grammar_after_end else spec
 
     def message(self, text: str) -> tuple[dict, str]:
         """A whole sample's reasoning fields and its content text."""
@@ -71,5 +82,5 @@ def reasoning_output(body: ChatCompletionRequest, parser: str | None) -> Reasoni
         return None
     rules = PARSERS[parser]
     if rules.thinking_switch and body.chat_template_kwargs.get("enable_thinking", True) is False:
-        rules = replace(rules, implicit_start=False)
+        rules = replace(rules, implicit_start=False, grammar_after_end=False)
     return ReasoningOutput(rules, body.include_reasoning)

@@ -1,7 +1,7 @@
 """A sample's text, piece by piece, as reasoning and content: the reader behind ``--reasoning-parser``.
 
-A reasoning model writes its thinking between a start tag and an end tag (``<think>``, ``</think>``),
-then its answer. The reader, as vLLM's parsers (``deepseek_r1``, ``qwen3``):
+A reasoning model writes its thinking between a start tag and an end tag (``<think>``, ``</think>``; Magistral's
+``[THINK]``, ``[/THINK]``), then its answer. The reader, as vLLM's parsers (``deepseek_r1``, ``qwen3``, ``mistral``):
 
 - a start tag that opens the output (after any whitespace) is dropped, and what follows is reasoning;
 - an output that does not open with it is reasoning too when the parser's ``implicit_start`` says the
@@ -31,6 +31,8 @@ class ParserRules:
     end: str = END
     implicit_start: bool = True
     thinking_switch: bool = False  # chat_template_kwargs enable_thinking false turns implicit_start off (qwen3)
+    grammar_after_end: bool = True  # a request's grammar starts after the end tag (else from the first token)
+    keeps_special_tokens: bool = False  # the tags are special tokens: the text must keep them (skip_special_tokens off)
 
 
 @dataclass

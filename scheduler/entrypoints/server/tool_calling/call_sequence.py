@@ -2,11 +2,11 @@
 Python calls).
 
 The items are separated by a separator (``;``, ``,`` or a tag such as mistral's ``[TOOL_CALLS]``, whitespace
-around it), and the sequence may be opened and closed by brackets (a list's ``[`` and ``]``). An item (:class:`Item`) that streams
-(a :class:`CallObject` that leads) is a call from the moment its first piece goes out, kept even if
-its text then breaks; any other is a call if, once closed, it reads as one. Reading calls stops at
-the first thing that is neither: from there on the text is content, with the text held since the
-last call (a tag, a separator) in front of it, and the item's own text for an item that is no call.
+around it), and the sequence may be opened and closed by brackets (a list's ``[`` and ``]``). An item
+(:class:`Item`) that streams (a :class:`CallObject` that leads) is a call from the moment its first piece
+goes out, kept even if its text then breaks; any other is a call if, once closed, it reads as one. Reading
+calls stops at the first thing that is neither: from there on the text is content, with the text held since
+the last call (a tag, a separator) in front of it, and the item's own text for an item that is no call.
 Fed the whole text at once or piece by piece, the reading is the same: nothing depends on where the
 text is split.
 """

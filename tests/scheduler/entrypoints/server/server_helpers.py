@@ -130,11 +130,13 @@ def sse_events(text: str) -> list[dict]:
 
 
 def force_thinking(served: Served, monkeypatch, thought: str, parser: str = "deepseek_r1") -> None:
-    """Make every sample start by writing ``<think>`` + ``thought`` and then the parser's end tag (the tokens the
-    server waits for), as a reasoning model would: the tiny random model never does. What follows is the model's
-    own, under the request's grammar, which the real engine starts after the tag."""
+    """Make every sample start by writing the parser's start tag (``<think>``, mistral's ``[THINK]``) + ``thought``
+    and then its end tag (the tokens the server waits for), as a reasoning model would: the tiny random model never
+    does. What follows is the model's own, under the request's grammar, which the real engine starts after the tag."""
     from structured_helpers import force_tokens, opening
 
-    start = served.llm.tokenizer.encode("<think>" + thought, add_special_tokens=False)
+    from scheduler.entrypoints.server.reasoning.output import PARSERS
+
+    start = served.llm.tokenizer.encode(PARSERS[parser].start + thought, add_special_tokens=False)
     script = start + list(served.app.state.frontend.reasoning_ends[parser])
     force_tokens(served.llm.engine, monkeypatch, opening(script))

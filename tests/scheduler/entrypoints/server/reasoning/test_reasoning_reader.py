@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from scheduler.core.structured_params import StructuredOutputsParams
 from scheduler.entrypoints.server.config import REASONING_PARSERS
 from scheduler.entrypoints.server.reasoning.output import PARSERS, ReasoningOutput
 from scheduler.entrypoints.server.reasoning.reader import ParserRules, ReasoningReader, split
@@ -13,7 +14,7 @@ from scheduler.entrypoints.server.reasoning.reader import ParserRules, Reasoning
 EXPLICIT = ParserRules(implicit_start=False)  # qwen3 with enable_thinking false
 
 
-@pytest.mark.parametrize("parser", sorted(PARSERS))
+@pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
 @pytest.mark.parametrize(("text", "expected"), [
     ("<think>plan</think>answer", ("plan", "answer")),
     ("plan</think>answer", ("plan", "answer")),  # the start tag was in the prompt
@@ -26,7 +27,7 @@ EXPLICIT = ParserRules(implicit_start=False)  # qwen3 with enable_thinking false
     ("a<think>b</think>c", ("a<think>b", "c")),  # a start tag after text is reasoning text
     ("", (None, "")),
 ])
-def test_both_parsers_read_thinking_from_the_first_token(parser, text, expected):
+def test_the_think_tag_parsers_read_thinking_from_the_first_token(parser, text, expected):
     assert split(PARSERS[parser], text) == expected
 
 
@@ -39,6 +40,39 @@ def test_both_parsers_read_thinking_from_the_first_token(parser, text, expected)
 ])
 def test_without_implicit_start_only_the_start_tag_opens_thinking(text, expected):
     assert split(EXPLICIT, text) == expected
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("[THINK]plan[/THINK]answer", ("plan", "answer")),
+    ("\n[THINK]plan[/THINK]\nanswer", ("plan", "\nanswer")),  # whitespace before the start tag is dropped
+    ("plan[/THINK]answer", (None, "plan[/THINK]answer")),  # no start tag: no thinking (vLLM: content)
+    ("answer", (None, "answer")),
+    ("[THINK]plan", ("plan", "")),  # cut off while thinking
+    ("[THINK][/THINK]answer", (None, "answer")),
+    ("[THINK]a[/THINK]b[/THINK]c[THINK]d", ("a", "b[/THINK]c[THINK]d")),  # later tags are content
+    ("<think>plan</think>answer", (None, "<think>plan</think>answer")),  # the other parsers' tags are text
+    ("[THINK]a</think>b", ("a</think>b", "")),
+    ("[THIN", (None, "[THIN")),  # a start never finished is content
+])
+def test_mistral_reads_think_tags_and_an_output_without_the_start_tag_as_content(text, expected):
+    assert split(PARSERS["mistral"], text) == expected
+
+
+def test_mistral_s_tags_are_special_tokens_and_its_grammar_starts_after_the_end_tag():
+    rules = PARSERS["mistral"]
+    assert (rules.start, rules.end, rules.keeps_special_tokens, rules.grammar_after_end) == (
+        "[THINK]", "[/THINK]", True, True)  # fmt: skip
+    assert not PARSERS["deepseek_r1"].keeps_special_tokens and not PARSERS["qwen3"].keeps_special_tokens
+    spec = StructuredOutputsParams(regex="a")
+    assert ReasoningOutput(rules).constrain(spec, (7, 8)).start_after == (7, 8)
+
+
+def test_a_mistral_tag_split_across_pieces_is_held_until_decided():
+    reader = ReasoningReader(PARSERS["mistral"])
+    assert reader.feed(" [TH") == []
+    assert reader.feed("INK]plan[/TH") == [("reasoning", "plan")]
+    assert reader.feed("INK]ans") == [("content", "ans")]
+    assert reader.finish() == []
 
 
 def test_a_tag_split_across_pieces_is_held_until_decided():
@@ -90,3 +124,17 @@ def test_output_fields_whole_and_streamed_and_without_reasoning():
     hidden = ReasoningOutput(ParserRules(), include=False)
     assert hidden.message("plan</think>ok") == ({"reasoning": None, "reasoning_content": None}, "ok")
     assert hidden.delta(0, "plan</think>ok", True) == ({}, "ok")
+
+
+MISTRAL_TEXTS = st.lists(st.sampled_from(["[THINK]", "[/THINK]", "[", "[/", "TH", "INK]", " ", "a", "é"]),
+                         max_size=12).map("".join)  # fmt: skip
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(MISTRAL_TEXTS, st.lists(st.integers(0, 60), max_size=6))
+def test_mistral_reads_any_split_as_the_whole_text(text, cuts):
+    reader = ReasoningReader(PARSERS["mistral"])
+    bounds = [0, *sorted(c % (len(text) + 1) for c in cuts), len(text)]
+    pieces = [p for a, b in zip(bounds, bounds[1:]) for p in reader.feed(text[a:b])] + reader.finish()
+    reasoning = "".join(t for kind, t in pieces if kind == "reasoning")
+    assert split(PARSERS["mistral"], text) == (reasoning or None, "".join(t for kind, t in pieces if kind == "content"))

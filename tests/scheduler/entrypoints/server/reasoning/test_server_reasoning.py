@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import jsonschema
 import pytest
@@ -195,3 +196,26 @@ def test_qwen3_without_thinking_holds_the_answer_from_the_first_token(served, cl
     else:  # a named call is always one call: with no answer, its arguments are empty
         assert waiting.message.content == ""
         assert all(c.function.arguments == "" for c in waiting.message.tool_calls or [])
+
+
+def test_mistral_splits_think_tags_keeps_special_tokens_and_starts_a_named_call_after_them(
+        served, client, monkeypatch, captured):  # fmt: skip
+    """--reasoning-parser mistral (Magistral): [THINK]...[/THINK] is the reasoning, the text keeps special tokens
+    (its tags are some in Mistral's tokenizers), an answer without [THINK] is content, and a named tool choice's
+    grammar starts after [/THINK]'s tokens."""
+    front = served.app.state.frontend
+    monkeypatch.setattr(front, "config", dataclasses.replace(front.config, reasoning_parser="mistral"))
+    untagged = create(served, client, r"[A-Za-z]{2,8}").choices[0].message
+    assert untagged.model_extra["reasoning"] is None and untagged.content  # deepseek_r1 would make it all thinking
+    force_thinking(served, monkeypatch, THOUGHT, parser="mistral")
+    message = create(served, client).choices[0].message
+    assert (message.model_extra["reasoning"], message.model_extra["reasoning_content"]) == (THOUGHT, THOUGHT)
+    assert re.fullmatch(ANSWER, message.content)
+    pieces = streamed(served, client)
+    assert "".join(t for k, t in pieces if k == "reasoning") == THOUGHT
+    assert "".join(t for k, t in pieces if k == "content") == message.content
+    named = create(served, client, None, extra=CONSTRAINTS["named"]).choices[0].message
+    assert named.model_extra["reasoning"] == THOUGHT and answer_of("named", named)
+    assert captured and all(not params.skip_special_tokens for _, [params] in captured)
+    [(_, [params])] = captured[-1:]
+    assert params.structured_outputs.start_after == front.reasoning_ends["mistral"]  # the grammar waits for [/THINK]

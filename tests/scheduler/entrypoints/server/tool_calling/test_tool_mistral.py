@@ -101,7 +101,8 @@ def test_several_tags_in_a_row_are_several_calls_and_text_around_them_is_content
 
 @pytest.mark.parametrize("text", ["[TOOL_CALLS]get weather[ARGS]{}", "[TOOL_CALLS]get_weather{}",
                                   "[TOOL_CALLS]get_weather[ARG]{}", "[TOOL_CALLS]get_weather", "x [TOOL_CALLS] ",
-                                  '[TOOL_CALLS]"get"[ARGS]{}', "[TOOL_CALLS]f[ARGS]5", "[TOOL_CALLS]f[ARGS]"])  # fmt: skip
+                                  '[TOOL_CALLS]"get"[ARGS]{}', "[TOOL_CALLS]f[ARGS]5",
+                                  "[TOOL_CALLS]f[ARGS]"])  # fmt: skip
 def test_a_malformed_name_missing_args_tag_or_object_is_content_as_written(text):
     assert parse_mistral(text) == (text, [])
 
