@@ -55,13 +55,7 @@ class CallObject:
     def stream(self, index: int) -> list[CallPiece]:
         """Its call's pieces not yet given out, once it leads: the first names it (as call ``index``), the others
         carry its arguments' text as it is written."""
-        if not self.leads:
-            return []
-        arguments, self.sent = self.arguments[self.sent :], len(self.arguments)
-        if self.index is None:
-            self.index = index
-            return [CallPiece(index, self.name, arguments)]
-        return [CallPiece(self.index, None, arguments)] if arguments else []
+        return streamed(self, index) if self.leads else []
 
     def call(self) -> CallPiece | None:
         """The whole object's call (index 0) once it closed, if it is one: the arguments as written when it leads."""
@@ -98,6 +92,16 @@ class CallObject:
         """Decode the name once its text ends: whether it is a non-empty string."""
         self.name = name_of(self.name_text)
         return bool(self.name)
+
+
+def streamed(item: CallObject, index: int) -> list[CallPiece]:
+    """A streaming item's pieces not yet given out (its ``arguments`` past ``sent``): the first names it (as call
+    ``index``, which it keeps), the others carry only arguments text (none when nothing new was written)."""
+    arguments, item.sent = item.arguments[item.sent :], len(item.arguments)
+    if item.index is None:
+        item.index = index
+        return [CallPiece(index, item.name, arguments)]
+    return [CallPiece(item.index, None, arguments)] if arguments else []
 
 
 def json_items(keys: tuple[str, ...]) -> dict[str, object]:

@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from scheduler.entrypoints.server.tags import ready_and_held
-from scheduler.entrypoints.server.tool_calling.call_object import json_items
+from scheduler.entrypoints.server.tool_calling.call_object import json_items, streamed
 from scheduler.entrypoints.server.tool_calling.call_sequence import CallSequence, LeadIn
 from scheduler.entrypoints.server.tool_calling.object_scanner import SPACE, ObjectScanner
 from scheduler.entrypoints.server.tool_calling.readers import CallPiece, read_whole
@@ -82,13 +82,7 @@ class ArgsCall:
 
     def stream(self, index: int) -> list[CallPiece]:
         """Its pieces not yet given out once its object opened: the first names it (as call ``index``)."""
-        if not self.arguments:
-            return []
-        arguments, self.sent = self.arguments[self.sent :], len(self.arguments)
-        if self.index is None:
-            self.index = index
-            return [CallPiece(index, self.name, arguments)]
-        return [CallPiece(self.index, None, arguments)] if arguments else []
+        return streamed(self, index) if self.arguments else []
 
     def call(self) -> CallPiece | None:
         """Never a whole call of its own: a call streams from its ``{`` (this one did not: it is no call)."""

@@ -13,6 +13,7 @@ from scheduler.entrypoints.server.tool_calling.mistral import MistralReader, par
 from scheduler.entrypoints.server.tool_calling.readers import CallPiece, joined
 
 WEATHER = '{"name": "weather", "arguments": {"city": "Paris", "days": 2}}'
+NESTED = '{"q": "a\\"]\\n[TOOL_CALLS]", "where": {"city": "Zürich", "at": [1, {"x": null}]}}'
 TIME = '{"arguments": {"zone": "\u00e9t\u00e9", "q": "a\\"]\\n"}, "name": "time"}'
 
 
@@ -55,14 +56,22 @@ def test_a_call_streams_its_name_first_then_its_arguments_and_a_cut_off_one_is_k
     assert reader.feed('ty": 1') + reader.finish() == [CallPiece(0, None, 'ty": 1')]
 
 
+SPLIT = [  # (text, its calls' names, its content): the array format, then the name[ARGS] one
+    (f"Sure [TOOL_C [TOOL_CALLS] [ {WEATHER} ,\n{TIME},{WEATHER[:-1]}, oops}}] tail", ["weather", "time", "weather"],
+     "Sure [TOOL_C oops}] tail"),
+    (f'Sure [TOOL_C [TOOL_CALLS] a[ARGS]{NESTED} [TOOL_CALLS]b_1[ARGS]{{}}[TOOL_CALLS]c[ARGS]{{"k" oops}} tail',
+     ["a", "b_1", "c"], "Sure [TOOL_C oops} tail"),
+]
+
+
+@pytest.mark.parametrize(("text", "names", "said"), SPLIT)
 @settings(max_examples=60, deadline=None, derandomize=True)
 @given(st.lists(st.integers(0, 300), max_size=10))
-def test_any_split_reads_as_the_whole_text(cuts):
-    text = f"Sure [TOOL_C [TOOL_CALLS] [ {WEATHER} ,\n{TIME},{WEATHER[:-1]}, oops}}] tail"
+def test_any_split_reads_as_the_whole_text(text, names, said, cuts):
     pieces = read_split(MistralReader(), text, cuts)
     content = "".join(p for p in pieces if isinstance(p, str))
     assert (content or None, joined(pieces)) == parse_mistral(text)
-    assert [c.name for c in joined(pieces)] == ["weather", "time", "weather"] and content == "Sure [TOOL_C oops}] tail"
+    assert [c.name for c in joined(pieces)] == names and content == said
 
 
 @settings(max_examples=150, deadline=None, derandomize=True)
@@ -81,7 +90,6 @@ def test_written_calls_read_back_whole_and_in_any_split(written, before, cuts):
 
 
 # The [TOOL_CALLS]name[ARGS]{...} format of Mistral's tokenizers v11+ (Mistral Small 3.2, Devstral, Magistral).
-NESTED = '{"q": "a\\"]\\n[TOOL_CALLS]", "where": {"city": "Zürich", "at": [1, {"x": null}]}}'
 
 
 def test_a_named_call_after_the_tag_has_its_arguments_as_written():
@@ -122,17 +130,6 @@ def test_a_named_call_streams_its_name_first_then_its_arguments():
     assert reader.feed('ty": "Paris"}[TOOL_') == [CallPiece(0, None, 'ty": "Paris"}')]
     assert reader.feed("CALLS]now[ARGS]{") == [CallPiece(1, "now", "{")]
     assert reader.feed('"z": 1') + reader.finish() == [CallPiece(1, None, '"z": 1')]  # cut off: as far as written
-
-
-@settings(max_examples=100, deadline=None, derandomize=True)
-@given(st.lists(st.integers(0, 300), max_size=10))
-def test_any_split_reads_named_calls_as_the_whole_text(cuts):
-    text = f'Sure [TOOL_C [TOOL_CALLS] a[ARGS]{NESTED} [TOOL_CALLS]b_1[ARGS]{{}}[TOOL_CALLS]c[ARGS]{{"k" oops}} tail'
-    pieces = read_split(MistralReader(), text, cuts)
-    content = "".join(p for p in pieces if isinstance(p, str))
-    assert (content or None, joined(pieces)) == parse_mistral(text)
-    assert [c.name for c in joined(pieces)] == ["a", "b_1", "c"] and content == "Sure [TOOL_C oops} tail"
-    assert joined(pieces)[0].arguments == NESTED
 
 
 @settings(max_examples=150, deadline=None, derandomize=True)
