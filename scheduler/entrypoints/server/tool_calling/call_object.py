@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from scheduler.entrypoints.server.tool_calling.object_scanner import ObjectScanner
 from scheduler.entrypoints.server.tool_calling.readers import CallPiece, call_of, name_of
@@ -94,7 +95,16 @@ class CallObject:
         return bool(self.name)
 
 
-def streamed(item: CallObject, index: int) -> list[CallPiece]:
+class Streaming(Protocol):
+    """A call item that streams: its name, its arguments' text so far, how much of it went out, its index."""
+
+    name: str
+    arguments: str
+    sent: int
+    index: int | None
+
+
+def streamed(item: Streaming, index: int) -> list[CallPiece]:
     """A streaming item's pieces not yet given out (its ``arguments`` past ``sent``): the first names it (as call
     ``index``, which it keeps), the others carry only arguments text (none when nothing new was written)."""
     arguments, item.sent = item.arguments[item.sent :], len(item.arguments)

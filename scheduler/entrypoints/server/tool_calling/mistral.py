@@ -37,7 +37,7 @@ from scheduler.entrypoints.server.tags import ready_and_held
 from scheduler.entrypoints.server.tool_calling.call_object import json_items, streamed
 from scheduler.entrypoints.server.tool_calling.call_sequence import CallSequence, LeadIn
 from scheduler.entrypoints.server.tool_calling.object_scanner import SPACE, ObjectScanner
-from scheduler.entrypoints.server.tool_calling.readers import CallPiece, read_whole
+from scheduler.entrypoints.server.tool_calling.readers import CallPiece, Content, read_whole
 
 TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
 NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
@@ -99,7 +99,7 @@ class ArgsCall:
             self._bad = True
 
 
-def args_calls(content) -> CallSequence:
+def args_calls(content: Content) -> CallSequence:
     """The ``name[ARGS]{...}`` calls after a first ``[TOOL_CALLS]``, separated by further tags."""
     return CallSequence(content, item=ArgsCall, starts=lambda ch: ch in NAME_CHARS, separator=TOOL_CALLS,
                         held=TOOL_CALLS)  # fmt: skip
