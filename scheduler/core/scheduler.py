@@ -513,26 +513,19 @@ class Scheduler:
         return self.bm.can_append_all((seq.seq_id, n) for seq, n in plan)
 
     def _commit(self, group: SequenceGroup, plan: list[tuple[Sequence, int]], step: SchedulerOutput) -> None:
+        """Record ``plan`` with the block manager; a sequence's drafts (``n`` counts them) get lookahead slots, no
+        place in its token count or its block hashes until they are accepted."""
         for seq, n in plan:
             start = seq.num_computed
-            if self._drafting and seq in self._drafts:
-                self._commit_drafts(step, group, seq, n)
-                continue
-            step.copies += self.bm.append(seq.seq_id, seq.token_ids[start : start + n])
-            self._scheduled(step, group, seq, start, n)
+            drafts = tuple(self._drafts.pop(seq, ())) if self._drafting else ()
+            n -= len(drafts)
+            step.copies += self.bm.append(seq.seq_id, seq.token_ids[start : start + n], num_lookahead_slots=len(drafts))
+            self._scheduled(step, group, seq, start, n, drafts)
 
-    def _commit_drafts(self, step: SchedulerOutput, group: SequenceGroup, seq: Sequence, n: int) -> None:
-        """Record a decode sequence's last token with lookahead slots for its drafts (``n`` counts both): the
-        drafts have slots but no place in its token count or its block hashes until they are accepted."""
-        drafts = tuple(self._drafts.pop(seq))
-        start, real = seq.num_computed, n - len(drafts)
-        step.copies += self.bm.append(seq.seq_id, seq.token_ids[start : start + real], num_lookahead_slots=len(drafts))
-        seq.num_computed = start + real
-        group.first_scheduled_time = group.first_scheduled_time or time.perf_counter()
-        step.add_speculative(ScheduledSeq(seq, group, start, real, drafts=drafts))
-
-    def _scheduled(self, step: SchedulerOutput, group: SequenceGroup, seq: Sequence, start: int, n: int) -> None:
-        """Count ``n`` recorded tokens of ``seq`` in the step; at its first sample, fork the group's other samples."""
+    def _scheduled(self, step: SchedulerOutput, group: SequenceGroup, seq: Sequence, start: int, n: int,
+                   drafts: tuple[int, ...] = ()) -> None:  # fmt: skip
+        """Count ``n`` recorded tokens of ``seq`` (and its ``drafts``) in the step; at its first sample, fork the
+        group's other samples."""
         seq.num_computed = start + n
         group.first_scheduled_time = group.first_scheduled_time or time.perf_counter()
         forks = ()
@@ -541,7 +534,7 @@ class Scheduler:
             group.unforked = []
         if group.parked and seq.num_computed == group.fork_at:
             self._unpark(group, seq)
-        step.add(ScheduledSeq(seq, group, start, n, forks, _prompt_positions(group, seq, start, n)))
+        step.add(ScheduledSeq(seq, group, start, n, forks, _prompt_positions(group, seq, start, n), drafts))
 
     def _unpark(self, group: SequenceGroup, root: Sequence) -> None:
         """Fork every parked sequence from ``root``, which now holds the ``fork_at`` tokens they start with."""

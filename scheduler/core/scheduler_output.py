@@ -65,14 +65,9 @@ class SchedulerOutput:
     num_draft_tokens: int = 0  # speculative drafts among num_batched_tokens (each has a logits row after the others)
 
     def add(self, item: ScheduledSeq) -> None:
-        """Schedule ``item`` (counted against the step's token budget)."""
+        """Schedule ``item`` (its new tokens and drafts counted against the step's token budget)."""
         self.scheduled.append(item)
-        self.num_batched_tokens += item.num_tokens
-
-    def add_speculative(self, item: ScheduledSeq) -> None:
-        """Schedule ``item`` with its drafts (its new tokens and drafts counted against the step's token budget)."""
-        self.add(item)
-        self.num_batched_tokens += len(item.drafts)
+        self.num_batched_tokens += item.num_tokens + len(item.drafts)
         self.num_draft_tokens += len(item.drafts)
 
     @property
