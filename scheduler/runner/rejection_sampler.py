@@ -72,21 +72,23 @@ def verify(logits: torch.Tensor, seqs: list[DraftRows], counts: PenaltyCounts | 
     logits = logits.float()
     params = [s.params for s in seqs for _ in range(len(s.drafts) + 1)]
     targets = [t for s in seqs for t in (*s.drafts, -1)]  # -1: the bonus row has no draft
-    (targets_t,) = upload(logits.device, [targets], torch.int64)
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    first_rows = [at for at, s in zip(_starts(seqs), seqs) for _ in range(len(s.drafts) + 1)]  # each row's first
+    targets_t, rows_t, top_k, first_t = upload(
+        logits.device, [targets, random_rows, [params[i].top_k for i in random_rows], first_rows], torch.int64
+    )  # one host->device copy
     counts = counts if counts is not None else PenaltyCounts(logits.shape[-1], logits.device)
     controls = _plan(seqs, params, counts, eos_token_ids)
     processed = logits if controls is None else controls.apply(logits.clone(), counts)
     tokens = processed.argmax(dim=-1)  # [N]: greedy rows keep these
     accepted = tokens == targets_t  # [N]
-    random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
         gens = [s.generator for s in seqs for _ in range(len(s.drafts) + 1)]
-        rows_t, top_k = upload(logits.device, [random_rows, [params[i].top_k for i in random_rows]], torch.int64)
         picked, kept = reject(processed[rows_t], [params[i] for i in random_rows], top_k, targets_t[rows_t],
                               [gens[i] for i in random_rows])  # fmt: skip
         tokens[rows_t], accepted[rows_t] = picked, kept
     if controls is not None and controls.penalized is not None:
-        emitted = _emitted(accepted, seqs)
+        emitted = _emitted(accepted, first_t)
         pen = controls.penalized
         counts.record_kept(controls.slots, controls.slots_t, tokens[pen], emitted[pen])
     k = min(max(p.logprobs for p in params), logits.shape[-1])
@@ -109,10 +111,9 @@ def _plan(seqs: list[DraftRows], params: list[SamplingParams], counts: PenaltyCo
     return plan_controls(params, rows, counts, eos_token_ids, pending)
 
 
-def _emitted(accepted: torch.Tensor, seqs: list[DraftRows]) -> torch.Tensor:
-    """``[N]`` bool: the rows whose token is emitted, those up to each sequence's first rejection (or its bonus)."""
-    first_row = [at for at, s in zip(_starts(seqs), seqs) for _ in range(len(s.drafts) + 1)]
-    (first_t,) = upload(accepted.device, [first_row], torch.int64)
+def _emitted(accepted: torch.Tensor, first_t: torch.Tensor) -> torch.Tensor:
+    """``[N]`` bool: the rows whose token is emitted, those up to each sequence's first rejection (or its bonus);
+    ``first_t [N]``: each row's sequence's first row."""
     rejected = (~accepted).long()  # a bonus row counts as one: it ends its sequence
     before = rejected.cumsum(0) - rejected  # [N] rejections before each row
     return before == before[first_t]  # none since the sequence's first row
@@ -169,8 +170,8 @@ def _verdicts(host: list[float], seqs: list[DraftRows], k: int) -> list[Verified
     n = sum(len(s.drafts) + 1 for s in seqs)
     tokens, lps, ranks = host[:n], host[n : 2 * n], host[2 * n : 3 * n]
     values, ids, accepted = host[3 * n : 3 * n + n * k], host[3 * n + n * k : 3 * n + 2 * n * k], host[-n:]
-    out, at = [], 0
-    for s in seqs:
+    out = []
+    for s, at in zip(seqs, _starts(seqs)):
         m = next((j for j in range(len(s.drafts)) if not accepted[at + j]), len(s.drafts))  # drafts accepted
         rows = range(at, at + m + 1)
         top = [{int(ids[r * k + i]): values[r * k + i] for i in range(min(s.params.logprobs, k))} for r in rows]
@@ -178,5 +179,4 @@ def _verdicts(host: list[float], seqs: list[DraftRows], k: int) -> list[Verified
             num_accepted=m, token_ids=[int(tokens[r]) for r in rows], logprobs=[lps[r] for r in rows],
             top_logprobs=top if s.params.logprobs else [None] * len(rows), ranks=[int(ranks[r]) for r in rows],
         ))  # fmt: skip
-        at += len(s.drafts) + 1
     return out

@@ -173,10 +173,9 @@ class StepInputBuilder:
         """A step with drafts: each drafting sequence's query is its new token and its drafts (their slots are the
         lookahead slots its table already has); its draft rows follow the sampled and the prompt rows."""
         items = out.scheduled
-        new = new + np.fromiter((len(s.drafts) for s in items), np.int64, len(items))  # [S]
+        drafts = np.fromiter((len(s.drafts) for s in items), np.int64, len(items))  # [S]
+        new = new + drafts
         ids = [t for s in items for t in (*s.seq.token_ids[s.start : s.start + s.num_tokens], *s.drafts)]
-        cu = offsets(new)
-        drafts = [cu[i] + np.arange(len(s.drafts)) for i, s in enumerate(items) if s.drafts]
         return self._pack(out, rows, computed, new, computed + new, samples, ids, None, drafts)
 
     def _plan_cascade(self, rows, new, seq_lens) -> CascadeArrays | None:
@@ -193,14 +192,16 @@ class StepInputBuilder:
         return cascade_host_arrays(tables, seq_lens, plan.seq_groups, plan.prefix_lens, bs)
 
     def _pack(self, out, rows, computed, new, seq_lens, samples, ids, cascade: CascadeArrays | None,
-              draft_rows: list[np.ndarray] | None = None) -> StepPayload:
+              drafts: np.ndarray | None = None) -> StepPayload:
+        """The step's payload. ``drafts [S]``: how many of each sequence's new tokens are drafts (its last ones;
+        None: none); the positions that verify them (its query's first ``d``) get logits rows after the others."""
         cu = offsets(new)
         seq_of_token, positions = host_positions(computed, new, cu)  # [T], [T]
         slots = host_slot_mapping(self.tables.host, rows, seq_of_token, positions, self.block_size)
         upd_rows, upd_cols, upd_ids = self.tables.take_updates()
         prompt_rows = [cu[i] + np.arange(s.prompt_positions.start, s.prompt_positions.stop) - s.start
                        for i, s in enumerate(out.scheduled) if s.prompt_positions]  # fmt: skip
-        draft_rows = draft_rows or []
+        draft_rows = [cu[i] + np.arange(d) for i, d in enumerate(drafts) if d] if drafts is not None else []
         logits_rows = np.concatenate([cu[1:][samples] - 1, *prompt_rows, *draft_rows])
         parts = [np.asarray(ids, dtype=np.int64), positions, slots, seq_lens, cu, rows, logits_rows,
                  upd_rows, upd_cols, upd_ids, *(cascade.parts() if cascade else [])]  # fmt: skip
