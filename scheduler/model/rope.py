@@ -51,13 +51,14 @@ def rope_parameters(
 
     ``max_position_embeddings`` is the fallback of yarn's ``original_max_position_embeddings``.
     """  # fmt: skip
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    period = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)  # 1 / speed, per pair
+    inv_freq = 1.0 / period
     kind = rope_type(scaling)
     if kind == "default":
         return inv_freq, 1.0
     if kind == "yarn":
         yarn = yarn_scaling(scaling, max_position_embeddings)
-        return _yarn_scaled(head_dim, theta, yarn), yarn.attention_factor
+        return _yarn_scaled(period, head_dim, theta, yarn), yarn.attention_factor
     try:
         if kind == "linear":
             return inv_freq / check_real("rope_scaling.factor", scaling["factor"], low=0.0, open_low=True), 1.0
@@ -165,9 +166,9 @@ def _mscale(factor: float, weight: float) -> float:
     return 1.0 if factor <= 1 else 0.1 * weight * math.log(factor) + 1.0
 
 
-def _yarn_scaled(head_dim: int, theta: float, yarn: YarnScaling) -> torch.Tensor:
-    """Pairs below the fast correction pair keep their speed, pairs past the slow one are divided by factor, and
-    the speeds between blend linearly (the ramp over pair indices, as transformers computes it)."""
+def _yarn_scaled(period: torch.Tensor, head_dim: int, theta: float, yarn: YarnScaling) -> torch.Tensor:
+    """Pairs below the fast correction pair keep their speed (``1 / period``), pairs past the slow one are divided
+    by factor, and the speeds between blend linearly (the ramp over pair indices, as transformers computes it)."""
     low, high = (_correction_pair(turns, head_dim, theta, yarn.original_max_position_embeddings)
                  for turns in (yarn.beta_fast, yarn.beta_slow))  # fmt: skip
     if yarn.truncate:
@@ -177,7 +178,6 @@ def _yarn_scaled(head_dim: int, theta: float, yarn: YarnScaling) -> torch.Tensor
         high += 0.001  # a step rather than a division by zero
     ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)  # 0: keep, 1: scale
     keep = 1 - ramp
-    period = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)  # 1 / speed, per pair
     return 1.0 / (yarn.factor * period) * (1 - keep) + 1.0 / period * keep
 
 
