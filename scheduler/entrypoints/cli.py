@@ -54,7 +54,9 @@ def serve_parser() -> argparse.ArgumentParser:
                    help="how \"auto\" reads tool calls out of the text (vLLM's flag): hermes, <tool_call>{...}"
                         "</tool_call> tags; llama3_json, [<|python_tag|>]{\"name\": ..., \"parameters\": {...}}; ...; "
                         "pythonic, [f(a=1), g()]; mistral, [TOOL_CALLS][{\"name\": ..., \"arguments\": {...}}] or "
-                        "[TOOL_CALLS]name[ARGS]{...}")
+                        "[TOOL_CALLS]name[ARGS]{...}; qwen3_coder, <tool_call><function=name><parameter=key>value"
+                        "</parameter></function></tool_call> (values typed by the tools' schemas); deepseek_v3 and "
+                        "deepseek_v31, DeepSeek's <｜tool▁calls▁begin｜> blocks (V3/R1-0528's and V3.1's)")
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                    help="split a chat answer's thinking out of its content into the message's reasoning and "
                         "reasoning_content fields (vLLM's flag): deepseek_r1 and qwen3, <think>...</think>; mistral, "

@@ -8,7 +8,8 @@ from paged_kv.errors import InvalidArgumentError, check_bool, check_int, describ
 from scheduler.core.params import MAX_LOGPROBS
 
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # a request body past this gets 413 before it is parsed
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic", "mistral")  # readers of tool calls (``tool_calling.parsers``)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic", "mistral", "qwen3_coder", "deepseek_v3",
+                     "deepseek_v31")  # readers of tool calls (``tool_calling.parsers``)
 REASONING_PARSERS = ("deepseek_r1", "qwen3", "mistral")  # readers of a model's thinking (``reasoning.output.PARSERS``)
 
 

@@ -10,8 +10,9 @@
   objects; each becomes a call (its arguments the ``parameters`` value's text as written), ``content`` "".
 - "auto": only with ``--enable-auto-tool-choice`` and ``--tool-call-parser`` (else a 400, as
   vLLM); the output is free and the parser (``parsers.PARSERS``: hermes, llama3_json, pythonic,
-  mistral) reads calls and content out of it; special tokens are kept in the text where that
-  parser's vLLM counterpart asks it (hermes, mistral: a tag may be a special token).
+  mistral, qwen3_coder, deepseek_v3, deepseek_v31) reads calls and content out of it (qwen3_coder
+  types its calls' values by the request's tools); special tokens are kept in the text where a tag
+  of that parser's format may be one (hermes, mistral, qwen3_coder, deepseek_v3, deepseek_v31).
 
 ``finish_reason`` is "tool_calls" when an "auto" or "required" sample made a call and stopped, else the
 sample's own: "stop" for a named call, "length" for one cut off (OpenAI's; vLLM says "tool_calls" for an
@@ -113,6 +114,7 @@ class ToolOutput:
 
     choice: str | NamedToolChoice  # "required", "auto" or a named function
     parser: str = "hermes"  # "auto"'s parser: a name of PARSERS
+    tools: list[Tool] = field(default_factory=list)  # the request's (a parser may type the calls' values by them)
     readers: dict[int, Reader] = field(default_factory=dict)  # per streamed choice
     called: set[int] = field(default_factory=set)  # streamed choices that made a call
 
@@ -120,7 +122,7 @@ class ToolOutput:
         """A fresh reader of one sample's text."""
         if isinstance(self.choice, NamedToolChoice):
             return NamedReader(self.choice.function.name)
-        return RequiredReader() if self.choice == "required" else PARSERS[self.parser].reader()
+        return RequiredReader() if self.choice == "required" else PARSERS[self.parser].reader(self.tools)
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """A whole sample's message and finish reason."""
@@ -164,7 +166,7 @@ def _delta_call(p: CallPiece) -> dict:
 def tool_output(body: ChatCompletionRequest, parser: str | None = None) -> ToolOutput | None:
     """The request's ToolOutput (None for "none": a plain answer); "auto" reads with ``parser`` (checked: set)."""
     choice = body.chosen_tool
-    return None if choice == "none" else ToolOutput(choice, parser or "hermes")
+    return None if choice == "none" else ToolOutput(choice, parser or "hermes", list(body.tools or []))
 
 
 def keeps_special_tokens(body: ChatCompletionRequest, parser: str | None) -> bool:

@@ -105,6 +105,11 @@ AUTO_TEXTS = {  # each parser's format of "ok", then a call of erase(x=1)
     "llama3_json": '<|python_tag|>{"name": "erase", "parameters": {"x": 1}} ok',
     "pythonic": "[erase(x=1)] ok",
     "mistral": 'ok [TOOL_CALLS][{"name": "erase", "arguments": {"x": 1}}]',
+    "qwen3_coder": "ok <tool_call>\n<function=erase>\n<parameter=x>\n1\n</parameter>\n</function>\n</tool_call>",
+    "deepseek_v3": "ok<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>erase\n```json\n"
+                   '{"x": 1}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+    "deepseek_v31": 'ok<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>erase<｜tool▁sep｜>{"x": 1}'
+                    "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
 }
 
 
@@ -130,7 +135,8 @@ def test_auto_reads_with_the_servers_parser_whole_and_streamed(parser):
 
 
 @pytest.mark.parametrize(("parser", "kept"), [("hermes", True), ("mistral", True), ("llama3_json", False),
-                                              ("pythonic", False), (None, False)])  # fmt: skip
+                                              ("pythonic", False), ("qwen3_coder", True), ("deepseek_v3", True),
+                                              ("deepseek_v31", True), (None, False)])  # fmt: skip
 def test_auto_keeps_special_tokens_where_the_parsers_tags_may_be_ones(parser, kept):
     assert keeps_special_tokens(request([("erase", POINT)], tool_choice="auto"), parser) is kept
     assert not keeps_special_tokens(request([("erase", POINT)], tool_choice="required"), parser)
