@@ -24,9 +24,10 @@ Malformed text: a block whose first thing is not ``<function=NAME>`` is no call 
 and reading goes on after the tag); in a named call, a bad parameter tag or anything else where a
 parameter or a closing tag should be closes the call there and the text from there is read as if
 outside a block. At the end of the text, a named call is closed with the parameters read (a parameter
-cut off keeps the text written); a block not yet named and a partial tag are content. Content that
-is only whitespace is none. Whole or piece by piece, the reading is the same. ``<tool_call>`` may be a
-special token: the text keeps special tokens (as for hermes).
+cut off keeps the text written, a partial ``</parameter>`` included; a partial key is dropped); a
+block not yet named and a partial tag are content. Content that is only whitespace is none. Whole or
+piece by piece, the reading is the same. ``<tool_call>`` may be a special token: the text keeps
+special tokens (as for hermes).
 
 Differences from vLLM: vLLM also reads ``<function=...>`` outside a ``<tool_call>`` block, ends a
 value at a ``</parameter>`` only where the next structural tag follows (ours ends it at the first one;
