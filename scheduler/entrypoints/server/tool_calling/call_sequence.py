@@ -1,8 +1,9 @@
 """Tool calls written one after another, read as they arrive (llama3_json's and mistral's JSON objects, pythonic's
 Python calls).
 
-The items are separated by a separator (``;``, ``,`` or a tag such as mistral's ``[TOOL_CALLS]``, whitespace
-around it), and the sequence may be opened and closed by brackets (a list's ``[`` and ``]``). An item
+The items are separated by a separator (``;``, ``,``, a tag such as mistral's ``[TOOL_CALLS]``, or nothing
+for items that carry their own tags, as DeepSeek's; whitespace around it), and the sequence may be opened
+by a bracket and closed by a bracket or a tag (a list's ``[`` and ``]``, DeepSeek's ``<｜tool▁calls▁end｜>``). An item
 (:class:`Item`) that streams (a :class:`CallObject` that leads) is a call from the moment its first piece
 goes out, kept even if its text then breaks; any other is a call if, once closed, it reads as one. Reading
 calls stops at the first thing that is neither: from there on the text is content, with the text held since
@@ -52,9 +53,9 @@ class CallSequence:
     content: Content  # the reader's content (shared with the text it read before the sequence)
     item: Callable[[], Item]  # a new item
     starts: Callable[[str], bool]  # whether a character starts an item
-    separator: str
-    opener: str | None = None
-    closer: str | None = None
+    separator: str  # "" for items that begin with their own tag
+    opener: str | None = None  # one character
+    closer: str | None = None  # a character or a tag
     held: str = ""  # text since the last call: content if no call follows (a tag, a separator, whitespace)
     _state: str = "open"  # open (before the opener), expect (an item), item (in one), after (one), content
     _buffer: str = ""
@@ -119,20 +120,17 @@ class CallSequence:
         return True
 
     def _after(self, out: list[str | CallPiece]) -> bool:
-        """After an item: whitespace, then the separator (another item) or the closer (content after it)."""
+        """After an item: whitespace, then the closer (content after it) or the separator (another item)."""
         if not self._skip_space():
             return False
-        sep = self.separator
-        if sep.startswith(self._buffer) and len(self._buffer) < len(sep):  # may be a longer separator's start: wait
+        closer, sep = self.closer or "", self.separator
+        if any(t.startswith(self._buffer) and len(self._buffer) < len(t) for t in (closer, sep)):  # a tag's start
             return False
-        if self._buffer.startswith(sep):
+        if closer and self._buffer.startswith(closer):
+            self.held, self._buffer, self._state = "", self._buffer[len(closer) :], "content"
+        elif self._buffer.startswith(sep):
             self.held, self._buffer, self._state = self.held + sep, self._buffer[len(sep) :], "expect"
-            return True
-        ch, self._buffer = self._buffer[0], self._buffer[1:]
-        if ch == self.closer:
-            self.held, self._state = "", "content"
         else:
-            self._buffer = ch + self._buffer
             out += self._content_from("")
         return True
 

@@ -16,9 +16,9 @@ broke before its ``{`` (a bad name, a missing separator or fence, arguments that
 call, and the text from there, the tags held since the last call included (``<｜tool▁calls▁begin｜>``
 for the first), is content; a streamed call whose text breaks after that (a missing end tag, an object
 that is no JSON) is kept as far as it was written, and the text from the break is content. At the end
-of the text, a streamed call cut off is a call as far as it was written; a call not yet streamed and a
-partial tag are content, tags alone are dropped. Content that is only whitespace is none. Whole or
-piece by piece, the reading is the same.
+of the text, a streamed call cut off is a call as far as it was written, a call not yet streamed is
+content, and so is a block with no call, as written; a partial tag after the last call is dropped.
+Content that is only whitespace is none. Whole or piece by piece, the reading is the same.
 
 The tags are special tokens of DeepSeek's tokenizers: the text keeps special tokens (``skip_special_tokens``
 off). Differences from vLLM: vLLM's whole answer takes the text before ``<｜tool▁calls▁begin｜>`` as
@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 
 from scheduler.entrypoints.server.tags import ready_and_held
 from scheduler.entrypoints.server.tool_calling.call_object import streamed
-from scheduler.entrypoints.server.tool_calling.call_sequence import LeadIn
+from scheduler.entrypoints.server.tool_calling.call_sequence import CallSequence, LeadIn
 from scheduler.entrypoints.server.tool_calling.mistral import NAME_CHARS
 from scheduler.entrypoints.server.tool_calling.object_scanner import SPACE, ObjectScanner
-from scheduler.entrypoints.server.tool_calling.readers import CallPiece, Content, read_whole
+from scheduler.entrypoints.server.tool_calling.readers import CallPiece, read_whole
 
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
@@ -51,7 +51,8 @@ WORDS = ("type", "name")
 
 @dataclass
 class StepCall:
-    """One call's text as it arrives, read step by step: it streams once its arguments' ``{`` is read."""
+    """One call's text as it arrives, read step by step (a ``call_sequence.Item``): it streams once its arguments'
+    ``{`` is read."""
 
     steps: tuple[str, ...]
     body: str = ""  # the call's text read so far
@@ -63,12 +64,12 @@ class StepCall:
     arguments: str = ""  # the object's raw text so far
     index: int | None = None  # its call's index, once its first piece went out
     sent: int = 0  # how much of ``arguments`` went out
-    bad: bool = False  # its text broke: the character that broke it is not its own
+    broken: bool = False  # its text broke: the character that broke it is not its own
 
     @property
     def finished(self) -> bool:
         """It closed or broke: nothing more is read."""
-        return self.bad or self.step == len(self.steps)
+        return self.broken or self.step == len(self.steps)
 
     def read(self, text: str) -> int:
         """Read more: how many characters of ``text`` are its own (all until it finishes)."""
@@ -82,6 +83,10 @@ class StepCall:
         """Its pieces not yet given out once its object opened: the first names it (as call ``index``)."""
         return streamed(self, index) if self.arguments else []
 
+    def call(self) -> CallPiece | None:
+        """Never a whole call of its own: a call streams from its ``{`` (this one did not: it is no call)."""
+        return None
+
     def _char(self, ch: str) -> int:
         """Read one character of a tag, a word or whitespace: 1 if it is the call's, else 0 (the step ended)."""
         kind = self.steps[self.step]
@@ -90,12 +95,12 @@ class StepCall:
             if ok:
                 self.words[kind] = self.words.get(kind, "") + ch
             else:
-                self.bad = kind in WORDS and not self.words.get(kind)  # a word is never empty
+                self.broken = kind in WORDS and not self.words.get(kind)  # a word is never empty
                 self.step += 1
                 self.name = self.words.get("name", "")
             return int(ok)
         if ch != kind[self.matched]:
-            self.bad = True
+            self.broken = True
             return 0
         self.matched += 1
         if self.matched == len(kind):
@@ -106,79 +111,9 @@ class StepCall:
         """Read the arguments object: how many characters of ``text`` are its own."""
         _, used = self.scanner.feed(text)
         self.arguments += text[:used]
-        self.bad = self.scanner.state == "bad" or not self.arguments.lstrip(SPACE).startswith("{")
+        self.broken = self.scanner.state == "bad" or not self.arguments.lstrip(SPACE).startswith("{")
         self.step += self.scanner.state == "done"
         return used
-
-
-@dataclass
-class StepCalls:
-    """The calls after ``<｜tool▁calls▁begin｜>``, each read by a StepCall, then content after the end tag."""
-
-    content: Content  # the reader's content
-    steps: tuple[str, ...]
-    held: str = ""  # text since the last call: content if reading calls stops before another call
-    _state: str = "between"  # between (calls), in_call (in one), content (the rest)
-    _buffer: str = ""
-    _call: StepCall | None = None
-    _calls: int = 0
-
-    def feed(self, text: str) -> list[str | CallPiece]:
-        """The content and call pieces that ``text`` completes."""
-        self._buffer += text
-        out: list[str | CallPiece] = []
-        while self._buffer and getattr(self, "_" + self._state)(out):
-            pass
-        return out
-
-    def finish(self) -> list[str | CallPiece]:
-        """The end: a call not yet streamed and a partial tag are content; held tags alone are dropped."""
-        if self._state == "in_call" and self._call.index is None:
-            return self._content_from(self._call.body)
-        return self._content_from("") if self._buffer else []
-
-    def _between(self, out: list[str | CallPiece]) -> bool:
-        """Between calls: whitespace, then a call's tag, the end tag (content after it), or content."""
-        rest = self._buffer.lstrip(SPACE)
-        self.held, self._buffer = self.held + self._buffer[: len(self._buffer) - len(rest)], rest
-        if rest.startswith(CALL_BEGIN):
-            self._state, self._call = "in_call", StepCall(self.steps)
-        elif rest.startswith(CALLS_END):
-            self.held, self._buffer, self._state = "", rest[len(CALLS_END) :], "content"
-        elif CALL_BEGIN.startswith(rest) or CALLS_END.startswith(rest):  # (a tag's start: wait)
-            return False
-        else:
-            out += self._content_from("")
-        return True
-
-    def _in_call(self, out: list[str | CallPiece]) -> bool:
-        """In a call: its streamed pieces; once it closes, the next call, or once it breaks, content."""
-        call = self._call
-        self._buffer = self._buffer[call.read(self._buffer) :]
-        pieces = call.stream(self._calls)
-        if any(p.name is not None for p in pieces):
-            self._calls, self.held = self._calls + 1, ""
-        out += pieces
-        if not call.finished:
-            return False
-        if call.index is None:  # broke before it streamed: no call
-            out += self._content_from(call.body)
-        elif call.bad:
-            out += self._content_from("")
-        else:
-            self._state = "between"
-        return True
-
-    def _content(self, out: list[str | CallPiece]) -> bool:
-        """The rest of the text: content as it comes."""
-        out += self.content.take(self._buffer)
-        self._buffer = ""
-        return False
-
-    def _content_from(self, text: str) -> list[str | CallPiece]:
-        """From here on the text is content: the held text, ``text``, and the rest."""
-        rest, self.held, self._buffer, self._state = self.held + text + self._buffer, "", "", "content"
-        return self.content.take(rest)
 
 
 @dataclass
@@ -194,7 +129,8 @@ class DeepSeekReader(LeadIn):
             ready, self._buffer = ready_and_held(self._buffer, CALLS_BEGIN)
             return self._content.take(ready)
         out = self._content.take(self._buffer[:start])
-        calls = StepCalls(self._content, self.steps, held=CALLS_BEGIN)
+        calls = CallSequence(self._content, item=lambda: StepCall(self.steps), starts=lambda ch: ch == CALL_BEGIN[0],
+                             separator="", closer=CALLS_END, held=CALLS_BEGIN)  # fmt: skip
         return out + self._begin(calls, self._buffer[start + len(CALLS_BEGIN) :])
 
 

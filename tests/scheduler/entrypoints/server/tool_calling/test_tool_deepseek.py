@@ -94,12 +94,14 @@ def test_a_streamed_call_that_breaks_after_its_object_is_kept_and_the_text_from_
     assert parse_deepseek(text, V31_STEPS) == (f"1}}{CALL_END}", [CallPiece(0, "f", '{"x" ')])
 
 
-def test_text_without_the_block_tag_is_all_content_and_tags_alone_are_dropped():
-    assert parse_deepseek(v31("f", "{}"), V31_STEPS) == (v31("f", "{}"), [])  # no <｜tool▁calls▁begin｜>
-    assert parse_deepseek("Hi <｜tool▁calls", V31_STEPS) == ("Hi <｜tool▁calls", [])
-    assert parse_deepseek(f"Hi {CALLS_BEGIN} \n", V31_STEPS) == ("Hi ", [])
-    assert parse_deepseek(f"Hi {CALLS_BEGIN}<｜tool", V31_STEPS) == (f"Hi {CALLS_BEGIN}<｜tool", [])
-    assert parse_deepseek(f"{CALLS_BEGIN}{CALL_BEGIN}f{SEP}", V31_STEPS) == (f"{CALLS_BEGIN}{CALL_BEGIN}f{SEP}", [])
+@pytest.mark.parametrize("text", [v31("f", "{}"), "Hi <｜tool▁calls", f"Hi {CALLS_BEGIN} \n", block(),
+                                  f"Hi {CALLS_BEGIN}<｜tool", f"{CALLS_BEGIN}{CALL_BEGIN}f{SEP}"])  # fmt: skip
+def test_text_without_a_call_is_content_as_written(text):
+    assert parse_deepseek(text, V31_STEPS) == (text, [])  # (the first has no <｜tool▁calls▁begin｜>)
+
+
+def test_a_partial_tag_after_the_last_call_is_dropped():
+    assert parse_deepseek(block(v31("f", "{}"))[:-3], V31_STEPS) == (None, [CallPiece(0, "f", "{}")])
 
 
 def test_a_call_streams_its_name_with_its_objects_brace_then_its_arguments_and_a_cut_off_one_is_kept():
