@@ -57,7 +57,7 @@ class StepCall:
     steps: tuple[str, ...]
     body: str = ""  # the call's text read so far
     name: str = ""
-    words: dict[str, str] = field(default_factory=dict)  # the words read so far, by step
+    words: dict[str, str] = field(default_factory=dict)  # the words read so far ("type", "name")
     step: int = 0  # the step being read; len(steps): the call closed
     matched: int = 0  # how much of the current literal step was read
     scanner: ObjectScanner = field(default_factory=ObjectScanner)
@@ -91,14 +91,7 @@ class StepCall:
         """Read one character of a tag, a word or whitespace: 1 if it is the call's, else 0 (the step ended)."""
         kind = self.steps[self.step]
         if kind == "space" or kind in WORDS:
-            ok = ch in (SPACE if kind == "space" else NAME_CHARS)
-            if ok:
-                self.words[kind] = self.words.get(kind, "") + ch
-            else:
-                self.broken = kind in WORDS and not self.words.get(kind)  # a word is never empty
-                self.step += 1
-                self.name = self.words.get("name", "")
-            return int(ok)
+            return self._run(kind, ch)
         if ch != kind[self.matched]:
             self.broken = True
             return 0
@@ -106,6 +99,17 @@ class StepCall:
         if self.matched == len(kind):
             self.step, self.matched = self.step + 1, 0
         return 1
+
+    def _run(self, kind: str, ch: str) -> int:
+        """One character of a word or of whitespace: 1 if it is the step's, else 0 (the step ended before it)."""
+        if ch in (SPACE if kind == "space" else NAME_CHARS):
+            if kind in WORDS:
+                self.words[kind] = self.words.get(kind, "") + ch
+            return 1
+        self.broken = kind in WORDS and not self.words.get(kind)  # a word is never empty
+        self.step += 1
+        self.name = self.words.get("name", "")
+        return 0
 
     def _json(self, text: str) -> int:
         """Read the arguments object: how many characters of ``text`` are its own."""
