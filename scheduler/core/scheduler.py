@@ -49,7 +49,8 @@ more than one sequence's tokens.
 With a proposer (speculative decoding, ``scheduler.engine.spec_decode``), a decode sequence of a group with
 ``speculative`` set runs its last token and up to ``k`` drafts in one query: the drafts take lookahead slots
 (``BlockManager.append(num_lookahead_slots=...)``), not counted in ``num_computed`` nor hashed, and the step's
-token budget after one token for every running decode sequence still to plan. A plan whose drafts do not fit drops
+token budget after one token for every running decode sequence still to plan; a constrained sequence's drafts stop
+before the first one its grammar refuses (``Sequence.grammar_walk``). A plan whose drafts do not fit drops
 them before anything is preempted. After verification (:meth:`Scheduler.update_from_output`) the accepted drafts
 are recorded with the block manager (and hashed, so the prefix cache only ever holds kept tokens), ``num_computed``
 counts them, and the blocks past them are freed (``truncate``): the invariant above holds again.
@@ -448,16 +449,20 @@ class Scheduler:
         """Draft tokens for a decode sequence within ``budget`` tokens (kept for the commit); how many.
 
         None while samples are still to fork or parked (they share its row), before the first output, nor past
-        ``max_tokens`` or the model's context.
+        ``max_tokens`` or the model's context. A grammar's drafts stop before the first one it refuses (never
+        accepted: not worth its compute), as vLLM's scheduler trims them.
         """
         params = group.params
         self._drafts.pop(seq, None)  # a plan made earlier in the step and not committed
         if group.unforked or group.parked or seq.num_outputs < 1:
             return 0
+        if params.structured_outputs is not None and seq.matcher is None:  # no grammar state to check them with
+            return 0
         k = min(budget, params.max_tokens - seq.num_outputs - 1)
         if self.max_model_len is not None:
             k = min(k, self.max_model_len - seq.num_tokens - 1)  # no draft position reaches max_model_len - 1
         drafts = self.proposer.propose(seq.token_ids, k) if k > 0 else []
+        drafts = drafts[: seq.grammar_walk(drafts)]
         if drafts:
             self._drafts[seq] = drafts
         return len(drafts)

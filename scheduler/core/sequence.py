@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -42,6 +44,9 @@ class TokenMatcher(Protocol):
     def fork(self) -> TokenMatcher:
         """An independent copy of the state."""
 
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens."""
+
 
 class Sequence:
     """One token stream with the KV bookkeeping of its cached prefix."""
@@ -64,13 +69,14 @@ class Sequence:
         self.top_logprobs: list[dict[int, float]] = []  # per output token, when asked for
         self.ranks: list[int | None] = []  # rank of each output token in the vocabulary (None: a selection hook's)
         self.generator: torch.Generator | None = None
-        # structured outputs: the grammar's state, set by the engine when the sequence first samples with its
-        # grammar holding. It has accepted exactly the output tokens after the grammar's start (append_token
-        # advances it, fork copies it), so preemption keeps it.
+        # structured outputs: the grammar's state, set by the engine when the sequence first samples. It has
+        # accepted exactly the output tokens after the grammar's start (append_token advances it, fork copies it),
+        # so preemption keeps it; speculative decoding only advances it tentatively (grammar_walk rolls it back).
         self.matcher: TokenMatcher | None = None
         # structured outputs that start after a marker (StructuredOutputsParams.start_after): the marker its
         # output has still to write before the grammar holds (None: nothing to wait for). Invariant: while set,
-        # matcher is None and the output does not contain it; append_token clears it once the output ends with it.
+        # the matcher (if any) has accepted nothing and the output does not contain it; append_token clears it once
+        # the output ends with it, and feeds the matcher from the next token on.
         self.grammar_after: tuple[int, ...] | None = None
 
     @property
@@ -107,16 +113,49 @@ class Sequence:
         self, token_id: int, logprob: float, top: dict[int, float] | None = None, rank: int | None = None
     ) -> None:
         """Record a sampled token (its KV is computed by the next step); a grammar, if any, must allow it."""
-        if self.matcher is not None and not self.matcher.accept_token(token_id):
+        if self.matcher is not None and self.grammar_holds and not self.matcher.accept_token(token_id):
             raise SequenceStateError(describe("token_id", token_id, "a token the sequence's grammar allows"))
         self.token_ids.append(token_id)
         self.logprobs.append(logprob)
         self.ranks.append(rank)
         if top is not None:
             self.top_logprobs.append(top)
-        marker = self.grammar_after
-        if marker is not None and self.num_outputs >= len(marker) and tuple(self.token_ids[-len(marker) :]) == marker:
+        if self.grammar_after is not None and self._ends_marker(self.token_ids, self.num_outputs):
             self.grammar_after = None  # the grammar holds from the next token
+
+    def _ends_marker(self, token_ids: Seq[int], num_outputs: int) -> bool:
+        """Whether ``token_ids`` (with ``num_outputs`` outputs) end with the marker the grammar waits for."""
+        marker = self.grammar_after
+        return num_outputs >= len(marker) and tuple(token_ids[-len(marker) :]) == marker
+
+    def grammar_walk(self, drafts: Seq[int], visit: Callable[[int, TokenMatcher], None] | None = None) -> int:
+        """How many leading ``drafts`` the grammar allows after the tokens so far (all of them without a matcher).
+
+        The matcher is advanced over them tentatively: ``visit(j, matcher)``, at each position ``j`` up to the
+        first refused draft where the grammar holds (its marker written, by the tokens so far or by the drafts up
+        to ``j``), sees the matcher after the first ``j`` drafts; not after a draft that ended the grammar (its stop
+        token: the sample ends there, nothing after it is kept). It is rolled back afterwards: state unchanged.
+        """
+        if self.matcher is None:
+            return len(drafts)
+        holds, advanced = self.grammar_holds, 0
+        try:
+            for j in range(len(drafts) + 1):
+                if holds and visit is not None and not self.matcher.is_terminated():
+                    visit(j, self.matcher)
+                if j == len(drafts):
+                    break
+                if holds:  # a refused draft leaves the matcher as it was
+                    if self.matcher.is_terminated() or not self.matcher.accept_token(drafts[j]):
+                        return j
+                    advanced += 1
+                else:  # the draft that ends the marker is not fed: the grammar holds from the next one
+                    tail = [*self.token_ids[-len(self.grammar_after) :], *drafts[: j + 1]]
+                    holds = self._ends_marker(tail, self.num_outputs + j + 1)
+            return len(drafts)
+        finally:
+            if advanced:
+                self.matcher.rollback(advanced)
 
     @property
     def grammar_holds(self) -> bool:

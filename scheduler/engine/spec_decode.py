@@ -8,8 +8,11 @@ and one more token (:mod:`scheduler.runner.rejection_sampler`), which then go th
 path (stop tokens, ``max_tokens``, ...) like sampled ones; the KV of rejected drafts is dropped by the scheduler
 in the same step's bookkeeping (``Scheduler._keep_accepted``).
 
-Served exactly, per request, and otherwise decoded one token per step (no error): no beam search, no structured
-outputs, no ``prompt_logprobs``. Logits controls (penalties, ``logit_bias``, ``bad_words``, ``allowed_token_ids``,
+Served exactly, per request, and otherwise decoded one token per step (no error): no beam search (nor a caller's own
+forks), no ``prompt_logprobs``. Structured outputs draft: the scheduler trims the drafts at the first one the grammar
+refuses, and each draft row is masked with the grammar after the drafts before it
+(:meth:`~scheduler.engine.structured_outputs.StructuredOutputs.mask_drafts`), so greedy tokens are exactly those
+without drafts and random ones keep their distribution (the rejection sampler's, on the masked rows). Logits controls (penalties, ``logit_bias``, ``bad_words``, ``allowed_token_ids``,
 ``min_tokens``) are applied to each draft row as the one-token path applies them at that position, the drafts before
 it counted as outputs (:mod:`scheduler.runner.rejection_sampler`); the sampler's penalty counts count the kept tokens.
 A selection hook's step (``LLMEngine.step(select)``) runs no drafts.
@@ -79,8 +82,8 @@ class SpecDecode:
     @staticmethod
     def serves(params: SamplingParams, *, fork_samples: bool = True) -> bool:
         """Whether verification gives a request exactly its tokens: none of beam search (or a caller's own forks),
-        structured outputs, prompt log-probabilities (logits controls are applied per draft row)."""
-        return fork_samples and params.structured_outputs is None and params.prompt_logprobs is None
+        prompt log-probabilities (logits controls and grammars are applied per draft row)."""
+        return fork_samples and params.prompt_logprobs is None
 
     def split(self, out: SchedulerOutput, rows: list[SampleEntry]) -> tuple[list[SampleEntry], list[DraftEntry]]:
         """The sampled rows apart from the drafting sequences' (whose bonus rows are verified with their drafts)."""
@@ -101,7 +104,9 @@ class SpecDecode:
         """Verify these entries (any subset of the step's) in one transfer; nothing recorded if it raises."""
         rows = [r for _, _, bonus, draft_rows in entries for r in (*draft_rows, bonus)]
         seqs = [DraftRows(g.params, sampling.generator(g, s), drafts[s], s) for g, s, _, _ in entries]
-        picked = logits[torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)]
+        picked = logits[torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)]  # a copy
+        if sampling.structured is not None:  # row j of a constrained sequence: its grammar after its first j drafts
+            sampling.structured.mask_drafts([(g, s, drafts[s]) for g, s, _, _ in entries], picked)
         sampler = sampling.sampler  # its penalty counts, kept across steps, count the emitted tokens too
         with restoring([s.generator for s in seqs]):  # a draw that raises leaves the generators as they were
             verdicts = verify(picked, seqs, sampler.counts, sampler.eos_token_ids)

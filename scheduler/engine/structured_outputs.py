@@ -11,8 +11,8 @@ each of ``n`` samples its own). ``Sequence.append_token`` advances it, so it has
 sequence's output tokens, and keeps them across preemption (recompute and swap keep the sequence).
 
 A constraint with ``start_after`` (a reasoning model's end of thinking) holds only after its marker:
-until the sample's output ends with it (``Sequence.grammar_after``), its row is not masked and it has
-no matcher; the sample may end meanwhile (EOS, as vLLM's, whose output is then all reasoning). From
+until the sample's output ends with it (``Sequence.grammar_after``), its row is not masked and its
+matcher (made at its first sample all the same) is fed nothing; the sample may end meanwhile (EOS, as vLLM's, whose output is then all reasoning). From
 the token after the marker a fresh matcher accepts every token, as vLLM's, which feeds its grammar
 from the token after the end tag (not the tag itself); the tokens before it are never fed to it.
 A prompt that ends with the marker starts the grammar at the first token (vLLM asks its reasoning
@@ -23,6 +23,16 @@ one host->device copy, then xgrammar's kernel sets the logits those rows' gramma
 in place, before sampling (Triton on CUDA; its torch path elsewhere: its Triton path needs CUDA even
 under the interpreter). A step with no constrained row does nothing. Reported log-probabilities are
 those of the masked distribution, as in vLLM, whose sampler sees the masked logits.
+
+Speculative decoding (:mod:`scheduler.engine.spec_decode`): the scheduler keeps a constrained sequence's
+drafts up to the first one its grammar refuses (``Sequence.grammar_walk``: accepted tentatively, then
+rolled back). Verification masks draft row ``j`` with the grammar's state after the first ``j`` drafts
+(:meth:`StructuredOutputs.mask_drafts`: the matcher advanced over them, each row filled on the way, then
+rolled back), rows before the marker of ``start_after`` free and rows after a draft that ended the grammar
+unmasked (the sample ends at that stop token). The kept tokens are then appended one by one as sampled ones
+are, so the matcher has accepted exactly the output, as without drafts. vLLM fills the rows alike, but it
+decides from the tokens before the step whether the reasoning has ended: in a step whose drafts write the end
+tag it masks no row, where paged-kv masks the rows after the marker.
 """
 
 from __future__ import annotations
@@ -36,7 +46,7 @@ from collections.abc import Sequence as Seq
 import torch
 import xgrammar as xgr
 
-from paged_kv.errors import InvalidArgumentError, describe
+from paged_kv.errors import InvalidArgumentError, SequenceStateError, describe
 from scheduler.core.sequence import Sequence, SequenceGroup
 from scheduler.core.structured_params import StructuredOutputsParams
 
@@ -77,17 +87,41 @@ class StructuredOutputs:
 
     def mask(self, samples: Seq[tuple[SequenceGroup, Sequence, int]], logits: torch.Tensor) -> None:
         """Mask, in place, the logits each constrained sample's grammar forbids now (``logits [S, V]``: a row each)."""
-        rows = [i for i, (group, seq, _) in enumerate(samples)
-                if group.params.structured_outputs is not None and seq.grammar_holds]  # a waiting row is free
+        constrained = [i for i, (group, _, _) in enumerate(samples) if group.params.structured_outputs is not None]
+        # a sample waiting for its marker gets its matcher too (unfed): kept drafts may write the marker and more
+        matchers = {i: self._matcher(*samples[i][:2]) for i in constrained}
+        rows = [i for i in constrained if samples[i][1].grammar_holds]  # a waiting row is free
+        if rows:
+            self._apply(logits, rows, lambda host: self._filler.batch_fill_next_token_bitmask(
+                [matchers[i] for i in rows], host, indices=rows))  # fmt: skip
+
+    def mask_drafts(self, seqs: Seq[tuple[SequenceGroup, Sequence, Seq[int]]], logits: torch.Tensor) -> None:
+        """Mask, in place, the verification rows of drafting sequences (``logits [sum(k_i + 1), V]``: each one's
+        draft rows, then its bonus row): row ``j`` of a constrained one with its grammar's state after its first
+        ``j`` drafts (which the scheduler kept within what the grammar allows); its matcher is left as it was."""
+        rows: list[int] = []
+
+        def fill(host: torch.Tensor) -> None:
+            at = 0
+            for group, seq, drafts in seqs:
+                if group.params.structured_outputs is not None:
+                    self._matcher(group, seq)
+                    _fill_draft_rows(host, rows, at, seq, drafts)
+                at += len(drafts) + 1
+
+        self._apply(logits, rows, fill)
+
+    def _apply(self, logits: torch.Tensor, rows: list[int], fill) -> None:
+        """``fill(host)`` the host bitmask rows (of ``logits``' rows), upload them once and set the logits of the
+        tokens they forbid to -inf in ``rows`` (``rows`` is read after ``fill``; none: nothing)."""
+        if self._bitmask.shape[0] < logits.shape[0]:
+            self._bitmask = self._allocate(logits.shape[0])
+        # the previous step's upload finished: its sampling read the sampled tokens back
+        host = self._bitmask[: logits.shape[0]]  # rows not in ``rows`` hold stale bits and are not read
+        fill(host)
         if not rows:
             return
-        matchers = [self._matcher(*samples[i][:2]) for i in rows]
-        if self._bitmask.shape[0] < len(samples):
-            self._bitmask = self._allocate(len(samples))
-        # the previous step's upload finished: its sampling read the sampled tokens back
-        host = self._bitmask[: rows[-1] + 1]  # rows not in ``rows`` hold stale bits and are not read
-        self._filler.batch_fill_next_token_bitmask(matchers, host, indices=rows)
-        bitmask = host.to(logits.device, non_blocking=True)  # the one upload
+        bitmask = host[: rows[-1] + 1].to(logits.device, non_blocking=True)  # the one upload
         with torch.inference_mode():  # the model's logits are inference tensors
             xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows,
                                             backend=self._backend)  # fmt: skip
@@ -115,6 +149,18 @@ class StructuredOutputs:
         """A host bitmask of ``rows`` rows (page-locked for the upload on CUDA)."""
         shape = xgr.get_bitmask_shape(rows, self.vocab_size)
         return torch.empty(shape, dtype=xgr.bitmask_dtype, pin_memory=self._pin)
+
+
+def _fill_draft_rows(host: torch.Tensor, rows: list[int], at: int, seq: Sequence, drafts: Seq[int]) -> None:
+    """Fill ``seq``'s verification rows from ``at``: row ``at + j``, where the grammar holds, from its state after
+    the first ``j`` drafts (listed in ``rows``); a draft the grammar refuses raises (the scheduler trimmed them)."""
+
+    def visit(j: int, matcher: xgr.GrammarMatcher) -> None:
+        matcher.fill_next_token_bitmask(host, at + j)
+        rows.append(at + j)
+
+    if seq.grammar_walk(drafts, visit) < len(drafts):
+        raise SequenceStateError(describe("drafts", list(drafts), "tokens the sequence's grammar allows"))
 
 
 def choice_grammar(choices: Iterable[str]) -> str:

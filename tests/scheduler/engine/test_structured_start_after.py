@@ -8,6 +8,8 @@ The tiny random model writes no ``</think>`` of its own: a marker is either take
 from __future__ import annotations
 
 import pytest
+import torch
+import xgrammar as xgr
 from sched_helpers import assert_all_freed
 from structured_helpers import SPECS, TEXTS, check_output, force_tokens, scripted, structured_engine
 
@@ -161,13 +163,23 @@ def test_eos_before_the_marker_ends_the_sample_with_no_grammar_applied(tiny):
     check_output(SPECS["regex"], tail_text(tokenizer, started.outputs[0].token_ids))
 
 
+def assert_unfed(engine, seq, spec) -> None:
+    """``seq``'s matcher (made at its first sample, though its grammar waits) has accepted nothing yet."""
+    fresh = xgr.GrammarMatcher(engine.structured.grammar(spec))
+    masks = [xgr.allocate_token_bitmask(1, engine.structured.vocab_size) for _ in range(2)]
+    seq.matcher.fill_next_token_bitmask(masks[0])
+    fresh.fill_next_token_bitmask(masks[1])
+    assert torch.equal(masks[0], masks[1]) and not seq.matcher.is_terminated()
+
+
 def test_an_aborted_waiting_request_frees_its_blocks(tiny):
     engine, _, prompts, marker = tiny
     engine.add_request("w", prompts[0], SamplingParams(max_tokens=50, structured_outputs=after(SPECS["json"], marker)))
     for _ in range(4):
         engine.step()
     seq = engine.scheduler.requests["w"].seqs[0]
-    assert seq.num_outputs >= 3 and seq.grammar_after == marker and seq.matcher is None  # still waiting
+    assert seq.num_outputs >= 3 and seq.grammar_after == marker  # still waiting
+    assert_unfed(engine, seq, SPECS["json"])
     engine.abort("w")
     assert not engine.has_unfinished_requests()
     assert_all_freed(engine)
