@@ -8,7 +8,8 @@ One step is four calls, each owned by one module (the third by two: sampling, be
     finished = scheduler.update_from_output(out, sampled)  # append, stop, free, retire
 
 With ``EngineConfig.speculative_config`` (:mod:`scheduler.engine.spec_decode`) decode sequences of the requests it
-serves run n-gram drafts, verified in step 3; the others decode as without it.
+serves run n-gram drafts, verified in step 3 (the verification's results and the sampled rows' come back in one
+device->host transfer); the others decode as without it.
 
 Beam searches (:meth:`add_beam_search`) are requests like the others: their rows of a step are
 selected by :mod:`scheduler.engine.beam_requests` (fork, prune, hypotheses), the other rows are
@@ -360,20 +361,23 @@ class LLMEngine:
     def _choose(self, out: SchedulerOutput, logits: torch.Tensor,
                 failures: dict[SequenceGroup, Failure]) -> list[SampledToken]:  # fmt: skip
         """Every token of the step: the beam searches select theirs (one transfer for all), the others' rows are
-        sampled (one more); a request whose selection or sampling raises goes into ``failures``."""
+        sampled and the drafts verified (one more); a request whose selection, sampling or verification raises goes
+        into ``failures``."""
         beam_rows, rows = self.beams.split(out.samples)
         drafting = []
-        if out.num_draft_tokens:  # speculative decoding: the drafting sequences' rows are verified apart
+        if out.num_draft_tokens:  # speculative decoding: the drafting sequences' rows are verified
             rows, drafting = self.spec.split(out, rows)
         self.beams.measure()
         sampling_errors: dict[SequenceGroup, BaseException] = {}
         beam_errors: dict[SequenceGroup, BaseException] = {}
-        sampled = self.sampling.sample_each(out, logits, rows, sampling_errors)
+        verify_errors: dict[SequenceGroup, BaseException] = {}
+        if drafting:  # one device->host transfer for the sampled rows and the verification
+            sampled = self.spec.sample_and_verify(out, logits, rows, drafting, self.sampling, sampling_errors,
+                                                  verify_errors)  # fmt: skip
+        else:
+            sampled = self.sampling.sample_each(out, logits, rows, sampling_errors)
         self._note_failures(failures, "sampling", sampling_errors)
-        if drafting:
-            verify_errors: dict[SequenceGroup, BaseException] = {}
-            sampled += self.spec.verify(out, logits, drafting, self.sampling, verify_errors)
-            self._note_failures(failures, "draft verification", verify_errors)
+        self._note_failures(failures, "draft verification", verify_errors)
         sampled += self.beams.select(beam_rows, logits, beam_errors)
         self._note_failures(failures, "beam selection", beam_errors)
         return sampled

@@ -10,7 +10,9 @@ scored into their groups' ``prompt_logprobs``. Invariants:
 - a constrained sample's row is masked by its grammar before it is sampled;
 - a seeded sequence's generator is created at its first sample, from ``(seed, sample index)`` only.
 
-Beam searches' rows are not drawn here (:mod:`scheduler.engine.beam_requests` selects them).
+Beam searches' rows are not drawn here (:mod:`scheduler.engine.beam_requests` selects them). In a step with
+drafts, :meth:`StepSampling.drawing`'s results come back in the same transfer as the verification's
+(:meth:`~scheduler.engine.spec_decode.SpecDecode.sample_and_verify`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import torch
 from scheduler.core.scheduler_output import SampledToken, SchedulerOutput
 from scheduler.core.sequence import Sequence, SequenceGroup
 from scheduler.engine.faults import isolate, restoring
-from scheduler.runner.sampler import PromptRows, Sampler, SampleRow
+from scheduler.runner.host_fetch import Fetch, fetch
+from scheduler.runner.sampler import PromptRows, Sampler, SampleResult, SampleRow
 
 if TYPE_CHECKING:
     from scheduler.engine.structured_outputs import StructuredOutputs
@@ -73,6 +76,13 @@ class StepSampling:
         """
         if not (samples or prompts):
             return []
+        with restoring(self.generators(samples)):
+            (tokens,) = fetch(self.drawing(samples, prompts, logits, out))
+        return tokens
+
+    def drawing(self, samples: list[SampleEntry], prompts: list[PromptEntry], logits: torch.Tensor,
+                out: SchedulerOutput) -> Fetch[list[SampledToken]]:  # fmt: skip
+        """:meth:`draw`'s device work: its tokens, still to fetch; reading them records the prompt rows' logprobs."""
         num_rows = out.num_sample_rows
         picked = rows_of(logits, [row for _, _, row in samples], 0, num_rows)
         if self.structured is not None and samples:  # mask what each constrained sample's grammar forbids
@@ -81,13 +91,19 @@ class StepSampling:
         sample_rows = [SampleRow(g.params, self.generator(g, s), s) for g, s, _ in samples]
         targets = PromptRows([seq.token_ids[pos + 1] for _, _, seq, pos in prompts],
                              [g.params.prompt_logprobs for _, g, _, _ in prompts])  # fmt: skip
-        with restoring([r.generator for r in sample_rows]):
-            result = self.sampler(picked, sample_rows, prompt_logits, targets)
-        for (_, group, _, _), scored, rank in zip(prompts, result.prompt_logprobs, result.prompt_ranks):
-            group.prompt_logprobs.append(scored)  # in position order: a group's rows come in order
-            group.prompt_ranks.append(rank)
-        chosen = zip(result.token_ids, result.logprobs, result.top_logprobs, result.ranks)
-        return [SampledToken(g, s, *c) for (g, s, _), c in zip(samples, chosen)]
+
+        def tokens(result: SampleResult) -> list[SampledToken]:
+            for (_, group, _, _), scored, rank in zip(prompts, result.prompt_logprobs, result.prompt_ranks):
+                group.prompt_logprobs.append(scored)  # in position order: a group's rows come in order
+                group.prompt_ranks.append(rank)
+            chosen = zip(result.token_ids, result.logprobs, result.top_logprobs, result.ranks)
+            return [SampledToken(g, s, *c) for (g, s, _), c in zip(samples, chosen)]
+
+        return self.sampler.prepare(picked, sample_rows, prompt_logits, targets).then(tokens)
+
+    def generators(self, entries: list[tuple]) -> list[torch.Generator | None]:
+        """The generators of the ``(group, seq, ...)`` entries, created first (so a failed draw can restore them)."""
+        return [self.generator(group, seq) for group, seq, *_ in entries]
 
     def generator(self, group: SequenceGroup, seq: Sequence) -> torch.Generator | None:
         """The sequence's own generator when the request is seeded (created at its first sample).

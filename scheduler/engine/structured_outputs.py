@@ -12,9 +12,10 @@ sequence's output tokens, and keeps them across preemption (recompute and swap k
 
 A constraint with ``start_after`` (a reasoning model's end of thinking) holds only after its marker:
 until the sample's output ends with it (``Sequence.grammar_after``), its row is not masked and its
-matcher (made at its first sample all the same) is fed nothing; the sample may end meanwhile (EOS, as vLLM's, whose output is then all reasoning). From
-the token after the marker a fresh matcher accepts every token, as vLLM's, which feeds its grammar
-from the token after the end tag (not the tag itself); the tokens before it are never fed to it.
+matcher (made at its first sample all the same) is fed nothing; the sample may end meanwhile (EOS, as
+vLLM's, whose output is then all reasoning). From the token after the marker the matcher accepts every
+token, as vLLM's, which feeds its grammar from the token after the end tag (not the tag itself); the
+tokens before it are never fed to it.
 A prompt that ends with the marker starts the grammar at the first token (vLLM asks its reasoning
 parser whether the prompt's tokens already end the reasoning).
 

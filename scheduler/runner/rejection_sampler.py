@@ -20,7 +20,8 @@ only matters when ``d_1..d_j`` are all accepted, so it then is exactly the one-t
 tokens are counted into the sequence's penalty slot on the device (those after the first rejection masked out).
 
 Reported log-probabilities and ranks are the raw ones, as the sampler's. Everything is computed on the logits'
-device and comes back in one transfer.
+device and comes back in one transfer: :func:`verifying` returns the device results, which the engine fetches
+together with the step's sampled rows (:mod:`scheduler.runner.host_fetch`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from scheduler.core.params import SamplingParams
+from scheduler.runner.host_fetch import Fetch, fetch
 from scheduler.runner.logits_processors import (
     Controls,
     PenaltyCounts,
@@ -69,6 +71,14 @@ def verify(logits: torch.Tensor, seqs: list[DraftRows], counts: PenaltyCounts | 
     """The verdict of each sequence from ``logits [sum(k_i + 1), V]`` (each sequence's draft rows, then its bonus
     row, in order), after each row's logits controls; ``counts`` keeps the penalized sequences' counts (the
     sampler's, updated with the emitted tokens; None: counted from the histories once)."""
+    (verdicts,) = fetch(verifying(logits, seqs, counts, eos_token_ids))
+    return verdicts
+
+
+def verifying(logits: torch.Tensor, seqs: list[DraftRows], counts: PenaltyCounts | None = None,
+              eos_token_ids: frozenset[int] = frozenset()) -> Fetch[list[Verified]]:  # fmt: skip
+    """:func:`verify`'s device work: the verdicts, still to fetch (with others, in the step's one transfer); reading
+    them tells ``counts`` what its slots now count."""
     logits = logits.float()
     params = [s.params for s in seqs for _ in range(len(s.drafts) + 1)]
     targets = [t for s in seqs for t in (*s.drafts, -1)]  # -1: the bonus row has no draft
@@ -93,11 +103,14 @@ def verify(logits: torch.Tensor, seqs: list[DraftRows], counts: PenaltyCounts | 
         counts.record_kept(controls.slots, controls.slots_t, tokens[pen], emitted[pen])
     k = min(max(p.logprobs for p in params), logits.shape[-1])
     parts = [*logprob_parts(logits, tokens, k), accepted]
-    host = torch.cat([p.reshape(-1).double() for p in parts]).tolist()  # the one device->host transfer
-    verdicts = _verdicts(host, seqs, k)
-    if controls is not None and controls.penalized is not None:
-        counts.set_counted(_counted(controls.slots, seqs, verdicts))
-    return verdicts
+
+    def read(host: list[float]) -> list[Verified]:
+        verdicts = _verdicts(host, seqs, k)
+        if controls is not None and controls.penalized is not None:
+            counts.set_counted(_counted(controls.slots, seqs, verdicts))
+        return verdicts
+
+    return Fetch(parts, read)
 
 
 def _plan(seqs: list[DraftRows], params: list[SamplingParams], counts: PenaltyCounts,

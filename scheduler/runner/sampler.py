@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from scheduler.core.params import SamplingParams
+from scheduler.runner.host_fetch import Fetch, fetch
 from scheduler.runner.logits_processors import (
     PenaltyCounts,
     TokenHistory,
@@ -79,6 +80,15 @@ class Sampler:
         Everything runs on the logits' device; the chosen tokens, their log-probabilities and
         ranks, the top ones and the prompt rows' come back in one device->host transfer.
         """
+        (result,) = fetch(self.prepare(logits, rows, prompt_logits, prompt))
+        return result
+
+    def prepare(
+        self, logits: torch.Tensor, rows: Sequence[SampleRow], prompt_logits: torch.Tensor | None = None,
+        prompt: PromptRows | None = None,
+    ) -> Fetch[SampleResult]:  # fmt: skip
+        """:meth:`__call__`'s device work (the draws, the penalty counts): its result, still to fetch (with others,
+        in the step's one transfer)."""
         logits = logits.float()  # a no-op for the model's float32 logits
         params = [r.params for r in rows]
         controls = plan_controls(params, [r.history for r in rows], self.counts, self.eos_token_ids)
@@ -99,8 +109,7 @@ class Sampler:
             kp = min(max(prompt.num_top), vocab)
             (targets,) = upload(logits.device, [prompt.targets], torch.int64)
             parts += logprob_parts(prompt_logits.float(), targets, kp)[1:]
-        host = torch.cat([p.reshape(-1).double() for p in parts]).tolist()  # the step's one device->host transfer
-        return _unpack(host, params, k, prompt, kp)
+        return Fetch(parts, lambda host: _unpack(host, params, k, prompt, kp))
 
 
 def sample(

@@ -15,11 +15,11 @@ def salted(params) -> bool:
 def plant_sampling_fault(monkeypatch, is_faulty: Callable[[object], bool] = salted, after: int = 0) -> None:
     """Make the engine's sampler raise for any batch that holds a faulty request, once it has sampled ``after`` times.
 
-    The sampler runs first, so a failed attempt has advanced the batch's seeded generators.
+    The sampler's device work runs first, so a failed attempt has advanced the batch's seeded generators.
     """
     from scheduler.runner.sampler import Sampler
 
-    real, seen = Sampler.__call__, [0]
+    real, seen = Sampler.prepare, [0]
 
     def sample(self, logits, rows, prompt_logits=None, prompt=None):
         result = real(self, logits, rows, prompt_logits, prompt)
@@ -29,7 +29,7 @@ def plant_sampling_fault(monkeypatch, is_faulty: Callable[[object], bool] = salt
             seen[0] += 1
         return result
 
-    monkeypatch.setattr(Sampler, "__call__", sample)
+    monkeypatch.setattr(Sampler, "prepare", sample)
 
 
 def plant_bookkeeping_fault(monkeypatch, scheduler, is_faulty: Callable[[object], bool], after: int) -> None:

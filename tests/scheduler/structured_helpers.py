@@ -78,14 +78,14 @@ class Forcing:
     def __init__(self, sampler, force: Callable[[object], int | None]) -> None:
         self.sampler, self.force = sampler, force
 
-    def __call__(self, logits: torch.Tensor, rows, *rest):
+    def prepare(self, logits: torch.Tensor, rows, *rest):
         with torch.inference_mode():  # the model's logits are inference tensors
             for i, row in enumerate(rows):
                 token = self.force(row.history)  # the row's sequence
                 if token is not None:
                     logits[i] = -math.inf
                     logits[i, token] = 0.0
-        return self.sampler(logits, rows, *rest)
+        return self.sampler.prepare(logits, rows, *rest)
 
     def __getattr__(self, name: str):
         return getattr(self.sampler, name)

@@ -99,7 +99,7 @@ def test_parallel_samples_with_preemption(looping_hf):
 def _multi_token_steps(looping_hf, prompts, params):
     """A run with drafts that records, per request, each verification's (first output index, tokens), in order."""
     engine = make_engine(looping_hf, speculative=SPEC)
-    verify, steps = engine.spec.verify, {}
+    verify, steps = engine.spec.sample_and_verify, {}
 
     def recorded(*args, **kwargs):
         tokens = verify(*args, **kwargs)
@@ -110,7 +110,7 @@ def _multi_token_steps(looping_hf, prompts, params):
             steps.setdefault(request_id, []).append(emitted)
         return tokens
 
-    engine.spec.verify = recorded
+    engine.spec.sample_and_verify = recorded
     return engine.generate(prompts, params, use_tqdm=False), steps
 
 
