@@ -119,7 +119,7 @@ class SpecDecode:
         return sampled + self.verify(out, logits, entries, sampling, verify_failed)
 
     def verify(self, out: SchedulerOutput, logits: torch.Tensor, entries: list[DraftEntry], sampling: StepSampling,
-               failed: dict[SequenceGroup, BaseException]) -> list[SampledToken]:  # fmt: skip
+               failed: Failed) -> list[SampledToken]:  # fmt: skip
         """The tokens each drafting sequence keeps (its accepted drafts, then one more), in one transfer; a request
         whose verification raises goes into ``failed`` (found by halving, as sampling's)."""
         drafts = _drafts_of(out)

@@ -41,7 +41,7 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 
 import torch
@@ -72,7 +72,9 @@ class StructuredOutputs:
         self.num_compiled = 0  # compilations so far (the cache's misses, invalid constraints included)
         self._filler = xgr.BatchGrammarMatcher()
         self._pin = device.type == "cuda"
-        self._bitmask = self._allocate(0)  # host rows, grown to the largest step: [S, ceil(V / 32)] int32
+        # host rows, grown to the largest step: [S, ceil(V / 32)] int32; one for the sampled rows, one for the draft
+        # rows: a step uploads each once, both before its one device->host transfer (the sync that frees them)
+        self._bitmasks = {"sampled": self._allocate(0), "drafts": self._allocate(0)}
         self._backend = "triton" if device.type == "cuda" else "torch_native"
 
     def grammar(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
@@ -93,7 +95,7 @@ class StructuredOutputs:
         matchers = {i: self._matcher(*samples[i][:2]) for i in constrained}
         rows = [i for i in constrained if samples[i][1].grammar_holds]  # a waiting row is free
         if rows:
-            self._apply(logits, rows, lambda host: self._filler.batch_fill_next_token_bitmask(
+            self._apply("sampled", logits, rows, lambda host: self._filler.batch_fill_next_token_bitmask(
                 [matchers[i] for i in rows], host, indices=rows))  # fmt: skip
 
     def mask_drafts(self, seqs: Seq[tuple[SequenceGroup, Sequence, Seq[int]]], logits: torch.Tensor) -> None:
@@ -110,15 +112,15 @@ class StructuredOutputs:
                     _fill_draft_rows(host, rows, at, seq, drafts)
                 at += len(drafts) + 1
 
-        self._apply(logits, rows, fill)
+        self._apply("drafts", logits, rows, fill)
 
-    def _apply(self, logits: torch.Tensor, rows: list[int], fill) -> None:
-        """``fill(host)`` the host bitmask rows (of ``logits``' rows), upload them once and set the logits of the
-        tokens they forbid to -inf in ``rows`` (``rows`` is read after ``fill``; none: nothing)."""
-        if self._bitmask.shape[0] < logits.shape[0]:
-            self._bitmask = self._allocate(logits.shape[0])
-        # the previous step's upload finished: its sampling read the sampled tokens back
-        host = self._bitmask[: logits.shape[0]]  # rows not in ``rows`` hold stale bits and are not read
+    def _apply(self, buffer: str, logits: torch.Tensor, rows: list[int], fill: Callable[[torch.Tensor], None]) -> None:
+        """``fill(host)`` the host bitmask rows (``buffer``'s, a row per row of ``logits``), upload them once and set
+        the logits of the tokens they forbid to -inf in ``rows`` (read after ``fill``; none: nothing)."""
+        if self._bitmasks[buffer].shape[0] < logits.shape[0]:
+            self._bitmasks[buffer] = self._allocate(logits.shape[0])
+        # the previous step's upload of this buffer finished: the step read its results back
+        host = self._bitmasks[buffer][: logits.shape[0]]  # rows not in ``rows`` hold stale bits and are not read
         fill(host)
         if not rows:
             return
