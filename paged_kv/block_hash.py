@@ -35,15 +35,18 @@ def root_hash(cache_salt: str | bytes | None = None) -> BlockHash:
     return h.digest()
 
 
-def salt_root(cache_salt: str | None) -> BlockHash:
-    """``root_hash(cache_salt)`` of a str or None salt (else InvalidArgumentError), remembered for recent salts."""
-    if cache_salt is not None and not isinstance(cache_salt, str):
-        raise InvalidArgumentError(describe("cache_salt", cache_salt, "a str or None"))
+def salt_root(cache_salt: str | bytes | None) -> BlockHash:
+    """``root_hash(cache_salt)`` of a str, bytes or None salt (else InvalidArgumentError), remembered for recent salts.
+
+    A user's salt is a str; bytes salts are the engine's own keys (a LoRA adapter's, with the request's salt
+    inside): typed apart in the hash, no str salt roots the chain a bytes salt does."""
+    if cache_salt is not None and not isinstance(cache_salt, (str, bytes)):
+        raise InvalidArgumentError(describe("cache_salt", cache_salt, "a str, bytes or None"))
     return _root_cached(cache_salt)
 
 
 @functools.lru_cache(maxsize=ROOT_CACHE_SIZE)
-def _root_cached(cache_salt: str | None) -> BlockHash:
+def _root_cached(cache_salt: str | bytes | None) -> BlockHash:
     """``root_hash(cache_salt)``, remembered for the most recently used salts (bounded: salts are per tenant)."""
     return root_hash(cache_salt)
 
@@ -82,7 +85,7 @@ class BlockHashes:
 
     __slots__ = ("block_size", "root", "hashes", "contents", "tail", "num_tokens")
 
-    def __init__(self, block_size: int, *, cache_salt: str | None = None) -> None:
+    def __init__(self, block_size: int, *, cache_salt: str | bytes | None = None) -> None:
         self._start(check_int("block_size", block_size, low=1, high=MAX_BLOCK_SIZE), salt_root(cache_salt))
 
     def _start(self, block_size: int, root: BlockHash) -> BlockHashes:

@@ -155,7 +155,7 @@ class BlockManager(PositionalEdits, CacheTiers):
 
     # -- admission and allocate -------------------------------------------
     def num_cached_tokens(
-        self, token_ids: Tokens, *, cache_salt: str | None = None, hashes: BlockHashes | None = None
+        self, token_ids: Tokens, *, cache_salt: str | bytes | None = None, hashes: BlockHashes | None = None
     ) -> int:
         """Leading tokens a new allocation of ``token_ids`` would find in the prefix cache (``hashes``: as allocate)."""
         ids = as_token_array("token_ids", token_ids)
@@ -164,7 +164,7 @@ class BlockManager(PositionalEdits, CacheTiers):
         return (len(hits) + len(self._host_hits(h, len(hits), n))) * self.block_size
 
     def admission(
-        self, requests: Iterable[tuple[Tokens, BlockHashes | None]], *, cache_salt: str | None = None
+        self, requests: Iterable[tuple[Tokens, BlockHashes | None]], *, cache_salt: str | bytes | None = None
     ) -> Admission:
         """The prefix hits of one group's ``(token_ids, hashes or None)`` requests, to ask ``fits`` of.
 
@@ -182,7 +182,7 @@ class BlockManager(PositionalEdits, CacheTiers):
                          _version=self._version, _hits=tuple(hits), _lengths=tuple(lengths))  # fmt: skip
 
     def can_allocate(
-        self, token_ids: Tokens, *, cache_salt: str | None = None, hashes: BlockHashes | None = None,
+        self, token_ids: Tokens, *, cache_salt: str | bytes | None = None, hashes: BlockHashes | None = None,
         num_lookahead_slots: int = 0,
     ) -> bool:
         """Whether ``allocate`` would succeed and leave the watermark of free blocks intact."""
@@ -215,8 +215,8 @@ class BlockManager(PositionalEdits, CacheTiers):
         return self.gpu.num_free - need >= self.config.watermark_blocks
 
     def allocate(
-        self, seq_id: SeqId, token_ids: Tokens, *, cache_salt: str | None = None, hashes: BlockHashes | None = None,
-        num_lookahead_slots: int = 0, num_queried: int | None = None, priority: int = 0,
+        self, seq_id: SeqId, token_ids: Tokens, *, cache_salt: str | bytes | None = None,
+        hashes: BlockHashes | None = None, num_lookahead_slots: int = 0, num_queried: int | None = None, priority: int = 0,
     ) -> int:
         """Give a new sequence blocks for its prompt; return how many leading tokens were cached.
 
@@ -267,7 +267,9 @@ class BlockManager(PositionalEdits, CacheTiers):
             self._hits.record(queried, cached)
         return cached
 
-    def _stream(self, ids: array | None, cache_salt: str | None, hashes: BlockHashes | None) -> BlockHashes | None:
+    def _stream(
+        self, ids: array | None, cache_salt: str | bytes | None, hashes: BlockHashes | None
+    ) -> BlockHashes | None:
         """The hashes of a new stream of ``ids`` (None if it is not cached): ``hashes``, checked and extended where
         it does not cover them, or a new object."""
         root = salt_root(cache_salt)

@@ -59,7 +59,7 @@ class CacheTiers:
             self._owed += records
 
     # -- pinned prefixes ---------------------------------------------------
-    def pin(self, pin_id: Hashable, token_ids: Tokens, *, cache_salt: str | None = None) -> int:
+    def pin(self, pin_id: Hashable, token_ids: Tokens, *, cache_salt: str | bytes | None = None) -> int:
         """Hold the cached device blocks of ``token_ids``'s leading full blocks while pinned; return tokens held.
 
         Pinned blocks are referenced, so never evicted. Only the run cached now is held: pin
@@ -106,7 +106,7 @@ class CacheTiers:
         pinned = dict.fromkeys(b for blocks in self._pins.values() for b in blocks)
         return [records[b] for b in pinned if b in records]
 
-    def num_pinned_blocks_apart(self, token_ids: Tokens, *, cache_salt: str | None = None) -> int:
+    def num_pinned_blocks_apart(self, token_ids: Tokens, *, cache_salt: str | bytes | None = None) -> int:
         """Device blocks held by pinned prefixes that a new allocation of ``token_ids`` would not share (hit)."""
         ids = as_token_array("token_ids", token_ids)
         salt_root(cache_salt)
@@ -119,7 +119,7 @@ class CacheTiers:
         return len(pinned.difference(self._hits_of(self._stream(head, cache_salt, None), len(head))))
 
     def chain_past_cache(
-        self, token_ids: Tokens, *, cache_salt: str | None = None, hashes: BlockHashes | None = None
+        self, token_ids: Tokens, *, cache_salt: str | bytes | None = None, hashes: BlockHashes | None = None
     ) -> tuple[BlockHash, list[BlockHash], list[bytes]]:
         """The full blocks of a prompt past its device and host hits (never its last token): a lower tier's query.
 

@@ -1,6 +1,7 @@
 """The serving engine: continuous batching over the paged KV cache with a Llama-family model."""
 
-from scheduler.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from scheduler.core.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
+from scheduler.core.lora_request import LoRARequest
 from scheduler.core.outputs import CompletionOutput, RequestOutput
 from scheduler.core.params import SamplingParams
 from scheduler.core.speculative_config import SpeculativeConfig
@@ -13,6 +14,6 @@ from scheduler.model.weights import from_hf_model, from_state_dict
 
 __all__ = [
     "BeamSearch", "BeamSearchOutput", "BeamSearchParams", "CacheConfig", "CompletionOutput", "EngineConfig",
-    "LLM", "LLMEngine", "LlamaModel", "ModelConfig", "RequestOutput", "SamplingParams", "SchedulerConfig",
-    "SpeculativeConfig", "StructuredOutputsParams", "from_hf_model", "from_state_dict",
+    "LLM", "LLMEngine", "LlamaModel", "LoRAConfig", "LoRARequest", "ModelConfig", "RequestOutput", "SamplingParams",
+    "SchedulerConfig", "SpeculativeConfig", "StructuredOutputsParams", "from_hf_model", "from_state_dict",
 ]

@@ -127,6 +127,31 @@ class CacheConfig:
                                                 "in the host tier)"))
 
 
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's --max-lora-rank choices (1: tests and toys)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoRAConfig:
+    """Multi-LoRA serving (scheduler.core.lora_request): adapters per step, their largest rank, adapters kept loaded."""
+
+    max_loras: int = 1  # distinct adapters in one step (device slots); a request through another one waits
+    max_lora_rank: int = 16  # slots are padded to this rank; an adapter of a larger rank is refused
+    # adapters kept loaded in host memory, the least recently requested dropped first; None: max_loras
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        check_int("max_loras", self.max_loras, low=1, high=1 << 10)
+        if self.max_lora_rank not in MAX_LORA_RANKS:
+            raise InvalidArgumentError(describe("max_lora_rank", self.max_lora_rank, f"one of {MAX_LORA_RANKS}"))
+        if self.max_cpu_loras is not None:
+            check_int("max_cpu_loras", self.max_cpu_loras, low=self.max_loras, high=1 << 16)
+
+    @property
+    def num_cpu_loras(self) -> int:
+        """Adapters kept loaded: ``max_cpu_loras``, or ``max_loras`` when None."""
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """Everything the engine needs besides the model: cache, scheduler and device."""
@@ -141,6 +166,8 @@ class EngineConfig:
     kv_events: KVEventsConfig | None = None  # KV cache events for routers (vLLM's format, on ZeroMQ); None: off
     # n-gram speculative decoding (vLLM's --speculative-config; scheduler.engine.spec_decode); None: off
     speculative_config: SpeculativeConfig | None = None
+    # vLLM's --enable-lora and its options: requests may name PEFT LoRA adapters; None: off (no adapter served)
+    lora_config: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.enforce_eager, bool):
@@ -156,6 +183,7 @@ class EngineConfig:
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
             raise InvalidArgumentError(describe("speculative_config", self.speculative_config,
                                                 "a SpeculativeConfig or None"))
+        self._check_lora()
         if self.tensor_parallel_size > 1 and self.cache.kv_offloading_bytes:
             raise InvalidArgumentError(describe("cache.kv_offloading_bytes", self.cache.kv_offloading_bytes,
                                                 "0 with tensor_parallel_size > 1 (tiers run on one rank)"))
@@ -165,6 +193,16 @@ class EngineConfig:
             )
         if self.device is not None:
             check_device("device", self.device)
+
+    def _check_lora(self) -> None:
+        """A LoRAConfig or None; LoRA runs on one rank only."""
+        if self.lora_config is None:
+            return
+        if not isinstance(self.lora_config, LoRAConfig):
+            raise InvalidArgumentError(describe("lora_config", self.lora_config, "a LoRAConfig or None"))
+        if self.tensor_parallel_size > 1:
+            raise InvalidArgumentError(describe("lora_config", self.lora_config,
+                                                "None with tensor_parallel_size > 1 (LoRA runs on one rank)"))
 
     def resolved_device(self) -> torch.device:
         """The device the model and the KV cache live on."""

@@ -75,6 +75,7 @@ from paged_kv.block_manager import BlockManager, CopyOp
 from paged_kv.config import PRIORITY_MAX, PRIORITY_MIN
 from paged_kv.errors import DuplicateSequenceError, OutOfBlocksError, UnknownSequenceError, check_int, describe
 from scheduler.core.config import SchedulerConfig
+from scheduler.core.lora_request import LoRAKey
 from scheduler.core.params import SamplingParams
 from scheduler.core.scheduler_output import SampledToken, ScheduledSeq, SchedulerOutput
 from scheduler.core.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -111,10 +112,13 @@ class Scheduler:
     def __init__(
         self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: Iterable[int] = (), *,
         prefetch: Prefetcher | None = None, max_model_len: int | None = None, proposer: Proposer | None = None,
+        max_loras: int = 0,
     ) -> None:  # fmt: skip
         """``max_model_len``: a sample that holds that many tokens stops with "length" (None: only at max_tokens).
-        ``proposer``: drafts for the decode sequences of groups with ``speculative`` set (None: no drafts)."""
+        ``proposer``: drafts for the decode sequences of groups with ``speculative`` set (None: no drafts).
+        ``max_loras``: LoRA adapters the running groups may use at once (a group through another one waits)."""
         self.config = config
+        self.max_loras = max_loras
         self.bm = block_manager
         self.max_model_len = max_model_len
         self.prefetch = prefetch  # brings a waiting prompt's blocks from a lower tier into the host tier
@@ -135,7 +139,7 @@ class Scheduler:
     # -- requests ---------------------------------------------------------
     def add_request(
         self, request_id: str, prompt: list[int], params: SamplingParams, *, fork_samples: bool = True,
-        priority: int = 0,
+        priority: int = 0, lora: LoRAKey | None = None,
     ) -> SequenceGroup:
         """Queue a request: one sequence, and ``params.n`` sequence slots reserved for it.
 
@@ -147,11 +151,13 @@ class Scheduler:
         check_int("priority", priority, low=PRIORITY_MIN, high=PRIORITY_MAX)
         if request_id in self.requests:
             raise DuplicateSequenceError(describe("request_id", request_id, "an id not already in use"))
-        seq = Sequence(next(self._ids), 0, prompt, self._new_hashes(params.cache_salt))
+        unforked = list(range(1, params.n)) if fork_samples else []
+        group = SequenceGroup(request_id, [], params, max_seqs=params.n, unforked=unforked, priority=priority,
+                              lora=lora)  # fmt: skip
+        seq = Sequence(next(self._ids), 0, prompt, self._new_hashes(group.cache_salt))
+        group.seqs.append(seq)
         if params.structured_outputs is not None:  # a grammar that starts after a marker waits for it
             seq.grammar_after = params.structured_outputs.waits(prompt)
-        unforked = list(range(1, params.n)) if fork_samples else []
-        group = SequenceGroup(request_id, [seq], params, max_seqs=params.n, unforked=unforked, priority=priority)
         self.requests[request_id] = group
         group.set_status(SequenceStatus.WAITING)
         if self._by_priority:
@@ -171,7 +177,7 @@ class Scheduler:
         else:
             _insert_by_arrival(queue, group)
 
-    def _new_hashes(self, cache_salt: str | None) -> BlockHashes | None:
+    def _new_hashes(self, cache_salt: str | bytes | None) -> BlockHashes | None:
         """A request's block hashes, kept with it and grown by the block manager (None: no prefix caching)."""
         return BlockHashes(self.bm.block_size, cache_salt=cache_salt) if self.bm.config.enable_prefix_caching else None
 
@@ -657,7 +663,7 @@ class Scheduler:
 
     def _start(self, group: SequenceGroup, plan: list[tuple[Sequence, int, int]], step: SchedulerOutput) -> None:
         """Allocate a waiting group's planned tokens (prefix-cache hits skipped), schedule them, and run it."""
-        salt = group.params.cache_salt
+        salt = group.cache_salt
         for seq, cached, n in plan:
             if group.reads_prefix_cache:
                 ids = seq.token_ids[: cached + n]
@@ -676,7 +682,7 @@ class Scheduler:
         """Whether a waiting group's blocks of a lower tier are in the host tier (reads of the others started)."""
         if self.prefetch is None or not group.reads_prefix_cache:
             return True
-        ready, salt = True, group.params.cache_salt
+        ready, salt = True, group.cache_salt
         for seq in group.active():
             ids = seq.token_ids[: seq.num_computed + _num_to_compute(group, seq)]
             ready &= self.prefetch.prefetch(seq.seq_id, ids, seq.block_hashes, salt, wait=wait)
@@ -694,7 +700,7 @@ class Scheduler:
         requests = zip(tokens, (s.block_hashes for s in seqs))
         if not group.reads_prefix_cache:
             requests = [(len(t), None) for t in tokens]  # counts of anonymous tokens: nothing cached
-        admission = self.bm.admission(requests, cache_salt=group.params.cache_salt)
+        admission = self.bm.admission(requests, cache_salt=group.cache_salt)
         plan, left = [], self._tokens_left(step)
         for i, (seq, cached) in enumerate(zip(seqs, admission.cached)):
             n, mine = len(tokens[i]) - cached, left - (len(seqs) - 1 - i)
@@ -715,9 +721,16 @@ class Scheduler:
             self.running.append(group)
 
     def _fits_seqs(self, group: SequenceGroup) -> bool:
-        """Whether the running groups' reserved sequences leave room for ``group``'s."""
+        """Whether the running groups' reserved sequences leave room for ``group``'s, and their adapters for its."""
         running = sum(g.num_seqs_reserved() for g in self.running)
-        return running + group.num_seqs_reserved() <= self.config.max_num_seqs
+        return running + group.num_seqs_reserved() <= self.config.max_num_seqs and self._fits_lora(group)
+
+    def _fits_lora(self, group: SequenceGroup) -> bool:
+        """Whether ``group``'s adapter (if any) runs beside the running groups' within ``max_loras``."""
+        if group.lora is None:
+            return True
+        adapters = {g.lora for g in self.running if g.lora is not None}
+        return group.lora in adapters or len(adapters) < self.max_loras
 
 
 def _insert_by_arrival(queue: deque[SequenceGroup], group: SequenceGroup) -> None:

@@ -20,6 +20,7 @@ import torch
 
 from paged_kv.block_hash import BlockHashes
 from paged_kv.errors import SequenceStateError, describe
+from scheduler.core.lora_request import LoRAKey
 from scheduler.core.params import SamplingParams
 
 
@@ -219,10 +220,17 @@ class SequenceGroup:
     # speculative decoding: its decode sequences may run drafts (set at admission by the engine when it drafts and
     # the request's parameters are served exactly by verification; see scheduler.engine.spec_decode)
     speculative: bool = False
+    # the LoRA adapter every sequence of the request runs through (forks and restarts keep it); None: the base model
+    lora: LoRAKey | None = None
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs, self.prompt_ranks = [None], [None]
+
+    @property
+    def cache_salt(self) -> str | bytes | None:
+        """The root of its block hashes: the request's cache salt, under its adapter's key when it has one."""
+        return self.params.cache_salt if self.lora is None else self.lora.cache_salt(self.params.cache_salt)
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -6,18 +6,25 @@ vLLM's ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` events, one bat
 to the publisher. A block's parent is its chain's previous hash; a prompt's first block has
 the root hash of its cache salt as parent (it never appears as a block hash, so a router reads
 it as vLLM's ``None``).
+
+A block computed through a LoRA adapter names it (``lora_name``, ``lora_id``): the engine names the
+root of each adapter's chains (:meth:`CacheEvents.name_root`), and a stored block whose parent is
+named inherits its name. The names are remembered per hash for the last ``MAX_NAMED`` blocks.
 """
 
 from __future__ import annotations
 
 from array import array
+from collections import OrderedDict
 from typing import Protocol
 
 from paged_kv.block_manager import BlockManager
 from paged_kv.block_pool import CLEARED, DROPPED, EVICTED, STORED
 from scheduler.core.kv_events_config import KVEventsConfig
 from scheduler.engine.kv_event_publisher import EventPublisher, make_publisher
-from scheduler.engine.kv_events import MEDIUM_STORAGE, KVEventRecorder
+from scheduler.engine.kv_events import MEDIUM_STORAGE, KVEventRecorder, LoRATag
+
+MAX_NAMED = 1 << 20  # block hashes whose adapter is remembered (the oldest forgotten first)
 
 
 class DiskJournal(Protocol):
@@ -40,6 +47,24 @@ class CacheEvents:
         self.disk = disk
         self.recorder = KVEventRecorder()
         self.publisher: EventPublisher = make_publisher(config)
+        self._lora: OrderedDict[bytes, LoRATag] = OrderedDict()  # hash (or adapter root) -> its adapter
+
+    def name_root(self, root: bytes, name: str, lora_id: int) -> None:
+        """Name the adapter whose chains start at ``root`` (blocks stored after it carry the name)."""
+        self._tag(root, (lora_id, name))
+
+    def _tag(self, h: bytes, tag: LoRATag) -> None:
+        self._lora[h] = tag
+        self._lora.move_to_end(h)
+        if len(self._lora) > MAX_NAMED:
+            self._lora.popitem(last=False)
+
+    def _lora_of(self, h: bytes, parent: bytes | None) -> LoRATag | None:
+        """A stored block's adapter: its parent's (remembered for the block too), or None."""
+        tag = self._lora.get(parent) if parent is not None else None
+        if tag is not None:
+            self._tag(h, tag)
+        return tag
 
     def after_step(self) -> None:
         """Record the step's cache changes and publish them as one batch (nothing if none)."""
@@ -53,7 +78,7 @@ class CacheEvents:
         bs, recorder, cleared = self.bm.block_size, self.recorder, False
         for medium, (kind, _, h, parent, tokens) in self.bm.take_cache_events():
             if kind == STORED:
-                recorder.stored([h], parent, _ids(tokens), bs, medium)
+                recorder.stored([h], parent, _ids(tokens), bs, medium, lora=self._lora_of(h, parent))
             elif kind in (EVICTED, DROPPED):
                 recorder.removed([h], medium)
             elif kind == CLEARED:
@@ -71,7 +96,8 @@ class CacheEvents:
         for kind, blocks in changes:
             for b in blocks:
                 if kind == "stored":
-                    self.recorder.stored([b.hash], b.parent, _ids(b.tokens), self.bm.block_size, MEDIUM_STORAGE)
+                    self.recorder.stored([b.hash], b.parent, _ids(b.tokens), self.bm.block_size, MEDIUM_STORAGE,
+                                         lora=self._lora_of(b.hash, b.parent))  # fmt: skip
                 else:
                     self.recorder.removed([b.hash], MEDIUM_STORAGE)
 

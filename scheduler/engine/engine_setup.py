@@ -30,6 +30,7 @@ from scheduler.distributed.parallel_state import TPShard
 from scheduler.engine.tiered_cache import TieredCache, model_identity
 from scheduler.model.llama import LlamaModel
 from scheduler.runner.cascade_plan import min_saved_tokens
+from scheduler.runner.lora_manager import LoRAManager
 from scheduler.runner.memory import plan_kv_memory
 from scheduler.runner.model_runner import ModelRunner
 from scheduler.runner.step_input import StepInputBuilder
@@ -118,6 +119,16 @@ def make_runner(model: LlamaModel, spec: KVCacheSpec, num_blocks: int, config: E
     if graphs:
         _capture_graphs(runner, config.scheduler.max_num_seqs, width)
     return runner
+
+
+def make_loras(model: LlamaModel, config: EngineConfig) -> LoRAManager | None:
+    """The adapters' manager (device slots attached to the model) when LoRA is on, else None (the model untouched)."""
+    if config.lora_config is None:
+        return None
+    lc = config.lora_config
+    logger.info("LoRA: %d adapters per step, rank <= %d, %d kept loaded", lc.max_loras, lc.max_lora_rank,
+                lc.num_cpu_loras)  # fmt: skip
+    return LoRAManager(model, lc)
 
 
 def _capture_graphs(runner: ModelRunner, max_num_seqs: int, width: int) -> None:

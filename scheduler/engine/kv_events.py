@@ -117,6 +117,9 @@ def _layout(cls: type) -> tuple[tuple[str, ...], tuple[Any, ...], int]:
     return tuple(f.name for f in fields), tuple(f.default for f in fields), required
 
 
+LoRATag = tuple[int, str]  # a block's adapter: (lora_id, lora_name)
+
+
 class KVEventRecorder:
     """Collects the events of one engine step in order; ``take_batch`` hands them over as one batch.
 
@@ -131,17 +134,20 @@ class KVEventRecorder:
         return len(self._events)
 
     def stored(self, hashes: Sequence[bytes], parent: bytes | None, token_ids: Sequence[int], block_size: int,
-               medium: str = MEDIUM_GPU) -> None:  # fmt: skip
-        """Record that the full blocks ``hashes`` (a chain after ``parent``) holding ``token_ids`` were cached."""
+               medium: str = MEDIUM_GPU, *, lora: LoRATag | None = None) -> None:  # fmt: skip
+        """Record that the full blocks ``hashes`` (a chain after ``parent``) holding ``token_ids`` were cached
+        (``lora``: the (lora_id, lora_name) of the adapter they were computed through)."""
         hashes, tokens = _check_stored(hashes, parent, token_ids, block_size, medium)
+        lora_id, lora_name = lora if lora is not None else (None, None)
         last = self._events[-1] if self._events else None
         if (isinstance(last, BlockStored) and parent is not None and last.block_hashes[-1] == parent
-                and last.medium == medium and last.block_size == block_size):  # fmt: skip
+                and last.medium == medium and last.block_size == block_size
+                and last.lora_name == lora_name):  # fmt: skip
             last.block_hashes.extend(hashes)
             last.token_ids.extend(tokens)
             return
         event = BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=block_size,
-                            lora_id=None, medium=medium, lora_name=None)  # fmt: skip
+                            lora_id=lora_id, medium=medium, lora_name=lora_name)  # fmt: skip
         self._events.append(event)
 
     def removed(self, hashes: Sequence[bytes], medium: str = MEDIUM_GPU) -> None:

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm.auto import tqdm
 
+from paged_kv.block_hash import salt_root
 from paged_kv.errors import (
     InvalidArgumentError,
     UnknownSequenceError,
@@ -57,6 +58,7 @@ from paged_kv.errors import (
     describe,
 )
 from scheduler.core.config import EngineConfig
+from scheduler.core.lora_request import LoRAKey, LoRARequest, lora_per_prompt
 from scheduler.core.outputs import RequestOutput
 from scheduler.core.params import SamplingParams, per_prompt
 from scheduler.core.scheduler import Scheduler
@@ -70,6 +72,7 @@ from scheduler.engine.engine_setup import (
     eos_id_set,
     kv_events,
     make_block_manager,
+    make_loras,
     make_runner,
     make_tiers,
     num_gpu_blocks,
@@ -114,12 +117,14 @@ class LLMEngine:
         num_blocks = num_gpu_blocks(model, spec, config, self.device, graphs)
         self.block_manager = make_block_manager(spec, cc, num_blocks, track_events=events is not None)
         self.runner = make_runner(model, spec, num_blocks, config, self.device, self.executor, graphs)
+        self.runner.loras = make_loras(model, config)
         self.tiers = make_tiers(model, spec, cc, self.block_manager, self.runner)
         prefetch = self.tiers.prefetch if self.tiers is not None else None
         self.spec = SpecDecode(config.speculative_config) if config.speculative_config is not None else None
         self.scheduler = Scheduler(config.scheduler, self.block_manager, eos_ids, prefetch=prefetch,
                                    max_model_len=model.config.max_position_embeddings,
-                                   proposer=self.spec.proposer if self.spec is not None else None)  # fmt: skip
+                                   proposer=self.spec.proposer if self.spec is not None else None,
+                                   max_loras=config.lora_config.max_loras if config.lora_config else 0)  # fmt: skip
         self.pins = PinnedPrefixes(self.block_manager, self._warm_up)
         disk = self.tiers.disk if self.tiers is not None else None
         self.cache_events = None if events is None else CacheEvents(events, self.block_manager, disk)
@@ -172,43 +177,47 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------
     def add_request(
         self, request_id: str, prompt_token_ids: Seq[int], sampling_params: SamplingParams | None = None,
-        *, fork_samples: bool = True, priority: int = 0,
+        *, fork_samples: bool = True, priority: int = 0, lora_request: LoRARequest | None = None,
     ) -> SequenceGroup:  # fmt: skip
-        """Queue a request; raises (engine unchanged) on a bad id, prompt or parameters.
+        """Queue a request; raises (engine unchanged) on a bad id, prompt, parameters or adapter.
 
         ``fork_samples=False``: the caller forks the request's sequences itself (see :meth:`step`).
         ``priority`` (vLLM's: lower is more important) orders the eviction of its cached blocks, and its scheduling
-        under ``scheduling_policy="priority"``.
+        under ``scheduling_policy="priority"``. ``lora_request``: the LoRA adapter it runs through (loaded now).
         """
         check_bool("fork_samples", fork_samples)
-        prompt, params = self.check_request(request_id, prompt_token_ids, sampling_params)
+        lora = self.load_lora(lora_request)
+        prompt, params = self.check_request(request_id, prompt_token_ids, sampling_params, lora=lora)
         if not fork_samples and params.structured_outputs is not None:  # a caller's selection would skip the mask
             raise InvalidArgumentError(describe("fork_samples", False, "True with structured_outputs (no beam search)"))
-        group = self.scheduler.add_request(request_id, prompt, params, fork_samples=fork_samples, priority=priority)
+        group = self._name_lora(self.scheduler.add_request(request_id, prompt, params, fork_samples=fork_samples,
+                                                           priority=priority, lora=lora))  # fmt: skip
         if self.spec is not None:  # drafts only where verification gives exactly the request's tokens
             group.speculative = self.spec.serves(params, fork_samples=fork_samples)
         return group
 
     def add_beam_search(
         self, request_id: str, prompt_token_ids: Seq[int], params: BeamSearchParams, *, priority: int = 0,
-        measure: bool = False,
+        measure: bool = False, lora_request: LoRARequest | None = None,
     ) -> BeamRequest:  # fmt: skip
         """Queue a beam search (transformers' semantics: :mod:`scheduler.engine.beam_selection`); raises, engine
         unchanged, on a bad one. It runs in the same steps as the sampled requests; :meth:`step` returns it once
         done, its outputs the hypotheses best first. The returned state holds its scores and, with ``measure``,
-        its memory figures (its beams' block tables read each step)."""
+        its memory figures (its beams' block tables read each step). Every beam runs through ``lora_request``."""
         check_bool("measure", measure)
-        prompt, sampling = self.check_beam_search(request_id, prompt_token_ids, params)
-        group = self.scheduler.add_request(request_id, prompt, sampling, fork_samples=False, priority=priority)
+        lora = self.load_lora(lora_request)
+        prompt, sampling = self.check_beam_search(request_id, prompt_token_ids, params, lora=lora)
+        group = self._name_lora(self.scheduler.add_request(request_id, prompt, sampling, fork_samples=False,
+                                                           priority=priority, lora=lora))  # fmt: skip
         return self.beams.add(group, params, measure=measure)
 
     def check_beam_search(
-        self, request_id: str, prompt_token_ids: Seq[int], params: BeamSearchParams
+        self, request_id: str, prompt_token_ids: Seq[int], params: BeamSearchParams, *, lora: LoRAKey | None = None
     ) -> tuple[list[int], SamplingParams]:  # fmt: skip
         """Validate a beam search without queueing it: a request's checks, every beam within the model context,
         ``K`` candidates within the vocabulary; return the prompt and the engine's parameters."""
         check_type("params", params, BeamSearchParams, "a BeamSearchParams")
-        prompt, sampling = self.check_request(request_id, prompt_token_ids, params.engine_params())
+        prompt, sampling = self.check_request(request_id, prompt_token_ids, params.engine_params(), lora=lora)
         check_beam_fits(len(prompt), params, self.scheduler.eos_token_ids, self.model.config)
         return prompt, sampling
 
@@ -250,9 +259,26 @@ class LLMEngine:
             pass  # a caller chose this id for a request of its own
         return request_id
 
+    def load_lora(self, lora_request: LoRARequest | None) -> LoRAKey | None:
+        """The adapter of a request, loaded (None: the base model); typed errors when LoRA is off or it is bad."""
+        if lora_request is None:
+            return None
+        loras = self.runner.loras
+        if loras is None:
+            raise InvalidArgumentError(describe("lora_request", lora_request,
+                                                "None: LoRA is off (EngineConfig.lora_config, --enable-lora)"))
+        return loras.load(lora_request)
+
+    def _name_lora(self, group: SequenceGroup) -> SequenceGroup:
+        """Let the KV events name the adapter of ``group``'s blocks (the root of its hash chains)."""
+        if group.lora is not None and self.cache_events is not None:
+            self.cache_events.name_root(salt_root(group.cache_salt), group.lora.name, group.lora.lora_id)
+        return group
+
     def check_request(
-        self, request_id: str, prompt_token_ids: Seq[int], sampling_params: SamplingParams | None
-    ) -> tuple[list[int], SamplingParams]:
+        self, request_id: str, prompt_token_ids: Seq[int], sampling_params: SamplingParams | None,
+        *, lora: LoRAKey | None = None,
+    ) -> tuple[list[int], SamplingParams]:  # fmt: skip
         """Validate a request without queueing it; return the prompt as a list and the parameters."""
         params = sampling_params if sampling_params is not None else SamplingParams()
         check_request_id(request_id, self.scheduler.requests)
@@ -261,7 +287,8 @@ class LLMEngine:
         prompt = check_prompt(prompt_token_ids, self.model.config.vocab_size)
         check_sampling_ids(params, self.model.config.vocab_size)
         bm = self.block_manager
-        pinned = bm.num_pinned_blocks_apart(prompt, cache_salt=params.cache_salt) if bm.pinned else 0
+        salt = params.cache_salt if lora is None else lora.cache_salt(params.cache_salt)
+        pinned = bm.num_pinned_blocks_apart(prompt, cache_salt=salt) if bm.pinned else 0
         check_request_fits(len(prompt), params, self.model.config, self.config.scheduler, bm.config,
                            pinned_blocks=pinned)  # fmt: skip
         if params.structured_outputs is not None:
@@ -444,17 +471,22 @@ class LLMEngine:
     # -- blocking API -----------------------------------------------------
     def generate(
         self, prompts: Seq[Seq[int]], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-        *, use_tqdm: bool = True,
+        *, use_tqdm: bool = True, lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:  # fmt: skip
-        """Run prompts (token id lists) to completion; outputs in prompt order (``error`` set on one that failed)."""
+        """Run prompts (token id lists) to completion; outputs in prompt order (``error`` set on one that failed).
+
+        ``lora_request``: the adapter of every prompt, or one per prompt (None: the base model)."""
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Seq):
             raise InvalidArgumentError(describe("prompts", type(prompts).__name__, "a list of token id lists"))
         check_bool("use_tqdm", use_tqdm)
         params = per_prompt(sampling_params, len(prompts), SamplingParams, "sampling_params")
+        requests = lora_per_prompt(lora_request, len(prompts))
+        loras = [self.load_lora(r) for r in requests]
         ids = [self.new_request_id("generate") for _ in prompts]
-        checked = [self.check_request(i, prompt, p) for i, prompt, p in zip(ids, prompts, params)]  # all or none
-        for request_id, (prompt, p) in zip(ids, checked):
-            self.add_request(request_id, prompt, p)
+        checked = [self.check_request(i, prompt, p, lora=k)
+                   for i, prompt, p, k in zip(ids, prompts, params, loras)]  # all or none  # fmt: skip
+        for request_id, (prompt, p), r in zip(ids, checked, requests):
+            self.add_request(request_id, prompt, p, lora_request=r)
         done: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
             while self.has_unfinished_requests():

@@ -24,6 +24,13 @@ from scheduler.distributed.parallel_state import TPShard, all_gather_last, all_r
 class ColumnParallelLinear(nn.Linear):
     """``nn.Linear`` holding ``out_features / size`` of the output features (already divided by the caller)."""
 
+    lora = None  # a LoRAProjection once LoRA is attached (scheduler.model.lora_layers): adds each token's update
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, in] -> [T, out / size] (plus the step's LoRA updates, if any)."""
+        out = super().forward(x)
+        return out if self.lora is None else self.lora.add(x, out)
+
 
 class RowParallelLinear(nn.Linear):
     """``nn.Linear`` over this rank's input features; the outputs of every rank are summed."""
@@ -31,10 +38,13 @@ class RowParallelLinear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, *, shard: TPShard, bias: bool = False) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.tp_size = shard.size
+        self.lora = None  # a LoRAProjection once LoRA is attached: its partial update joins the same all-reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in / size] -> [T, out], summed over the ranks."""
         out = super().forward(x)
+        if self.lora is not None:
+            out = self.lora.add(x, out)
         return out if self.tp_size == 1 else all_reduce(out)
 
 

@@ -6,7 +6,9 @@ On the driver, :meth:`ModelRunner.run` turns the scheduler's decisions into a
 payload to the workers, which rebuild the same input). :meth:`ModelRunner.execute`, on every
 rank, applies the block moves owed before the step's writes, in the order swap-out, swap-in,
 copy-on-write, then runs the model once over the whole mixed prefill + decode batch
-(replayed from a CUDA graph when it can) and returns the sampled rows' logits.
+(replayed from a CUDA graph when it can) and returns the sampled rows' logits. With LoRA
+(:mod:`scheduler.runner.lora_manager`) the driver first places the step's adapters in their device
+slots; a step with an adapter runs eagerly (no CUDA graph holds the LoRA updates).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from paged_kv.kv_cache import PagedKVCache
 from scheduler.core.scheduler_output import SchedulerOutput
 from scheduler.model.llama import LlamaModel
 from scheduler.runner.cuda_graphs import DecodeGraphs
+from scheduler.runner.lora_manager import LoRAManager
 from scheduler.runner.step_input import StepInput, StepInputBuilder
 from scheduler.runner.tier_transfers import TierTransfers
 
@@ -67,13 +70,14 @@ class ModelRunner:
         self.group = group  # the other tensor-parallel ranks (None: one rank)
         self.graphs: DecodeGraphs | None = None
         self.tiers: TierTransfers | None = None  # the host tier's copies (one rank only)
+        self.loras: LoRAManager | None = None  # the adapters served (one rank only); None: LoRA off
 
     def run(self, out: SchedulerOutput) -> torch.Tensor:
         """The driver's step: build ``out``'s inputs (sent to the workers first), execute; logits ``[R, vocab]``."""
         if self.tiers is not None:
             self.tiers.before_forward(out.tier_ops)
         if self.group is None:
-            logits = self.execute(self.inputs.build(out))
+            logits = self.execute(self.inputs.build(out, self.loras.step_slots(out) if self.loras else None))
             if self.tiers is not None:
                 self.tiers.after_forward(out.tier_ops)
             return logits
@@ -92,9 +96,19 @@ class ModelRunner:
         self.move_blocks(step.swap_out, step.swap_in, step.copies)
         if step.num_tokens == 0:
             return torch.empty(0, self.model.config.vocab_size, device=self.gpu_cache.device)
+        if step.lora is not None:
+            return self._run_lora(step)
         if self.graphs is not None and self.graphs.can_run(step):
             return self.graphs.run(step)
         return self.model(step.input_ids, step.positions, self.gpu_cache, step.meta, step.logits_indices)
+
+    def _run_lora(self, step: StepInput) -> torch.Tensor:
+        """The forward of a step with adapters, eagerly, its token groups set for the projections meanwhile."""
+        self.loras.slots.batch = step.lora
+        try:
+            return self.model(step.input_ids, step.positions, self.gpu_cache, step.meta, step.logits_indices)
+        finally:
+            self.loras.slots.batch = None
 
     def move_blocks(self, swap_out: list[CopyOp], swap_in: list[CopyOp], copies: list[CopyOp]) -> None:
         """Run swaps and copy-on-write copies, in that order (each reads blocks before they are reused)."""

@@ -29,6 +29,7 @@ from kernels.metadata import (
 )
 from paged_kv.block_manager import CopyOp
 from scheduler.core.scheduler_output import SchedulerOutput
+from scheduler.model.lora_layers import LoRABatch
 from scheduler.runner.block_tables import BlockTables, DeviceRows
 from scheduler.runner.cascade_plan import may_share, plan_cascade
 
@@ -45,6 +46,7 @@ class StepInput:
     swap_in: list[CopyOp]
     copies: list[CopyOp]
     num_prompt_rows: int = 0  # the last of the R rows: prompt positions scored for prompt log-probabilities
+    lora: LoRABatch | None = None  # the tokens of each LoRA adapter slot; None: no adapter in the step
 
     @property
     def num_tokens(self) -> int:
@@ -90,7 +92,8 @@ class StepPayload:
     sequence lengths, cu_seqlens_q, table rows, logits rows (the sampled sequences' last tokens, then
     the prompt positions scored for prompt log-probabilities, then each drafting sequence's positions that
     verify its drafts), and the block-table updates
-    (rows, columns, ids), then a cascade step's index arrays (``cascade.parts()``).
+    (rows, columns, ids), then a cascade step's index arrays (``cascade.parts()``), then the token rows of each
+    LoRA slot in ``lora_slots`` (none when one slot takes every token: ``lora_all``).
     Tensor-parallel workers receive it by broadcast.
     """
 
@@ -106,6 +109,8 @@ class StepPayload:
     copies: list[CopyOp]
     cascade: CascadeArrays | None = None  # a decode step attended as cascade (shared prefixes once per group)
     num_prompt_rows: int = 0  # logits rows after the sampled ones: prompt positions scored
+    lora_slots: tuple[int, ...] = ()  # LoRA slots of the step, each with its token rows at the end of ``flat``
+    lora_all: int | None = None  # the one LoRA slot every token of the step goes through (no rows uploaded)
 
 
 class StepMaterializer:
@@ -120,7 +125,11 @@ class StepMaterializer:
         bs = self.block_size
         self.rows.grow_to(p.table_rows)
         flat = self._uploader.upload(p.flat)
-        ids_t, pos_t, slots_t, lens_t, cu_t, rows_t, logits_t, u_rows, u_cols, u_ids, *cascade_t = flat.split(p.sizes)
+        parts = flat.split(p.sizes)
+        lora_t = parts[len(parts) - len(p.lora_slots) :]
+        ids_t, pos_t, slots_t, lens_t, cu_t, rows_t, logits_t, u_rows, u_cols, u_ids, *cascade_t = parts[
+            : len(parts) - len(p.lora_slots)
+        ]
         self.rows.apply_updates(u_rows, u_cols, u_ids)
         width = max(1, -(-p.max_seq_len // bs))
         meta = AttentionMetadata(
@@ -134,7 +143,23 @@ class StepMaterializer:
         return StepInput(
             input_ids=ids_t, positions=pos_t, meta=meta, logits_indices=logits_t,
             swap_out=p.swap_out, swap_in=p.swap_in, copies=p.copies, num_prompt_rows=p.num_prompt_rows,
+            lora=_lora_batch(p, lora_t),
         )  # fmt: skip
+
+
+def _lora_batch(p: StepPayload, rows: tuple[torch.Tensor, ...]) -> LoRABatch | None:
+    """The step's token groups per LoRA slot (None: no adapter in the step)."""
+    if p.lora_all is not None:
+        return LoRABatch(((p.lora_all, None),))
+    return LoRABatch(tuple(zip(p.lora_slots, rows))) if p.lora_slots else None
+
+
+def lora_rows(token_slots: np.ndarray) -> tuple[tuple[int, ...], list[np.ndarray], int | None]:
+    """(slots, their token rows, the slot of every token or None) from each token's slot (-1: the base model)."""
+    used = np.unique(token_slots[token_slots >= 0])
+    if len(used) == 1 and (token_slots == used[0]).all():
+        return (), [], int(used[0])
+    return tuple(int(s) for s in used), [np.flatnonzero(token_slots == s) for s in used], None
 
 
 class StepInputBuilder:
@@ -149,12 +174,24 @@ class StepInputBuilder:
         self.tables = BlockTables(max_blocks_per_seq, num_blocks, device)
         self.materializer = StepMaterializer(self.tables.device_rows, device, block_size)
 
-    def build(self, out: SchedulerOutput) -> StepInput:
-        """Apply the step's table changes, compute its tensors on the host, upload them in one copy."""
-        return self.materializer.materialize(self.build_payload(out))
+    def build(self, out: SchedulerOutput, lora_slots: np.ndarray | None = None) -> StepInput:
+        """Apply the step's table changes, compute its tensors on the host, upload them in one copy.
 
-    def build_payload(self, out: SchedulerOutput) -> StepPayload:
+        ``lora_slots [S]``: the LoRA slot of each scheduled sequence (-1: none; None: no adapter in the step)."""
+        return self.materializer.materialize(self.build_payload(out, lora_slots))
+
+    def build_payload(self, out: SchedulerOutput, lora_slots: np.ndarray | None = None) -> StepPayload:
         """Apply the step's table changes and compute everything the step needs on the host."""
+        payload = self._payload(out)
+        if lora_slots is None:
+            return payload
+        slots, rows, every = lora_rows(np.repeat(lora_slots, payload.host_query_lens))  # [T]: a token's slot
+        flat = np.concatenate([payload.flat, *rows]) if rows else payload.flat
+        return replace(payload, flat=flat, sizes=payload.sizes + tuple(len(r) for r in rows), lora_slots=slots,
+                       lora_all=every)  # fmt: skip
+
+    def _payload(self, out: SchedulerOutput) -> StepPayload:
+        """The step's payload without LoRA rows."""
         self.tables.apply(out.table_changes)
         items = out.scheduled
         n = len(items)

@@ -162,4 +162,10 @@ def test_a_stream_takes_ids_only():
             h.extend(bad)
     assert h == BlockHashes(4) and "num_tokens=0" in repr(h)
     with pytest.raises(InvalidArgumentError, match="^cache_salt="):
-        BlockHashes(4, cache_salt=b"bytes")
+        BlockHashes(4, cache_salt=7)
+
+
+def test_a_bytes_salt_roots_apart_from_the_same_str():
+    """The engine's own salts (bytes: a LoRA adapter's key) never root the chain of a user's str salt."""
+    assert BlockHashes(4, cache_salt=b"ab").root != BlockHashes(4, cache_salt="ab").root
+    assert BlockHashes(4, cache_salt=b"ab").root == BlockHashes(4, cache_salt=b"ab").root

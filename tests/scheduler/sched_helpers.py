@@ -100,10 +100,10 @@ def hf_logits(hf_model, tokens: list[int]) -> torch.Tensor:
 
 def make_engine(
     hf_model, *, num_blocks=256, block_size=4, num_cpu_blocks=0, prefix=True, device="cpu", tp=1, speculative=None,
-    **sched,
+    lora=None, kv_events=None, **sched,
 ) -> LLMEngine:
     """An engine over ``hf_model``'s weights, on the CPU unless told (no watermark unless given; ``tp`` ranks;
-    ``speculative``: a SpeculativeConfig)."""
+    ``speculative``: a SpeculativeConfig; ``lora``: a LoRAConfig; ``kv_events``: a KVEventsConfig)."""
     sched.setdefault("max_num_batched_tokens", 256)
     watermark = sched.pop("watermark", 0.0)
     cache = CacheConfig(
@@ -112,7 +112,7 @@ def make_engine(
     )  # fmt: skip
     config = EngineConfig(
         cache=cache, scheduler=SchedulerConfig(**sched), device=device, tensor_parallel_size=tp,
-        distributed_timeout_s=30.0, speculative_config=speculative,
+        distributed_timeout_s=30.0, speculative_config=speculative, lora_config=lora, kv_events=kv_events,
     )  # fmt: skip
     return LLMEngine.from_hf(hf_model, config)
 

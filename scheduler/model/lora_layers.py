@@ -1,0 +1,100 @@
+"""LoRA adapters applied per token in the model's projections, from fixed device slots.
+
+:func:`attach_lora` gives each target projection of a :class:`~scheduler.model.llama.LlamaModel`
+(the fused q/k/v, o, the fused gate/up, down) a :class:`LoRAProjection`: the A and B matrices of
+``max_loras`` slots, every adapter padded to ``max_lora_rank`` (zeros), so shapes never change
+with the adapters loaded. A fused projection stacks its slices' A matrices (``[slots, n R, in]``)
+and holds their B matrices block-diagonally (``[slots, out, n R]``, each slice's rows against its
+own rank columns), scale folded into B: one pair of matmuls computes every slice's update.
+
+A step tells the model which tokens go through which slot with a :class:`LoRABatch` (built on the
+host, uploaded with the step's input); set as ``LoRASlots.batch`` for the forward, it makes each
+projection add ``(x_rows A^T) B^T`` to its output rows, one slot after the other. A step without
+adapters leaves ``batch`` None: the projections do what they do without LoRA (one attribute read).
+The slot tensors are plain attributes, not parameters or buffers: the model's state dict (and the
+tiers' model identity) is the base model's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from scheduler.model.lora_adapter import TARGETS, LoRAAdapter, module_shape
+
+
+@dataclass(frozen=True, eq=False)
+class LoRABatch:
+    """A step's tokens per adapter slot: (slot, row indices [n] int64, or None for every token of the step)."""
+
+    groups: tuple[tuple[int, torch.Tensor | None], ...]
+
+
+class LoRASlots:
+    """The device slots of every projection and the step's token groups (read by the projections)."""
+
+    def __init__(self, max_loras: int, max_rank: int) -> None:
+        self.max_loras, self.max_rank = max_loras, max_rank
+        self.projections: dict[tuple[int, str], LoRAProjection] = {}  # (layer, fused name) -> its slots
+        self.batch: LoRABatch | None = None  # set for one forward by the runner; None: base model only
+
+    def load(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Write ``adapter`` into ``slot`` of every projection (zeros where it has no weights)."""
+        for p in self.projections.values():
+            p.clear(slot)
+        for (layer, module), w in adapter.weights.items():
+            fused, index = TARGETS[module]
+            self.projections[(layer, fused)].write(slot, index, w.a, w.b * w.scale)
+
+
+class LoRAProjection:
+    """One projection's adapter slots: A ``[slots, n R, in]``, B ``[slots, out, n R]`` (slices block-diagonal)."""
+
+    def __init__(self, slots: LoRASlots, sizes: list[int], fan_in: int, like: torch.Tensor) -> None:
+        n, r = len(sizes), slots.max_rank
+        self.slots, self.sizes, self.rank = slots, sizes, r
+        self.offsets = [sum(sizes[:i]) for i in range(n)]  # each slice's first output row
+        self.a = torch.zeros(slots.max_loras, n * r, fan_in, dtype=like.dtype, device=like.device)
+        self.b = torch.zeros(slots.max_loras, sum(sizes), n * r, dtype=like.dtype, device=like.device)
+
+    def clear(self, slot: int) -> None:
+        """Zero one slot (an adapter without this projection adds nothing)."""
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+
+    def write(self, slot: int, index: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Slice ``index``'s A ``[r, in]`` and scaled B ``[out_i, r]`` into ``slot`` (rank r <= max_rank)."""
+        r, cols, rows = a.shape[0], index * self.rank, self.offsets[index]
+        self.a[slot, cols : cols + r].copy_(a)
+        self.b[slot, rows : rows + self.sizes[index], cols : cols + r].copy_(b)
+
+    def add(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out [T, out] += each token group's update from x [T, in] through its slot."""
+        batch = self.slots.batch
+        if batch is None:
+            return out
+        for slot, rows in batch.groups:
+            xs = x if rows is None else x.index_select(0, rows)
+            delta = (xs @ self.a[slot].T) @ self.b[slot].T  # [n, out]
+            if rows is None:
+                out.add_(delta)
+            else:
+                out.index_add_(0, rows, delta)
+        return out
+
+
+def attach_lora(model: torch.nn.Module, max_loras: int, max_rank: int) -> LoRASlots:
+    """Give every target projection of ``model`` (one rank, the whole model) adapter slots; returns them."""
+    cfg, slots = model.config, LoRASlots(max_loras, max_rank)
+    width = lambda *names: [module_shape(cfg, m)[1] for m in names]  # noqa: E731
+    for i, layer in enumerate(model.layers):
+        for name, linear, sizes, module in (
+            ("qkv", layer.attn.qkv, width("q_proj", "k_proj", "v_proj"), "q_proj"),
+            ("o", layer.attn.o, width("o_proj"), "o_proj"),
+            ("gate_up", layer.mlp.gate_up, width("gate_proj", "up_proj"), "gate_proj"),
+            ("down", layer.mlp.down, width("down_proj"), "down_proj"),
+        ):  # fmt: skip
+            projection = LoRAProjection(slots, sizes, module_shape(cfg, module)[0], linear.weight)
+            linear.lora = slots.projections[(i, name)] = projection
+    return slots
