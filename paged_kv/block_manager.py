@@ -216,7 +216,8 @@ class BlockManager(PositionalEdits, CacheTiers):
 
     def allocate(
         self, seq_id: SeqId, token_ids: Tokens, *, cache_salt: str | bytes | None = None,
-        hashes: BlockHashes | None = None, num_lookahead_slots: int = 0, num_queried: int | None = None, priority: int = 0,
+        hashes: BlockHashes | None = None, num_lookahead_slots: int = 0, num_queried: int | None = None,
+        priority: int = 0,
     ) -> int:
         """Give a new sequence blocks for its prompt; return how many leading tokens were cached.
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from tqdm.auto import tqdm
 
 from paged_kv.errors import InvalidArgumentError, UnknownSequenceError, check_bool, check_type, describe
+from scheduler.core.lora_request import LoRARequest, lora_per_prompt
 from scheduler.core.params import per_prompt
 from scheduler.engine.beam_selection import (
     BeamHypothesis,
@@ -72,9 +73,10 @@ class BeamSearch:
 
     def generate(
         self, prompts: Seq[Seq[int]], params: BeamSearchParams | Seq[BeamSearchParams] | None = None,
-        *, use_tqdm: bool = False,
+        *, use_tqdm: bool = False, lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[BeamSearchOutput]:  # fmt: skip
-        """Beam-search every prompt (token id lists) to the end; outputs in prompt order.
+        """Beam-search every prompt (token id lists) to the end; outputs in prompt order (``lora_request``: the
+        adapter of every prompt, or one per prompt).
 
         Requests already in the engine run in the same steps; those that finish meanwhile are
         returned by those steps, not here (as :meth:`LLMEngine.generate`).
@@ -83,7 +85,7 @@ class BeamSearch:
             raise InvalidArgumentError(describe("prompts", type(prompts).__name__, "a list of token id lists"))
         check_bool("use_tqdm", use_tqdm)
         total = Meter()
-        requests = self._add_all(prompts, params, total)
+        requests = self._add_all(prompts, params, total, lora_per_prompt(lora_request, len(prompts)))
         try:
             with tqdm(total=len(requests), desc="beam search", unit="req", disable=not use_tqdm) as bar:
                 while not all(r.done for r in requests):
@@ -97,15 +99,17 @@ class BeamSearch:
         self.last_memory = total.freeze(spec.block_size, spec.bytes_per_block)
         return [self._output(r, spec.block_size, spec.bytes_per_block) for r in requests]
 
-    def _add_all(self, prompts: Seq[Seq[int]], params, total: Meter) -> list[BeamRequest]:
+    def _add_all(self, prompts: Seq[Seq[int]], params, total: Meter, loras: list) -> list[BeamRequest]:
         """Check every request, then queue them all (nothing is queued if one is bad), sharing ``total``."""
         engine = self.engine
         each = per_prompt(params, len(prompts), BeamSearchParams, "params")
         ids = [engine.new_request_id("beam-search") for _ in prompts]
-        checked = [engine.check_beam_search(rid, prompt, p)[0] for rid, prompt, p in zip(ids, prompts, each)]
+        keys = [engine.load_lora(r) for r in loras]
+        checked = [engine.check_beam_search(rid, prompt, p, lora=k)[0]
+                   for rid, prompt, p, k in zip(ids, prompts, each, keys)]  # fmt: skip
         requests = []
-        for rid, prompt, p in zip(ids, checked, each):
-            req = engine.add_beam_search(rid, prompt, p, measure=True)
+        for rid, prompt, p, r in zip(ids, checked, each, loras):
+            req = engine.add_beam_search(rid, prompt, p, measure=True, lora_request=r)
             req.total = total
             requests.append(req)
         return requests

@@ -18,7 +18,8 @@ from tqdm.auto import tqdm
 from paged_kv.config import PRIORITY_MAX, PRIORITY_MIN
 from paged_kv.errors import InvalidArgumentError, check_bool, check_int, check_type, describe
 from paged_kv.tokens import as_id_list
-from scheduler.core.config import EngineConfig
+from scheduler.core.config import EngineConfig, LoRAConfig
+from scheduler.core.lora_request import LoRARequest, lora_per_prompt
 from scheduler.core.params import SamplingParams, per_prompt
 from scheduler.core.speculative_config import SpeculativeConfig
 from scheduler.engine.beam_search import BeamHypothesis, BeamSearch, BeamSearchOutput, BeamSearchParams
@@ -30,6 +31,7 @@ from scheduler.model.loader import LoadedModel, load_model
 
 Prompt = str | Sequence[int]
 Params = SamplingParams | Sequence[SamplingParams] | None
+LoRAs = LoRARequest | Sequence[LoRARequest | None] | None  # one adapter for every prompt, or one per prompt
 
 
 class LLM:
@@ -37,17 +39,23 @@ class LLM:
 
     def __init__(self, model: str | os.PathLike | LoadedModel | None = None, *,
                  engine_config: EngineConfig | None = None,
-                 speculative_config: SpeculativeConfig | dict | None = None) -> None:  # fmt: skip
+                 speculative_config: SpeculativeConfig | dict | None = None, enable_lora: bool = False,
+                 max_loras: int = 1, max_lora_rank: int = 16, max_cpu_loras: int | None = None) -> None:  # fmt: skip
         """Load ``model`` (a local folder, a .gguf file, None for SmolLM2, or an already loaded model).
 
         ``speculative_config`` (a SpeculativeConfig or its fields as a dict, as vLLM's ``LLM``) turns on n-gram
-        speculative decoding; it replaces ``engine_config``'s.
+        speculative decoding; it replaces ``engine_config``'s. ``enable_lora`` (vLLM's, with ``max_loras``,
+        ``max_lora_rank``, ``max_cpu_loras``: a :class:`LoRAConfig`) serves requests' ``lora_request`` adapters;
+        it replaces ``engine_config``'s ``lora_config``.
         """
         check_type("model", model, (str, os.PathLike, LoadedModel, type(None)), "a path, a LoadedModel or None")
         check_type("engine_config", engine_config, (EngineConfig, type(None)), "an EngineConfig or None")
         if speculative_config is not None:
             spec = _speculative(speculative_config)
             engine_config = dataclasses.replace(engine_config or EngineConfig(), speculative_config=spec)
+        if check_bool("enable_lora", enable_lora):
+            lora = LoRAConfig(max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras)
+            engine_config = dataclasses.replace(engine_config or EngineConfig(), lora_config=lora)
         loaded = model if isinstance(model, LoadedModel) else load_model(model)
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
@@ -83,10 +91,11 @@ class LLM:
 
     def generate(
         self, prompts: Prompt | Sequence[Prompt], sampling_params: Params = None, *, use_tqdm: bool = False,
-        priority: int | Sequence[int] = 0,
+        priority: int | Sequence[int] = 0, lora_request: LoRAs = None,
     ) -> list[TextRequestOutput]:  # fmt: skip
         """Complete every prompt (strings or token id lists); outputs in prompt order, with ``.text``.
 
+        ``lora_request`` (vLLM's): the LoRA adapter of every prompt, or one per prompt (None: the base model).
         ``priority`` (vLLM's, one for all prompts or one per prompt: lower is more important)
         orders the eviction of each request's cached blocks, and the scheduling under
         ``scheduling_policy="priority"``. A request that fails on its own
@@ -102,11 +111,11 @@ class LLM:
         priorities = _priorities(priority, len(prompts))
         encoded = [self.encode(p) for p in prompts]
         ids, texts = [ids for ids, _ in encoded], [text for _, text in encoded]
-        return self._run(ids, texts, sampling_params, use_tqdm, priorities)
+        return self._run(ids, texts, sampling_params, use_tqdm, priorities, lora_request)
 
     def beam_search(
         self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams | Sequence[BeamSearchParams] | None = None,
-        *, use_tqdm: bool = False,
+        *, use_tqdm: bool = False, lora_request: LoRAs = None,
     ) -> list[BeamSearchOutput]:  # fmt: skip
         """Beam-search every prompt (strings or token id lists), as vLLM's ``LLM.beam_search``; outputs in prompt
         order, each with up to ``width`` hypotheses best first, every one with its ``.text``.
@@ -123,7 +132,7 @@ class LLM:
             prompts = [prompts]
         ids = [self.encode(p)[0] for p in prompts]
         each = per_prompt(params, len(ids), BeamSearchParams, "params")
-        outs = BeamSearch(self.engine).generate(ids, each, use_tqdm=use_tqdm)
+        outs = BeamSearch(self.engine).generate(ids, each, use_tqdm=use_tqdm, lora_request=lora_request)
         texts = lambda out, p: [self._beam_text(out.prompt_token_ids, h, p) for h in out.hypotheses]  # noqa: E731
         return [dataclasses.replace(out, hypotheses=texts(out, p)) for out, p in zip(outs, each)]
 
@@ -138,9 +147,10 @@ class LLM:
         self, messages: Messages | Sequence[Messages], sampling_params: Params = None, *, use_tqdm: bool = False,
         add_generation_prompt: bool = True, continue_final_message: bool = False, chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, object] | None = None, add_special_tokens: bool = False,
-        tools: Sequence[Mapping[str, object]] | None = None,
+        tools: Sequence[Mapping[str, object]] | None = None, lora_request: LoRAs = None,
     ) -> list[TextRequestOutput]:  # fmt: skip
-        """Answer one conversation (a list of messages) or several; outputs in order, with ``.text``.
+        """Answer one conversation (a list of messages) or several, through ``lora_request`` as :meth:`generate`;
+        outputs in order, with ``.text``.
 
         Each conversation is rendered as :meth:`chat_prompt` renders it with the same options and ``tools``
         (vLLM's ``LLM.chat``: the tools are only rendered, no call is parsed out of the text); every one is
@@ -154,7 +164,7 @@ class LLM:
             raise InvalidArgumentError(describe("messages", messages, "a non-empty list of messages or of chats"))
         convs = [messages] if isinstance(messages[0], Mapping) else list(messages)
         prompts = [self.chat_prompt(c, **options) for c in convs]
-        return self._run(prompts, [None] * len(prompts), sampling_params, use_tqdm)
+        return self._run(prompts, [None] * len(prompts), sampling_params, use_tqdm, lora_request=lora_request)
 
     def pin_prefix(self, prompt: Prompt, *, cache_salt: str | None = None) -> str:
         """Keep a prompt's full blocks (a system prompt; a str is tokenized) on the device, never evicted, until
@@ -181,15 +191,16 @@ class LLM:
         return self.engine.reset_prefix_cache()
 
     def _run(self, prompts: list[list[int]], texts: list[str | None], sampling_params, use_tqdm: bool,
-             priorities: list[int] | None = None):  # fmt: skip
+             priorities: list[int] | None = None, lora_request: LoRAs = None):  # fmt: skip
         params = per_prompt(sampling_params, len(prompts), SamplingParams, "sampling_params")
         params = [with_bad_word_ids(p, self.tokenizer) for p in params]
         priorities = priorities or [0] * len(prompts)
+        loras = lora_per_prompt(lora_request, len(prompts))
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
-        for rid, prompt, p in zip(ids, prompts, params):
-            self.engine.check_request(rid, prompt, p)  # all or none
-        for rid, prompt, p, text, priority in zip(ids, prompts, params, texts, priorities):
-            self.processor.add(rid, prompt, p, text, priority=priority)
+        for rid, prompt, p, r in zip(ids, prompts, params, loras):
+            self.engine.check_request(rid, prompt, p, lora=self.engine.load_lora(r))  # all or none
+        for rid, prompt, p, text, priority, r in zip(ids, prompts, params, texts, priorities, loras):
+            self.processor.add(rid, prompt, p, text, priority=priority, lora_request=r)
         done: dict[str, TextRequestOutput] = {}
         with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
             while len(done) < len(ids):

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from paged_kv.errors import InvalidArgumentError, UnknownSequenceError, describe
+from scheduler.core.lora_request import LoRARequest
 from scheduler.core.outputs import CompletionOutput, RequestOutput
 from scheduler.core.params import SamplingParams
 from scheduler.engine.beam_selection import BeamSearchParams
@@ -256,17 +257,19 @@ class OutputProcessor:
         self.requests: dict[str, TextRequest] = {}
 
     def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-            prompt: str | None = None, *, priority: int = 0) -> TextRequest:  # fmt: skip
+            prompt: str | None = None, *, priority: int = 0, lora_request: LoRARequest | None = None) -> TextRequest:
         """Queue a request in the engine (raises, nothing queued, on a bad one) and track its text."""
         params = with_bad_word_ids(params, self.tokenizer)
-        self.engine.add_request(request_id, prompt_token_ids, params, priority=priority)
+        self.engine.add_request(request_id, prompt_token_ids, params, priority=priority, lora_request=lora_request)
         return self._track(request_id, prompt_token_ids, params, prompt)
 
     def add_beam_search(self, request_id: str, prompt_token_ids: Sequence[int], params: BeamSearchParams,
-                        prompt: str | None = None, *, priority: int = 0) -> TextRequest:  # fmt: skip
+                        prompt: str | None = None, *, priority: int = 0,
+                        lora_request: LoRARequest | None = None) -> TextRequest:  # fmt: skip
         """Queue a beam search in the engine (raises, nothing queued, on a bad one); its hypotheses' text comes
         when it is done."""
-        self.engine.add_beam_search(request_id, prompt_token_ids, params, priority=priority)
+        self.engine.add_beam_search(request_id, prompt_token_ids, params, priority=priority,
+                                    lora_request=lora_request)  # fmt: skip
         return self._track(request_id, prompt_token_ids, params.text_params(), prompt, beam=True)
 
     def _track(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, prompt: str | None,
