@@ -6,13 +6,14 @@ import argparse
 import logging
 import sys
 
-from paged_kv.errors import PagedKVError
+from paged_kv.errors import InvalidArgumentError, PagedKVError, describe
 from scheduler.entrypoints.main_job import add_engine_options, checked_engine_config, engine_config
 from scheduler.entrypoints.pinned_prompt import pin_system_prompt, read_prompt
 from scheduler.entrypoints.server.config import (
     DEFAULT_MAX_REQUEST_BYTES,
     REASONING_PARSERS,
     TOOL_CALL_PARSERS,
+    LoRAModule,
     ServerConfig,
 )
 
@@ -67,6 +68,13 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--pin-prompt", default=None, metavar="FILE",
                    help="a system prompt (UTF-8 text file) kept on the device from start-up to shutdown: the "
                         "prefix every chat request with that system message starts with is never evicted")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="MODULE",
+                   help="LoRA adapters served as models of their own (vLLM's flag; needs --enable-lora): name=path, "
+                        'or JSON {"name": ..., "path": ..., "base_model_name": ...}; a request whose model is a name '
+                        "runs through that adapter")
+    p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING; needs --enable-lora); default off: they answer 404")
     add_engine_options(p)
     return p
 
@@ -78,7 +86,10 @@ def serve_args(argv: list[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     checked_engine_config(parser, args)
     try:
-        server_config(args)  # ServerConfig checks every server option (--enable-auto-tool-choice needs a parser)
+        config = server_config(args)  # ServerConfig checks every server option (--enable-auto-tool-choice: a parser)
+        if (config.lora_modules or config.allow_runtime_lora_updating) and not args.enable_lora:
+            flag = "--lora-modules" if config.lora_modules else "--allow-runtime-lora-updating"
+            raise InvalidArgumentError(describe(flag, True, "used with --enable-lora"))
         args.pin_prompt_text = read_prompt(args.pin_prompt) if args.pin_prompt is not None else None
     except PagedKVError as e:
         parser.error(str(e))
@@ -137,6 +148,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
         reasoning_parser=args.reasoning_parser,
+        lora_modules=tuple(LoRAModule.parse(m) for m in args.lora_modules or ()),
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
     )  # fmt: skip
 
 

@@ -14,8 +14,15 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from paged_kv.errors import PagedKVError
-from scheduler.core.config import PREEMPTION_MODES, SCHEDULING_POLICIES, CacheConfig, EngineConfig, SchedulerConfig
+from paged_kv.errors import InvalidArgumentError, PagedKVError, describe
+from scheduler.core.config import (
+    PREEMPTION_MODES,
+    SCHEDULING_POLICIES,
+    CacheConfig,
+    EngineConfig,
+    LoRAConfig,
+    SchedulerConfig,
+)
 from scheduler.core.outputs import RequestOutput
 from scheduler.core.speculative_config import SpeculativeConfig
 from scheduler.engine.llm_engine import LLMEngine
@@ -87,6 +94,16 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    help='speculative decoding with n-gram drafts (vLLM\'s flag), e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}\'; '
                         "default off")
+    p.add_argument("--enable-lora", action="store_true",
+                   help="serve PEFT LoRA adapters (vLLM's flag): requests through different adapters and the base "
+                        "model batch together; default off")
+    p.add_argument("--max-loras", type=int, default=1,
+                   help="with --enable-lora: distinct adapters in one step (default 1)")
+    p.add_argument("--max-lora-rank", type=int, default=16,
+                   help="with --enable-lora: the largest adapter rank served (slots are padded to it; default 16)")
+    p.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="with --enable-lora: adapters kept loaded in host memory, least recently used dropped "
+                        "(default: --max-loras)")
     add_tier_options(p)
 
 
@@ -107,8 +124,20 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         cache=cache, scheduler=sched, device=args.device, enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size, kv_events=kv_events(args),
-        speculative_config=speculative_config(args.speculative_config),
+        speculative_config=speculative_config(args.speculative_config), lora_config=lora_config(args),
     )  # fmt: skip
+
+
+def lora_config(args: argparse.Namespace) -> LoRAConfig | None:
+    """The LoRA options (None without --enable-lora; the other LoRA options then must keep their defaults)."""
+    if args.enable_lora:
+        return LoRAConfig(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
+    changed = next((f for f, default in (("max_loras", 1), ("max_lora_rank", 16), ("max_cpu_loras", None))
+                    if getattr(args, f) != default), None)  # fmt: skip
+    if changed is not None:
+        raise InvalidArgumentError(describe(f"--{changed.replace('_', '-')}", getattr(args, changed),
+                                            "its default without --enable-lora"))
+    return None
 
 
 def speculative_config(text: str | None) -> SpeculativeConfig | None:

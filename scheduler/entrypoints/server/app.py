@@ -9,6 +9,11 @@ its conversation; finished ones are kept in a bounded in-memory store for GET, D
 ``previous_response_id``. vLLM's utility endpoints (``/tokenize``, ``/detokenize``, ``/version``,
 ``/ping``, and with ``enable_dev_endpoints`` ``/reset_prefix_cache``) are in ``utility_routes``.
 
+LoRA adapters (``ServerConfig.lora_modules``, loaded at start-up: a bad one stops the server from starting) are
+models of their own: a request whose ``model`` names one runs through it, and ``/v1/models`` lists each with the
+base model as its ``parent``. With ``allow_runtime_lora_updating``, ``POST /v1/load_lora_adapter`` and
+``/v1/unload_lora_adapter`` (vLLM's) add and remove them while serving (``lora_routes``).
+
 Only the ``/v1`` routes require the API key when one is configured; ``/health``, ``/metrics`` and
 the utility endpoints stay open, as vLLM's API-key check guards the paths under ``/v1`` alone.
 """
@@ -30,6 +35,7 @@ from scheduler.entrypoints.server.async_engine import AsyncEngine, Event
 from scheduler.entrypoints.server.config import ServerConfig
 from scheduler.entrypoints.server.errors import BodyLimit, add_error_handlers
 from scheduler.entrypoints.server.frontend import Frontend, authorize
+from scheduler.entrypoints.server.lora_routes import add_lora_routes, load_lora_modules
 from scheduler.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, error_body
 from scheduler.entrypoints.server.responses.protocol import ResponsesRequest
 from scheduler.entrypoints.server.responses.serving import prepare_response, response_stream
@@ -43,6 +49,7 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
     """The app serving ``llm``'s model from one engine thread, as ``config`` says (default: ServerConfig())."""
     config = config or ServerConfig()
     names = config.served_model_names or (llm.model_name,)
+    load_lora_modules(llm, config)
     engine = AsyncEngine(llm.engine, llm.tokenizer, max_in_flight=config.max_in_flight, model_name=names[0])
     front = Frontend(llm, engine, config, names)
     store = ResponseStore(config.responses_store_size)  # finished responses, per process
@@ -73,8 +80,8 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
 
     @v1.get("/models")
     async def models() -> dict:
-        """The served model, under each of its names."""
-        return {"object": "list", "data": [front.card(name) for name in front.names]}
+        """The served model, under each of its names, then its LoRA adapters."""
+        return {"object": "list", "data": [front.card(name) for name in (*front.names, *front.loras)]}
 
     @v1.get("/models/{model_id:path}")
     async def model(model_id: str) -> dict:
@@ -103,7 +110,8 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
     async def responses(body: ResponsesRequest, request: Request):
         """OpenAI responses, whole or streamed, served as the chat completion of the same conversation."""
         builder, prompts, params, conversation = await prepare_response(front, store, body)
-        events = engine.generate(prompts, params, priority=builder.chat.priority)
+        lora = front.lora_request(builder.ctx.model)
+        events = engine.generate(prompts, params, priority=builder.chat.priority, lora_request=lora)
         first = await _next(events)
         if body.stream:
             stream = response_stream(builder, first, events, store, conversation)
@@ -130,6 +138,8 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
         store.delete(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
+    if config.allow_runtime_lora_updating:
+        add_lora_routes(v1, front, engine)
     app.include_router(v1)
     add_utility_routes(app, front, engine)
     return app
@@ -137,7 +147,8 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
 
 async def _respond(request: Request, engine: AsyncEngine, body: SamplingFields, ctx: ResponseContext,
                    prompts: list[tuple[list[int], str | None]], params: list[SamplingParams]):  # fmt: skip
-    events = engine.generate(prompts, params, priority=body.priority)
+    lora = request.app.state.frontend.lora_request(ctx.model)
+    events = engine.generate(prompts, params, priority=body.priority, lora_request=lora)
     first = await _next(events)  # admission errors (400, 503) surface here, before any byte is sent
     if body.stream:  # starlette cancels the stream when the client goes away
         return StreamingResponse(_stream(ctx, body, first, events, prompts), media_type="text/event-stream")

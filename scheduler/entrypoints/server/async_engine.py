@@ -29,7 +29,10 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
+from paged_kv.errors import PagedKVError
+from scheduler.core.lora_request import LoRARequest
 from scheduler.core.params import SamplingParams
 from scheduler.core.sequence import SequenceGroup
 from scheduler.engine.beam_selection import BeamSearchParams, check_beam_fits
@@ -44,6 +47,8 @@ from scheduler.entrypoints.output_processor import (
     TextRequestOutput,
 )
 from scheduler.entrypoints.server.metrics import EngineSnapshot, FinishedRequest, ServerMetrics
+
+T = TypeVar("T")
 
 log = logging.getLogger("paged_kv.server")
 _STOP = object()
@@ -143,10 +148,10 @@ class AsyncEngine:
             check_beam_fits(len(prompt), params, e.scheduler.eos_token_ids, e.model.config)
 
     async def generate(self, prompts: list[tuple[list[int], str | None]],
-                       params: list[SamplingParams | BeamSearchParams], *, priority: int = 0
-                       ) -> AsyncIterator[Event]:  # fmt: skip
-        """Run every prompt (a beam search for BeamSearchParams); yield events until each is done. Closing the
-        iterator early aborts what is left.
+                       params: list[SamplingParams | BeamSearchParams], *, priority: int = 0,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[Event]:  # fmt: skip
+        """Run every prompt (a beam search for BeamSearchParams), through ``lora_request``'s adapter if given; yield
+        events until each is done. Closing the iterator early aborts what is left.
 
         ``priority`` (vLLM's: lower is more important) orders the eviction of the requests' cached blocks,
         and their scheduling under ``scheduling_policy="priority"``.
@@ -165,7 +170,7 @@ class AsyncEngine:
         self.num_in_flight += len(prompts)
         try:
             for key, (rid, (ids, text), p) in enumerate(zip(rids, prompts, params)):
-                self._commands.put(("add", rid, ids, text, p, priority, _Live(sink, key, now)))
+                self._commands.put(("add", rid, ids, text, p, priority, lora_request, _Live(sink, key, now)))
             while left:
                 ev = await events.get()
                 if ev.result is not None or ev.error is not None:
@@ -178,9 +183,13 @@ class AsyncEngine:
 
     async def reset_prefix_cache(self) -> int:
         """Forget the engine's cached blocks on the engine thread between two steps; the device blocks forgotten."""
+        return await self.call(self.engine.reset_prefix_cache)
+
+    async def call(self, work: Callable[[], T]) -> T:
+        """``work()`` run on the engine thread between two steps; its result, or what it raised."""
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-        self._commands.put(("reset", lambda result: loop.call_soon_threadsafe(_resolve, done, result)))
+        self._commands.put(("call", work, lambda result: loop.call_soon_threadsafe(_resolve, done, result)))
         return await done
 
     # -- the worker thread -------------------------------------------------
@@ -211,21 +220,21 @@ class AsyncEngine:
             self._snapshot_time = now
 
     def _apply(self, command: tuple) -> None:
-        """Run one handler's command on the engine thread: ("add", ...), ("abort", rid) or ("reset", reply)."""
-        if command[0] == "reset":
-            self._reset(command[1])
+        """Run one handler's command on the engine thread: ("add", ...), ("abort", rid) or ("call", work, reply)."""
+        if command[0] == "call":
+            self._call(*command[1:])
         elif command[0] == "add":
             self._add(*command[1:])
         elif command[1] in self._live:  # abort of a request still running
             self._abort(command[1])
 
     def _add(self, rid: str, ids: list[int], text: str | None, params: SamplingParams | BeamSearchParams,
-             priority: int, live: _Live) -> None:  # fmt: skip
+             priority: int, lora_request: LoRARequest | None, live: _Live) -> None:  # fmt: skip
         """Queue a request (a beam search for BeamSearchParams); a refused one gets its error event."""
         beam = isinstance(params, BeamSearchParams)
         add = self.processor.add_beam_search if beam else self.processor.add
         try:
-            add(rid, ids, params, text, priority=priority)
+            add(rid, ids, params, text, priority=priority, lora_request=lora_request)
         except Exception as e:  # PagedKVError: a bad request (400); anything else: a bug, still answered
             _send(live, Event(live.key, [], error=e))
             return
@@ -245,12 +254,13 @@ class AsyncEngine:
         self._record(live, _outputs(req), time.perf_counter(), "abort")
         self.num_aborted += 1
 
-    def _reset(self, reply: Callable[[object], None]) -> None:
-        """Reset the engine's prefix cache; ``reply`` gets the blocks forgotten, or the exception (a bug: a 500)."""
+    def _call(self, work: Callable[[], object], reply: Callable[[object], None]) -> None:
+        """Run a handler's ``work``; ``reply`` gets its result, or the exception (a PagedKVError: a 400)."""
         try:
-            result = self.engine.reset_prefix_cache()
+            result = work()
         except Exception as e:  # the loop keeps serving
-            log.exception("prefix cache reset failed")
+            if not isinstance(e, PagedKVError):
+                log.exception("engine-thread call failed")
             result = e
         with contextlib.suppress(RuntimeError):  # the handler's event loop is closed: the server is shutting down
             reply(result)

@@ -20,6 +20,7 @@ from fastapi import Depends
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from paged_kv.errors import InvalidArgumentError, describe
+from scheduler.core.lora_request import LoRARequest
 from scheduler.core.params import SamplingParams
 from scheduler.core.structured_params import StructuredOutputsParams
 from scheduler.engine.beam_selection import BeamSearchParams
@@ -27,7 +28,7 @@ from scheduler.engine.llm_engine import LLMEngine
 from scheduler.engine.request_checks import longest_sample
 from scheduler.entrypoints.llm import LLM
 from scheduler.entrypoints.server.async_engine import AsyncEngine
-from scheduler.entrypoints.server.config import ServerConfig
+from scheduler.entrypoints.server.config import LoRAModule, ServerConfig
 from scheduler.entrypoints.server.errors import ModelNotFound, Unauthorized
 from scheduler.entrypoints.server.protocol import ChatCompletionRequest, ChatRendering, SamplingFields
 from scheduler.entrypoints.server.reasoning.output import PARSERS, ReasoningOutput, end_tag_ids, reasoning_output
@@ -91,6 +92,8 @@ class Frontend:
 
     def __post_init__(self) -> None:
         self.names = self.names or (self.llm.model_name,)
+        # adapters served as models: --lora-modules, then those loaded at runtime (read on the event loop only)
+        self.loras: dict[str, LoRAModule] = {m.name: m for m in self.config.lora_modules}
         self.max_model_len = max_model_len(self.llm.engine, self.config.max_model_len)
         # each reasoning parser's end tag as the model's tokens: where a constraint starts under it
         self.reasoning_ends = {name: end_tag_ids(self.llm.tokenizer, name) for name in PARSERS}
@@ -98,17 +101,27 @@ class Frontend:
         self.tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="paged-kv-tokenizer")
 
     def model_name(self, requested: str | None) -> str:
-        """The name a request uses (the first served name when it gives none); ModelNotFound for any other."""
+        """The name a request uses (the first served name when it gives none): the model's or an adapter's;
+        ModelNotFound for any other."""
         if requested is None:
             return self.names[0]
-        if requested not in self.names:
-            raise ModelNotFound(describe("model", requested, f"one of the served names {list(self.names)}"))
+        if requested not in self.names and requested not in self.loras:
+            served = [*self.names, *self.loras]
+            raise ModelNotFound(describe("model", requested, f"one of the served names {served}"))
         return requested
 
+    def lora_request(self, name: str) -> LoRARequest | None:
+        """The adapter a served name runs through (None: the base model)."""
+        module = self.loras.get(name)
+        return module.request if module is not None else None
+
     def card(self, name: str) -> dict:
-        """The model card of ``name`` (vLLM's fields)."""
+        """The model card of ``name`` (vLLM's fields): an adapter's root is its path, its parent the base model."""
+        module = self.loras.get(name)
+        root = self.llm.model_name if module is None else module.path
+        parent = None if module is None else module.base_model_name or self.names[0]
         return {"id": name, "object": "model", "created": self.created, "owned_by": "paged-kv",
-                "root": self.llm.model_name, "parent": None, "max_model_len": self.max_model_len}  # fmt: skip
+                "root": root, "parent": parent, "max_model_len": self.max_model_len}  # fmt: skip
 
     def chat_prompt(self, body: ChatRendering) -> list[int]:
         """A conversation's prompt ids, rendered as the request asks; its own ``chat_template`` only when trusted;

@@ -1,0 +1,117 @@
+"""LoRA adapters over HTTP, through the official openai client: a request's model names its adapter, /v1/models
+lists adapters under the base model, unknown names are 404, and runtime load/unload (behind its flag)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import openai
+import pytest
+from lora_helpers import merged, write_adapter
+from sched_helpers import greedy_reference
+from server_helpers import ENGINE, serving
+
+from scheduler import LoRAConfig
+from scheduler.entrypoints.cli import serve_args, server_config
+from scheduler.entrypoints.server.config import LoRAModule, ServerConfig
+
+NEW = 6
+LORA_ENGINE = dataclasses.replace(ENGINE, lora_config=LoRAConfig(max_loras=2, max_lora_rank=8))
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+
+
+@pytest.fixture(scope="module")
+def paths(hf, tmp_path_factory):
+    root = tmp_path_factory.mktemp("server-adapters")
+    return {n: write_adapter(root / n, hf, seed=20 + i) for i, n in enumerate(("sql", "poem", "late"))}
+
+
+@pytest.fixture(scope="module")
+def served_lora(tiny_model_dir, paths):
+    modules = (LoRAModule(name="sql", path=paths["sql"]),
+               LoRAModule(name="poem", path=paths["poem"], base_model_name="tiny-base"))  # fmt: skip
+    config = ServerConfig(lora_modules=modules, allow_runtime_lora_updating=True)
+    with serving(tiny_model_dir, config, engine=LORA_ENGINE) as s:
+        yield s
+
+
+@pytest.fixture
+def lora_client(served_lora):
+    with openai.OpenAI(base_url=served_lora.url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
+        yield c
+
+
+def _complete(client, model: str) -> str:
+    out = client.completions.create(model=model, prompt="hello world", max_tokens=NEW, temperature=0,
+                                    extra_body={"ignore_eos": True})  # fmt: skip
+    return out.choices[0].text
+
+
+def _oracle(served, hf, path: str | None) -> str:
+    tok = served.llm.tokenizer
+    ids = tok.encode("hello world", add_special_tokens=False)
+    return tok.decode(greedy_reference(merged(hf, path) if path else hf, [ids], NEW)[0], skip_special_tokens=True)
+
+
+def test_a_request_naming_an_adapter_runs_through_it(served_lora, lora_client, hf, paths):
+    base = _complete(lora_client, served_lora.model)
+    sql, poem = _complete(lora_client, "sql"), _complete(lora_client, "poem")
+    assert base == _oracle(served_lora, hf, None)
+    assert sql == _oracle(served_lora, hf, paths["sql"]) and poem == _oracle(served_lora, hf, paths["poem"])
+    assert len({base, sql, poem}) == 3
+
+
+def test_models_lists_the_adapters_under_the_base_model(served_lora, lora_client, paths):
+    cards = {m.id: m for m in lora_client.models.list().data}
+    assert list(cards) == [served_lora.model, "sql", "poem"]
+    assert cards[served_lora.model].parent is None
+    assert (cards["sql"].parent, cards["sql"].root) == (served_lora.model, paths["sql"])
+    assert cards["poem"].parent == "tiny-base"
+    assert lora_client.models.retrieve("sql").id == "sql"
+
+
+def test_an_unknown_adapter_is_a_404_naming_the_model(lora_client):
+    with pytest.raises(openai.NotFoundError) as e:
+        _complete(lora_client, "nope")
+    assert e.value.body["param"] == "model" and "sql" in e.value.body["message"]
+
+
+def test_runtime_load_and_unload(served_lora, lora_client, hf, paths, tmp_path):
+    post = served_lora.post
+    r = post("load_lora_adapter", {"lora_name": "late", "lora_path": paths["late"]})
+    assert r.status_code == 200 and "late" in r.text
+    assert _complete(lora_client, "late") == _oracle(served_lora, hf, paths["late"])
+    again = post("load_lora_adapter", {"lora_name": "late", "lora_path": paths["late"]})
+    assert again.status_code == 400 and again.json()["error"]["param"] == "lora_name"
+    bad = post("load_lora_adapter", {"lora_name": "bad", "lora_path": str(tmp_path)})
+    assert bad.status_code == 400 and "adapter_config.json" in bad.json()["error"]["message"]
+    assert post("unload_lora_adapter", {"lora_name": "late"}).status_code == 200
+    assert post("unload_lora_adapter", {"lora_name": "late"}).status_code == 404
+    with pytest.raises(openai.NotFoundError):
+        _complete(lora_client, "late")
+    assert [m.id for m in lora_client.models.list().data] == [served_lora.model, "sql", "poem"]
+
+
+def test_runtime_updating_is_off_by_default(served, client):
+    assert served.post("load_lora_adapter", {"lora_name": "x", "lora_path": "/x"}).status_code == 404
+
+
+def test_cli_lora_flags_reach_the_configs(capsys):
+    args = serve_args(["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--max-cpu-loras", "3",
+                       "--lora-modules", "a=/p", '{"name": "b", "path": "/q", "base_model_name": "m"}'])  # fmt: skip
+    from scheduler.entrypoints.main_job import engine_config
+
+    assert engine_config(args).lora_config == LoRAConfig(max_loras=2, max_lora_rank=8, max_cpu_loras=3)
+    assert server_config(args).lora_modules == (LoRAModule(name="a", path="/p"),
+                                                LoRAModule(name="b", path="/q", base_model_name="m"))  # fmt: skip
+    for argv, flag in ((["--lora-modules", "a=/p"], "--lora-modules"), (["--max-loras", "2"], "--max-loras"),
+                       (["--enable-lora", "--lora-modules", "nopath"], "lora_modules")):  # fmt: skip
+        with pytest.raises(SystemExit):
+            serve_args(argv)
+        assert flag in capsys.readouterr().err
