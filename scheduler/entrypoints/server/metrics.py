@@ -10,6 +10,7 @@ samples; what each metric counts is listed in ``docs/metrics.md``. Metrics vLLM 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -48,6 +49,26 @@ def buckets_1_2_5(highest: int) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
+class LoRAInfo:
+    """vLLM's ``vllm:lora_requests_info`` labels: max_loras, the adapters of waiting and of running requests."""
+
+    max_lora: int
+    waiting: str  # adapter names, comma-separated, sorted
+    running: str
+    at: float  # when it was read (the gauge's value: vLLM's)
+
+    @classmethod
+    def of(cls, engine: LLMEngine) -> LoRAInfo | None:
+        """Read the scheduler's queues (engine thread); None when LoRA is off."""
+        config = engine.config.lora_config
+        if config is None:
+            return None
+        s = engine.scheduler
+        names = lambda groups: ",".join(sorted({g.lora.name for g in groups if g.lora is not None}))  # noqa: E731
+        return cls(config.max_loras, names([*s.waiting, *s.swapped]), names(s.running), time.time())
+
+
+@dataclass(frozen=True)
 class EngineSnapshot:
     """The engine's queues, pools and cumulative cache figures after a step."""
 
@@ -62,6 +83,7 @@ class EngineSnapshot:
     cow_copies: int = 0
     tiers: TierStats | None = None  # the lower tiers' figures (None: no host tier)
     spec: SpecDecodeStats | None = None  # speculative decoding's counters (None: off)
+    lora: LoRAInfo | None = None  # the adapters of the running and waiting requests (None: LoRA off)
 
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineSnapshot:
@@ -73,7 +95,7 @@ class EngineSnapshot:
             cpu_usage=stats.num_cpu_used / cpu_blocks if cpu_blocks else 0.0, prefix_queries=stats.num_queried_tokens,
             prefix_hits=stats.num_hit_tokens, preemptions=sum(s.num_preemptions.values()),
             cow_copies=stats.num_cow_copies, tiers=engine.tiers.stats(stats) if engine.tiers is not None else None,
-            spec=engine.spec.stats.copy() if engine.spec is not None else None,
+            spec=engine.spec.stats.copy() if engine.spec is not None else None, lora=LoRAInfo.of(engine),
         )  # fmt: skip
 
     @property
@@ -205,6 +227,11 @@ class ServerMetrics:
             yield from tier_families(s.tiers, s.hits_by_medium, s.prefix_queries, self.labels)
         if s.spec is not None:
             yield from self._spec_families(s.spec)
+        if s.lora is not None:
+            info = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                                     labels=("max_lora", "waiting_lora_adapters", "running_lora_adapters"))  # fmt: skip
+            info.add_metric((str(s.lora.max_lora), s.lora.waiting, s.lora.running), s.lora.at)
+            yield info
 
     def _spec_families(self, spec: SpecDecodeStats) -> Iterator[Metric]:
         """vLLM's spec-decode counters: drafts, draft tokens, accepted tokens, accepted tokens by position."""

@@ -115,3 +115,31 @@ def test_cli_lora_flags_reach_the_configs(capsys):
         with pytest.raises(SystemExit):
             serve_args(argv)
         assert flag in capsys.readouterr().err
+
+
+def test_metrics_show_the_lora_requests_info_gauge(served_lora, lora_client, served):
+    import httpx
+
+    _complete(lora_client, "sql")
+    text = httpx.get(served_lora.url + "/metrics").text
+    line = next(x for x in text.splitlines() if x.startswith("vllm:lora_requests_info{"))
+    assert 'max_lora="2"' in line and 'running_lora_adapters=""' in line and 'waiting_lora_adapters=""' in line
+    assert "vllm:lora_requests_info" not in httpx.get(served.url + "/metrics").text  # LoRA off: no gauge
+
+
+def test_lora_info_names_the_adapters_of_waiting_and_running_requests(tiny_hf, tmp_path):
+    from sched_helpers import make_engine
+
+    from scheduler import LoRARequest, SamplingParams
+    from scheduler.entrypoints.server.metrics import LoRAInfo
+
+    engine = make_engine(tiny_hf, lora=LoRAConfig(max_loras=1, max_lora_rank=8))
+    a, b = (LoRARequest(name=n, path=write_adapter(tmp_path / n, tiny_hf, seed=i)) for i, n in enumerate("ab"))
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    engine.add_request("1", [1, 2, 3], params, lora_request=a)
+    engine.add_request("2", [1, 2, 3], params, lora_request=b)
+    engine.add_request("3", [1, 2, 3], params)
+    assert (LoRAInfo.of(engine).waiting, LoRAInfo.of(engine).running) == ("a,b", "")
+    engine.step()  # max_loras=1: b waits while a runs
+    assert (LoRAInfo.of(engine).waiting, LoRAInfo.of(engine).running, LoRAInfo.of(engine).max_lora) == ("b", "a", 1)
+    assert LoRAInfo.of(make_engine(tiny_hf)) is None
