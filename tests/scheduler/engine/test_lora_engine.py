@@ -118,3 +118,19 @@ def test_beam_search_keeps_the_adapter(tiny_hf, prompts, adapters, oracles):
     assert [c.token_ids for c in done[0].outputs] == want
     assert want != hf_beams(tiny_hf, prompts[0], width=3, new=6)[0]
     assert_all_freed(engine)
+
+
+def test_speculative_drafts_run_through_the_adapter(looping_hf, tmp_path):
+    """n-gram drafts are verified with the adapter's logits: the greedy tokens are the merged model's."""
+    from scheduler import SpeculativeConfig
+
+    path = write_adapter(tmp_path / "loop", looping_hf, seed=4, std=0.05)
+    spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
+    engine = make_engine(looping_hf, lora=LORA, speculative=spec)
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
+    outs = engine.generate([prompt, prompt], SamplingParams(max_tokens=24, ignore_eos=True),
+                           lora_request=[LoRARequest(name="loop", path=path), None], use_tqdm=False)  # fmt: skip
+    assert outs[0].outputs[0].token_ids == greedy_reference(merged(looping_hf, path), [prompt], 24)[0]
+    assert outs[1].outputs[0].token_ids == greedy_reference(looping_hf, [prompt], 24)[0]
+    assert outs[0].outputs[0].token_ids != outs[1].outputs[0].token_ids
+    assert engine.spec.stats.num_accepted_tokens > 0

@@ -144,3 +144,22 @@ def test_max_cpu_loras_keeps_the_most_recent_adapters(tiny_hf, adapters, tmp_pat
     engine.generate([PROMPT], ONE_TOKEN, lora_request=adapters[0], use_tqdm=False)
     engine.generate([PROMPT], ONE_TOKEN, lora_request=adapters[1], use_tqdm=False)
     assert engine.runner.loras.names == ["y"]
+
+
+def test_the_host_tier_keeps_blocks_apart_by_adapter(tiny_hf, adapters):
+    """Blocks evicted to the host tier under adapter x are found again by x only, not by y or the base model."""
+    from scheduler import CacheConfig, EngineConfig, LLMEngine, SchedulerConfig
+
+    cache = CacheConfig(block_size=4, num_gpu_blocks=14, watermark=0.0, kv_offloading_bytes=1 << 20)
+    config = EngineConfig(cache=cache, scheduler=SchedulerConfig(max_num_batched_tokens=64), device="cpu",
+                          lora_config=LORA)  # fmt: skip
+    engine = LLMEngine.from_hf(tiny_hf, config)
+    x, y = adapters
+    assert _cached(engine, x) == 0
+    engine.generate([list(range(200, 243))], ONE_TOKEN, use_tqdm=False)  # evicts x's blocks to the host tier
+    assert engine.block_manager.stats().num_host_stored_blocks > 0
+    assert _cached(engine, y) == 0 and _cached(engine, None) == 0
+    engine.generate([list(range(200, 243))], ONE_TOKEN, use_tqdm=False)
+    before = engine.block_manager.stats().num_host_hit_tokens
+    assert _cached(engine, x) == 40
+    assert engine.block_manager.stats().num_host_hit_tokens > before  # found in the host tier
