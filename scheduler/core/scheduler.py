@@ -22,6 +22,9 @@ Each step it fills a token budget and a sequence budget in this order:
    keeps its place and is passed over until the read lands, unless nothing else would run.
    A first waiting group that cannot start while nothing runs never will (prefixes pinned
    after it was queued hold its room): it is aborted alone, its reason in ``refused``.
+   A group through a LoRA adapter (``SequenceGroup.lora``) is admitted or swapped in only while its adapter
+   is among the running groups' or fewer than ``max_loras`` adapters run (a step never holds more adapters
+   than the model has slots); otherwise it waits like a group that does not fit.
 
 With ``scheduling_policy="priority"`` (vLLM's) every queue is kept in (priority, arrival) order
 instead of arrival order (lower priority first: more important), running included: running groups are

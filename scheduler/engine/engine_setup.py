@@ -3,7 +3,8 @@
 Plain functions of the :class:`~scheduler.core.config.EngineConfig`, called once by
 :class:`~scheduler.engine.llm_engine.LLMEngine` in this order: :func:`place_model` (starting the
 tensor-parallel workers first when ``tensor_parallel_size > 1``), :func:`num_gpu_blocks`,
-:func:`make_block_manager`, :func:`make_runner`, :func:`make_tiers`. Invariants:
+:func:`make_block_manager`, :func:`make_runner`, :func:`make_tiers` (with LoRA, :func:`make_loras` right after
+:func:`place_model`: its device slots are in use when the pool is sized; the runner gets it). Invariants:
 
 - the device pool, its block manager and the step-input builder agree on ``num_blocks`` and
   ``block_size``; the workers of a tensor-parallel group get the same figures (:class:`WorkerSetup`);

@@ -111,13 +111,14 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         model, self.device, self.executor = place_model(model, config)  # starts the TP workers, if any
         self.model = model
+        loras = make_loras(model, config)  # slots on the device before the pool is sized (CUDA: counted in use)
         cc, events = config.cache, kv_events(config)
         spec = model.kv_cache_spec(cc.block_size, cc.dtype)
         graphs = uses_graphs(config, self.device)
         num_blocks = num_gpu_blocks(model, spec, config, self.device, graphs)
         self.block_manager = make_block_manager(spec, cc, num_blocks, track_events=events is not None)
         self.runner = make_runner(model, spec, num_blocks, config, self.device, self.executor, graphs)
-        self.runner.loras = make_loras(model, config)
+        self.runner.loras = loras
         self.tiers = make_tiers(model, spec, cc, self.block_manager, self.runner)
         prefetch = self.tiers.prefetch if self.tiers is not None else None
         self.spec = SpecDecode(config.speculative_config) if config.speculative_config is not None else None
