@@ -195,14 +195,9 @@ class EngineConfig:
             check_device("device", self.device)
 
     def _check_lora(self) -> None:
-        """A LoRAConfig or None; LoRA runs on one rank only."""
-        if self.lora_config is None:
-            return
-        if not isinstance(self.lora_config, LoRAConfig):
+        """A LoRAConfig or None."""
+        if self.lora_config is not None and not isinstance(self.lora_config, LoRAConfig):
             raise InvalidArgumentError(describe("lora_config", self.lora_config, "a LoRAConfig or None"))
-        if self.tensor_parallel_size > 1:
-            raise InvalidArgumentError(describe("lora_config", self.lora_config,
-                                                "None with tensor_parallel_size > 1 (LoRA runs on one rank)"))
 
     def resolved_device(self) -> torch.device:
         """The device the model and the KV cache live on."""

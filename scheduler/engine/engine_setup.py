@@ -116,7 +116,9 @@ def make_runner(model: LlamaModel, spec: KVCacheSpec, num_blocks: int, config: E
     if executor is not None:
         executor.attach_caches(gpu_cache, cpu_cache)
         dense = cc.enable_dense_prefill
-        executor.setup(WorkerSetup(num_blocks, cc.num_cpu_blocks, cc.block_size, cc.dtype, width, dense))
+        lc = config.lora_config
+        lora = (lc.max_loras, lc.max_lora_rank) if lc is not None else None
+        executor.setup(WorkerSetup(num_blocks, cc.num_cpu_blocks, cc.block_size, cc.dtype, width, dense, lora))
     if graphs:
         _capture_graphs(runner, config.scheduler.max_num_seqs, width)
     return runner

@@ -7,6 +7,11 @@ with the adapters loaded. A fused projection stacks its slices' A matrices (``[s
 and holds their B matrices block-diagonally (``[slots, out, n R]``, each slice's rows against its
 own rank columns), scale folded into B: one pair of matmuls computes every slice's update.
 
+A tensor-parallel shard holds its part, as its base weights: a column-parallel projection (q/k/v,
+gate/up) this rank's rows of each B (A whole), a row-parallel one (o, down) this rank's input
+columns of A (B whole); its partial update ``(x_cols A_cols^T) B^T`` is added before the layer's
+all-reduce, which sums it with the other ranks' into the whole update.
+
 A step tells the model which tokens go through which slot with a :class:`LoRABatch` (built on the
 host, uploaded with the step's input); set as ``LoRASlots.batch`` for the forward, it makes each
 projection add ``(x_rows A^T) B^T`` to its output rows, one slot after the other. A step without
@@ -40,7 +45,7 @@ class LoRASlots:
         self.batch: LoRABatch | None = None  # set for one forward by the runner; None: base model only
 
     def load(self, slot: int, adapter: LoRAAdapter) -> None:
-        """Write ``adapter`` into ``slot`` of every projection (zeros where it has no weights)."""
+        """Write ``adapter`` (whole-model weights; each projection keeps its shard) into ``slot`` everywhere."""
         for p in self.projections.values():
             p.clear(slot)
         for (layer, module), w in adapter.weights.items():
@@ -49,12 +54,16 @@ class LoRASlots:
 
 
 class LoRAProjection:
-    """One projection's adapter slots: A ``[slots, n R, in]``, B ``[slots, out, n R]`` (slices block-diagonal)."""
+    """One projection's adapter slots: A ``[slots, n R, in]``, B ``[slots, out, n R]`` (slices block-diagonal).
 
-    def __init__(self, slots: LoRASlots, sizes: list[int], fan_in: int, like: torch.Tensor) -> None:
+    ``rows[i]``: this rank's output rows of slice ``i`` (column-parallel) or None (all); ``cols``: this rank's
+    input columns (row-parallel) or None (all)."""
+
+    def __init__(self, slots: LoRASlots, rows: list[range | None], sizes: list[int], cols: range | None,
+                 fan_in: int, like: torch.Tensor) -> None:  # fmt: skip
         n, r = len(sizes), slots.max_rank
-        self.slots, self.sizes, self.rank = slots, sizes, r
-        self.offsets = [sum(sizes[:i]) for i in range(n)]  # each slice's first output row
+        self.slots, self.rows, self.sizes, self.cols, self.rank = slots, rows, sizes, cols, r
+        self.offsets = [sum(sizes[:i]) for i in range(n)]  # each slice's first output row here
         self.a = torch.zeros(slots.max_loras, n * r, fan_in, dtype=like.dtype, device=like.device)
         self.b = torch.zeros(slots.max_loras, sum(sizes), n * r, dtype=like.dtype, device=like.device)
 
@@ -64,10 +73,13 @@ class LoRAProjection:
         self.b[slot].zero_()
 
     def write(self, slot: int, index: int, a: torch.Tensor, b: torch.Tensor) -> None:
-        """Slice ``index``'s A ``[r, in]`` and scaled B ``[out_i, r]`` into ``slot`` (rank r <= max_rank)."""
-        r, cols, rows = a.shape[0], index * self.rank, self.offsets[index]
-        self.a[slot, cols : cols + r].copy_(a)
-        self.b[slot, rows : rows + self.sizes[index], cols : cols + r].copy_(b)
+        """Slice ``index``'s whole A ``[r, in]`` and scaled B ``[out_i, r]`` into ``slot``, this rank's part of them."""
+        rows, cols = self.rows[index], self.cols
+        a = a if cols is None else a[:, cols.start : cols.stop]
+        b = b if rows is None else b[rows.start : rows.stop]
+        r, at, first = a.shape[0], index * self.rank, self.offsets[index]
+        self.a[slot, at : at + r].copy_(a)
+        self.b[slot, first : first + self.sizes[index], at : at + r].copy_(b)
 
     def add(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out [T, out] += each token group's update from x [T, in] through its slot."""
@@ -85,16 +97,24 @@ class LoRAProjection:
 
 
 def attach_lora(model: torch.nn.Module, max_loras: int, max_rank: int) -> LoRASlots:
-    """Give every target projection of ``model`` (one rank, the whole model) adapter slots; returns them."""
-    cfg, slots = model.config, LoRASlots(max_loras, max_rank)
-    width = lambda *names: [module_shape(cfg, m)[1] for m in names]  # noqa: E731
+    """Give every target projection of ``model`` (its tensor-parallel shard) adapter slots; returns them, also kept
+    as ``model.lora_slots``."""
+    cfg, shard, slots = model.config, model.shard, LoRASlots(max_loras, max_rank)
+    d = cfg.head_dim
+    q0, q1 = shard.split(cfg.num_heads, "num_heads")
+    k0, k1 = shard.kv_heads(cfg.num_kv_heads, cfg.num_heads)
+    i0, i1 = shard.split(cfg.intermediate_size, "intermediate_size")
+    q, kv, inter = range(q0 * d, q1 * d), range(k0 * d, k1 * d), range(i0, i1)
     for i, layer in enumerate(model.layers):
-        for name, linear, sizes, module in (
-            ("qkv", layer.attn.qkv, width("q_proj", "k_proj", "v_proj"), "q_proj"),
-            ("o", layer.attn.o, width("o_proj"), "o_proj"),
-            ("gate_up", layer.mlp.gate_up, width("gate_proj", "up_proj"), "gate_proj"),
-            ("down", layer.mlp.down, width("down_proj"), "down_proj"),
+        for name, linear, rows, cols, module in (
+            ("qkv", layer.attn.qkv, [q, kv, kv], None, "q_proj"),
+            ("o", layer.attn.o, [None], q, "o_proj"),
+            ("gate_up", layer.mlp.gate_up, [inter, inter], None, "gate_proj"),
+            ("down", layer.mlp.down, [None], inter, "down_proj"),
         ):  # fmt: skip
-            projection = LoRAProjection(slots, sizes, module_shape(cfg, module)[0], linear.weight)
+            fan_in, fan_out = module_shape(cfg, module)
+            sizes = [len(r) if r is not None else fan_out for r in rows]
+            projection = LoRAProjection(slots, rows, sizes, cols, len(cols) if cols else fan_in, linear.weight)
             linear.lora = slots.projections[(i, name)] = projection
+    model.lora_slots = slots
     return slots

@@ -7,7 +7,9 @@ least recently requested dropped first (read again from their folder, checked to
 files, if a request still needs one). :meth:`LoRAManager.step_slots` puts the adapters of a step
 into the model's ``max_loras`` device slots (an adapter already in a slot stays there; the slot
 used longest ago is reused) and returns each scheduled sequence's slot; the scheduler never puts
-more than ``max_loras`` adapters in one step.
+more than ``max_loras`` adapters in one step. With tensor parallelism the driver's manager decides alone:
+:meth:`LoRAManager.take_loads` hands the step's placements to the payload, and each worker reads those
+adapters into the same slots of its shard (:func:`scheduler.runner.tp_worker.load_slot`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class LoRAManager:
         self._loaded: OrderedDict[str, tuple[LoRAKey, LoRAAdapter]] = OrderedDict()  # least recent first
         self._in_slot: list[LoRAKey | None] = [None] * config.max_loras
         self._slot_order: list[int] = list(range(config.max_loras))  # least recently used slot first
+        self._loads: list[tuple[int, str, str]] = []  # (slot, path, fingerprint) placed since take_loads
 
     @property
     def names(self) -> list[str]:
@@ -96,6 +99,11 @@ class LoRAManager:
         slot_of = {k: self._place(k, wanted) for k in wanted}
         return np.fromiter((slot_of[k] if k is not None else -1 for k in keys), np.int64, len(keys))
 
+    def take_loads(self) -> tuple[tuple[int, str, str], ...]:
+        """The adapters placed in slots since the last call, as (slot, folder, fingerprint): what TP workers load."""
+        loads, self._loads = tuple(self._loads), []
+        return loads
+
     def _place(self, key: LoRAKey, wanted: list[LoRAKey]) -> int:
         """The slot holding ``key``, loading it into the least recently used slot no other wanted adapter holds."""
         if key in self._in_slot:
@@ -106,6 +114,7 @@ class LoRAManager:
             self._in_slot[slot] = None  # until the slot holds all of it
             self.slots.load(slot, adapter)
             self._in_slot[slot] = key
+            self._loads.append((slot, key.path, key.fingerprint))
         self._slot_order.remove(slot)
         self._slot_order.append(slot)
         return slot

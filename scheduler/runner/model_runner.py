@@ -14,6 +14,7 @@ slots; a step with an adapter runs eagerly (no CUDA graph holds the LoRA updates
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Protocol, TypeVar
 
 import torch
@@ -81,7 +82,9 @@ class ModelRunner:
             if self.tiers is not None:
                 self.tiers.after_forward(out.tier_ops)
             return logits
-        payload = self.inputs.build_payload(out)
+        payload = self.inputs.build_payload(out, self.loras.step_slots(out) if self.loras else None)
+        if self.loras is not None:  # the workers load the adapters placed this step into the same slots
+            payload = replace(payload, lora_loads=self.loras.take_loads())
         self.group.broadcast(payload)
         return self.group.guard(lambda: self.execute(self.inputs.materializer.materialize(payload)))
 
@@ -104,11 +107,12 @@ class ModelRunner:
 
     def _run_lora(self, step: StepInput) -> torch.Tensor:
         """The forward of a step with adapters, eagerly, its token groups set for the projections meanwhile."""
-        self.loras.slots.batch = step.lora
+        slots = self.model.lora_slots  # attached by attach_lora (the driver's LoRAManager, or a worker's setup)
+        slots.batch = step.lora
         try:
             return self.model(step.input_ids, step.positions, self.gpu_cache, step.meta, step.logits_indices)
         finally:
-            self.loras.slots.batch = None
+            slots.batch = None
 
     def move_blocks(self, swap_out: list[CopyOp], swap_in: list[CopyOp], copies: list[CopyOp]) -> None:
         """Run swaps and copy-on-write copies, in that order (each reads blocks before they are reused)."""

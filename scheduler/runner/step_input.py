@@ -111,6 +111,9 @@ class StepPayload:
     num_prompt_rows: int = 0  # logits rows after the sampled ones: prompt positions scored
     lora_slots: tuple[int, ...] = ()  # LoRA slots of the step, each with its token rows at the end of ``flat``
     lora_all: int | None = None  # the one LoRA slot every token of the step goes through (no rows uploaded)
+    # tensor parallelism: the adapters the driver placed in slots this step, (slot, folder, fingerprint) each, for the
+    # workers to load into the same slots before the step
+    lora_loads: tuple[tuple[int, str, str], ...] = ()
 
 
 class StepMaterializer:

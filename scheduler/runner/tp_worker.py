@@ -24,6 +24,8 @@ from paged_kv.errors import WorkerError
 from paged_kv.kv_cache import PagedKVCache
 from scheduler.distributed.parallel_state import Groups, TPShard, destroy_groups, init_groups
 from scheduler.model.llama import LlamaModel, ModelConfig
+from scheduler.model.lora_adapter import load_adapter
+from scheduler.model.lora_layers import LoRASlots, attach_lora
 from scheduler.runner.block_tables import DeviceRows
 from scheduler.runner.model_runner import ModelRunner
 from scheduler.runner.step_input import StepMaterializer, StepPayload
@@ -41,6 +43,7 @@ class WorkerSetup:
     kv_dtype: torch.dtype | None
     width: int  # block-table columns
     dense_prefill: bool  # fresh prompts attend their own K/V with the dense kernel (CacheConfig)
+    lora: tuple[int, int] | None = None  # (max_loras, max_lora_rank): the shard gets adapter slots; None: LoRA off
 
 
 @dataclass(frozen=True)
@@ -94,14 +97,25 @@ def run_worker(model: LlamaModel, groups: Groups, device: torch.device) -> None:
     cpu = PagedKVCache(spec, setup.num_cpu_blocks, "cpu") if setup.num_cpu_blocks else None
     runner = ModelRunner(model, gpu, cpu, dense_prefill=setup.dense_prefill)
     steps = StepMaterializer(DeviceRows(setup.width, device), device, setup.block_size)
+    slots = attach_lora(model, *setup.lora) if setup.lora is not None else None
     while True:
         msg = receive(groups)
         if isinstance(msg, StepPayload):
+            for slot, path, fingerprint in msg.lora_loads:
+                load_slot(model, slots, slot, path, fingerprint)
             runner.execute(steps.materialize(msg))  # the logits are dropped: rank 0 samples
         elif isinstance(msg, KVQuery):
             answer_kv_query(msg, gpu, cpu, groups)
         else:
             return
+
+
+def load_slot(model: LlamaModel, slots: LoRASlots, slot: int, path: str, fingerprint: str) -> None:
+    """Load the adapter the driver placed in ``slot`` (read from ``path``: the same files, else a WorkerError)."""
+    adapter = load_adapter(path, model.config, slots.max_rank)
+    if adapter.fingerprint != fingerprint:
+        raise WorkerError(f"LoRA adapter {path}: its files changed since the driver loaded them")
+    slots.load(slot, adapter)
 
 
 def local_device(device_type: str, local_rank: int) -> torch.device:

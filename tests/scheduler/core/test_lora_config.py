@@ -1,4 +1,4 @@
-"""LoRAConfig and LoRARequest refuse bad fields by name; LoRA with tensor parallelism is refused."""
+"""LoRAConfig and LoRARequest refuse bad fields by name; adapter keys salt the prefix cache apart."""
 
 from __future__ import annotations
 
@@ -28,9 +28,8 @@ def test_lora_config_defaults_and_cpu_loras():
     assert LoRAConfig(max_loras=2).num_cpu_loras == 2 and LoRAConfig(max_cpu_loras=5).num_cpu_loras == 5
 
 
-def test_lora_with_tensor_parallelism_is_refused():
-    with pytest.raises(InvalidArgumentError, match=r"^lora_config=.*tensor_parallel_size > 1"):
-        EngineConfig(lora_config=LoRAConfig(), tensor_parallel_size=2)
+def test_engine_config_takes_a_lora_config_or_none():
+    assert EngineConfig(lora_config=LoRAConfig(), tensor_parallel_size=2).lora_config == LoRAConfig()
     with pytest.raises(InvalidArgumentError, match="^lora_config="):
         EngineConfig(lora_config={"max_loras": 2})
 

@@ -23,8 +23,8 @@ def _run(engine, prompts, beam_prompts) -> dict[str, object]:
     moves = {"copies": 0, "swap_out": 0, "swap_in": 0}
     build = engine.runner.inputs.build_payload
 
-    def counting(out):
-        payload = build(out)
+    def counting(out, *lora):
+        payload = build(out, *lora)
         for k in moves:
             moves[k] += len(getattr(payload, k))
         return payload
