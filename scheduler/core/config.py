@@ -141,7 +141,7 @@ class LoRAConfig:
 
     def __post_init__(self) -> None:
         check_int("max_loras", self.max_loras, low=1, high=1 << 10)
-        if isinstance(self.max_lora_rank, bool) or self.max_lora_rank not in MAX_LORA_RANKS:
+        if check_int("max_lora_rank", self.max_lora_rank, low=1) not in MAX_LORA_RANKS:
             raise InvalidArgumentError(describe("max_lora_rank", self.max_lora_rank, f"one of {MAX_LORA_RANKS}"))
         if self.max_cpu_loras is not None:
             check_int("max_cpu_loras", self.max_cpu_loras, low=self.max_loras, high=1 << 16)

@@ -280,7 +280,9 @@ class LLMEngine:
         self, request_id: str, prompt_token_ids: Seq[int], sampling_params: SamplingParams | None,
         *, lora: LoRAKey | None = None,
     ) -> tuple[list[int], SamplingParams]:  # fmt: skip
-        """Validate a request without queueing it; return the prompt as a list and the parameters."""
+        """Validate a request without queueing it; return the prompt as a list and the parameters (``lora``: the
+        key :meth:`load_lora` gave its adapter)."""
+        check_type("lora", lora, (LoRAKey, type(None)), "a LoRAKey (from load_lora) or None")
         params = sampling_params if sampling_params is not None else SamplingParams()
         check_request_id(request_id, self.scheduler.requests)
         if not isinstance(params, SamplingParams):

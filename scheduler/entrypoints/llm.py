@@ -53,8 +53,8 @@ class LLM:
         if speculative_config is not None:
             spec = _speculative(speculative_config)
             engine_config = dataclasses.replace(engine_config or EngineConfig(), speculative_config=spec)
+        lora = LoRAConfig(max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras)  # checked
         if check_bool("enable_lora", enable_lora):
-            lora = LoRAConfig(max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras)
             engine_config = dataclasses.replace(engine_config or EngineConfig(), lora_config=lora)
         loaded = model if isinstance(model, LoadedModel) else load_model(model)
         self.model_name = loaded.name

@@ -70,6 +70,7 @@ def stream(num_tokens: int = 5, cache_salt: str | None = None, block_size: int =
 
 
 # a kept hashes argument that is None or a BlockHashes of the manager's block size (4) and the call's salt
+SALT = {WRONG_TYPE: [3, ["x"], 1.5]}  # a cache salt is a str, or bytes (the engine's own keys: a LoRA adapter's)
 OTHER_STREAMS = {WRONG_TYPE: ["x", 3, [b"h" * 32]], BAD_ID: [BlockHashes(8), BlockHashes(4, cache_salt="other")]}
 
 
@@ -114,14 +115,14 @@ def entries() -> list[Entry]:
         Entry("paged_kv.BlockManager.pin", "pin", {
             "pin_id": Arg("new_seq_id", "p", bad={BAD_ID: [["l"], "q"]}),
             "token_ids": Arg("ids", [0, 1, 2, 3, 4], bad={WRONG_TYPE: ["ab", {1: 2}, None, 3]}),
-            "cache_salt": Arg("opt_str", None)}, pinned),
+            "cache_salt": Arg("opt_str", None, bad=SALT)}, pinned),
         Entry("paged_kv.BlockManager.unpin", "unpin", {"pin_id": Arg("seq_id", "q")}, pinned),
         Entry("paged_kv.BlockManager.reset_prefix_cache", "reset_prefix_cache", {
             "keep_pinned": Arg("bool", True)}, pinned),
         Entry("paged_kv.BlockManager.num_pinned_blocks_apart", "num_pinned_blocks_apart", {
-            "token_ids": Arg("ids", [0, 1, 2, 3, 9]), "cache_salt": Arg("opt_str", None)}, pinned),
+            "token_ids": Arg("ids", [0, 1, 2, 3, 9]), "cache_salt": Arg("opt_str", None, bad=SALT)}, pinned),
         Entry("paged_kv.BlockManager.chain_past_cache", "chain_past_cache", {
-            "token_ids": Arg("ids", [0, 1, 2, 3, 4, 5, 6, 7, 8]), "cache_salt": Arg("opt_str", None),
+            "token_ids": Arg("ids", [0, 1, 2, 3, 4, 5, 6, 7, 8]), "cache_salt": Arg("opt_str", None, bad=SALT),
             "hashes": Arg("obj", lambda: stream(9), bad=OTHER_STREAMS)}, tiered),
         Entry("paged_kv.BlockManager.fill_host", "fill_host", {
             "records": Arg("obj", lambda: [record()], bad={WRONG_TYPE: [None, "x", 3, ["x"], [(b"h", b"p", b"t")],
@@ -130,7 +131,7 @@ def entries() -> list[Entry]:
         Entry("paged_kv.BlockManager.add_blocks", "add_blocks", {"num_blocks": Arg("int", 2)}, m),
         Entry("paged_kv.BlockManager.allocate", "allocate", {
             "seq_id": Arg("new_seq_id", "n", bad={BAD_ID: [["l"], "a", "s"]}), "token_ids": Arg("ids", [0, 1, 2]),
-            "cache_salt": Arg("opt_str", None), "hashes": Arg("obj", lambda: stream(2), bad=OTHER_STREAMS),
+            "cache_salt": Arg("opt_str", None, bad=SALT), "hashes": Arg("obj", lambda: stream(2), bad=OTHER_STREAMS),
             "num_lookahead_slots": Arg("int", 0),
             "num_queried": Arg("opt_int", 5, bad={OUT_OF_RANGE: [2, -1, 1 << 62]}),  # at least the 3 tokens
             "priority": Arg("int", -3, bad={OUT_OF_RANGE: [1 << 63, -(1 << 63) - 1]})}, m),  # any int64 (vLLM's)
@@ -161,17 +162,17 @@ def entries() -> list[Entry]:
               # a query about a sequence in the other state answers False: only unknown ids are bad
               ("can_swap_out", ["a", "b"], [["s"]]), ("can_swap_in", ["s"], []))],
         Entry("paged_kv.BlockManager.can_allocate", "can_allocate", {
-            "token_ids": Arg("ids", [0, 1]), "cache_salt": Arg("opt_str", None),
+            "token_ids": Arg("ids", [0, 1]), "cache_salt": Arg("opt_str", None, bad=SALT),
             "hashes": Arg("obj", lambda: stream(2), bad=OTHER_STREAMS), "num_lookahead_slots": Arg("int", 0)}, m),
         Entry("paged_kv.BlockManager.num_cached_tokens", "num_cached_tokens", {
-            "token_ids": Arg("ids", [0, 1, 2, 3, 4]), "cache_salt": Arg("opt_str", "t"),
+            "token_ids": Arg("ids", [0, 1, 2, 3, 4]), "cache_salt": Arg("opt_str", "t", bad=SALT),
             "hashes": Arg("obj", lambda: stream(5, "t"), bad={**OTHER_STREAMS, BAD_ID: [BlockHashes(4)]})}, m),
         Entry("paged_kv.BlockManager.admission", "admission", {
             "requests": Arg("obj", lambda: [([0, 1, 2, 3, 4], stream(5)), (3, None)], bad={
                 WRONG_TYPE: [None, 3, [([1],)], [("ab", None)], [([1], "x")], [(3.5, None)]],
                 BOOL_FOR_INT: [[([True], None)]], NONINTEGRAL: [[([1.5], None)]], OUT_OF_RANGE: [[([-1], None)]],
                 BAD_ID: [[([1], BlockHashes(8))], [([1], BlockHashes(4, cache_salt="t"))]]}),
-            "cache_salt": Arg("opt_str", None)}, m,
+            "cache_salt": Arg("opt_str", None, bad=SALT)}, m,
             named={"requests": ("requests", "token_ids", "hashes")}),  # errors name the pair's field
         Entry("paged_kv.Admission.fits", "fits", {
             "num_tokens": Arg("obj", [5, 3], bad={
@@ -179,7 +180,8 @@ def entries() -> list[Entry]:
                 NAN_INF: [[5, NAN]], OUT_OF_RANGE: [[3, 3], [6, 3], [5, 4], [5, -1]]})},
               lambda: manager().admission([([0, 1, 2, 3, 4], None), (3, None)])),  # cached: (4, 0)
         Entry("paged_kv.BlockHashes", BlockHashes, {
-            "block_size": Arg("int", 4, bad={OUT_OF_RANGE: [0, -1, 1 << 62]}), "cache_salt": Arg("opt_str", "t")}),
+            "block_size": Arg("int", 4, bad={OUT_OF_RANGE: [0, -1, 1 << 62]}),
+            "cache_salt": Arg("opt_str", "t", bad=SALT)}),
         Entry("paged_kv.BlockHashes.extend", "extend", {
             "token_ids": Arg("ids", [5, 6, 7, 8], bad={WRONG_TYPE: ["ab", {1: 2}, None, 3]})}, stream),
         Entry("paged_kv.BlockHashes.copy", "copy", {

@@ -24,6 +24,10 @@ from bad_input_machinery import (
 
 import scheduler
 
+# a lora_request of an engine without LoRA (every subject here has it off): wrong types, a wrong count, an adapter
+LORA_REQUEST = {WRONG_TYPE: ["x", 3, [None, None]], BAD_ID: [scheduler.LoRARequest(name="a", path="/no/such")]}
+LORA_KEY = {WRONG_TYPE: ["x", 3, scheduler.LoRARequest(name="a", path="/no/such")]}
+
 # -- subjects --------------------------------------------------------------------------------------
 TINY = dict(vocab_size=64, hidden_size=16, intermediate_size=32, head_dim=8, max_position_embeddings=128)
 
@@ -198,7 +202,15 @@ def _rows() -> list[Entry]:
             "tensor_parallel_size": Arg("int", 1, bad={OUT_OF_RANGE: [0, -1, 1 << 62]}),
             "distributed_timeout_s": Arg("real", 60.0, bad={OUT_OF_RANGE: [0.0, -1.0]}),
             "kv_events": Arg("obj", None, bad={WRONG_TYPE: ["tcp://*:5557", {}, 3]}),
-            "speculative_config": Arg("obj", None, bad={WRONG_TYPE: ['{"num_speculative_tokens": 2}', {}, 3]})}),
+            "speculative_config": Arg("obj", None, bad={WRONG_TYPE: ['{"num_speculative_tokens": 2}', {}, 3]}),
+            "lora_config": Arg("obj", None, bad={WRONG_TYPE: [{"max_loras": 2}, "x", 3]})}),
+        Entry("scheduler.LoRAConfig", scheduler.LoRAConfig, {
+            "max_loras": Arg("int", 1, bad={OUT_OF_RANGE: [0, -1, 1 << 62]}),
+            "max_lora_rank": Arg("int", 8, bad={OUT_OF_RANGE: [0, 12, -1, 1 << 62]}),  # one of vLLM's ranks
+            "max_cpu_loras": Arg("opt_int", None, bad={OUT_OF_RANGE: [0, -1, 1 << 62]})}),  # at least max_loras
+        Entry("scheduler.LoRARequest", scheduler.LoRARequest, {
+            "name": Arg("obj", "sql", bad={WRONG_TYPE: [None, 3, ""]}),
+            "path": Arg("obj", "/adapters/sql", bad={WRONG_TYPE: [None, 3, "", b"/x"]})}),
         Entry("scheduler.SpeculativeConfig", scheduler.SpeculativeConfig, {
             "method": Arg("obj", "ngram", bad={WRONG_TYPE: [None, 3, "eagle"]}),
             "num_speculative_tokens": Arg("int", 2, bad={OUT_OF_RANGE: [0, -1, 65]}),
@@ -256,14 +268,16 @@ def _rows() -> list[Entry]:
             "prompt_token_ids": Arg("ids", [1, 2], bad={**TOKENS, WRONG_TYPE: ["ab", 5, None, []]}),
             "sampling_params": Arg("obj", None, bad={WRONG_TYPE: [{"max_tokens": 3}, "x"]}),
             "fork_samples": Arg("bool", True),
-            "priority": Arg("int", 0, bad={OUT_OF_RANGE: [1 << 63, -(1 << 63) - 1]})}, engine),
+            "priority": Arg("int", 0, bad={OUT_OF_RANGE: [1 << 63, -(1 << 63) - 1]}),
+            "lora_request": Arg("obj", None, bad=LORA_REQUEST)}, engine),
         *[Entry(f"scheduler.LLMEngine.{name}", name, {
             "request_id": Arg("obj", "x", bad={WRONG_TYPE: [None, 7, ["x"]], BAD_ID: ["r0"]}),
             "prompt_token_ids": Arg("ids", [1, 2], bad={**TOKENS, WRONG_TYPE: ["ab", 5, None, []]}),
             "params": Arg("obj", lambda: scheduler.BeamSearchParams(width=2, max_tokens=2),
                           bad={WRONG_TYPE: [None, "x", scheduler.SamplingParams()]}),
-            **({"priority": Arg("int", 0, bad={OUT_OF_RANGE: [1 << 63, -(1 << 63) - 1]}), "measure": Arg("bool", False)}
-               if name == "add_beam_search" else {})}, engine)
+            **({"priority": Arg("int", 0, bad={OUT_OF_RANGE: [1 << 63, -(1 << 63) - 1]}), "measure": Arg("bool", False),
+                "lora_request": Arg("obj", None, bad=LORA_REQUEST)}
+               if name == "add_beam_search" else {"lora": Arg("obj", None, bad=LORA_KEY)})}, engine)
           for name in ("add_beam_search", "check_beam_search")],
         Entry("scheduler.LLMEngine.pin_prefix", "pin_prefix", {
             "token_ids": Arg("ids", [1, 2, 3, 4, 5], bad={**TOKENS, WRONG_TYPE: ["ab", 5, None, []]}),
@@ -285,7 +299,10 @@ def _rows() -> list[Entry]:
         Entry("scheduler.LLMEngine.check_request", "check_request", {
             "request_id": Arg("obj", "x", bad={WRONG_TYPE: [None, 7], BAD_ID: ["r0"]}),
             "prompt_token_ids": Arg("ids", [1, 2], bad={**TOKENS, WRONG_TYPE: ["ab", 5, None, []]}),
-            "sampling_params": Arg("obj", None, bad={WRONG_TYPE: [{"max_tokens": 3}]})}, engine),
+            "sampling_params": Arg("obj", None, bad={WRONG_TYPE: [{"max_tokens": 3}]}),
+            "lora": Arg("obj", None, bad=LORA_KEY)}, engine),
+        Entry("scheduler.LLMEngine.load_lora", "load_lora", {
+            "lora_request": Arg("obj", None, bad=LORA_REQUEST)}, engine),
         Entry("scheduler.LLMEngine.new_request_id", "new_request_id", {
             "prefix": Arg("obj", "mine", bad={WRONG_TYPE: [None, 3, "", ["x"]]})}, engine),
         Entry("scheduler.LLMEngine.request_output", "request_output", {
@@ -294,7 +311,11 @@ def _rows() -> list[Entry]:
             "model": Arg("obj", loaded_tiny, bad={WRONG_TYPE: [3, ["x"], 2.5],
                 BAD_ID: ["/no/such/model", "/no/such/model.gguf"]}),
             "engine_config": Arg("obj", engine_config, bad={WRONG_TYPE: ["x", {}, 3]}),
-            "speculative_config": Arg("obj", None, bad={WRONG_TYPE: ["ngram", 3, ["x"]]})},
+            "speculative_config": Arg("obj", None, bad={WRONG_TYPE: ["ngram", 3, ["x"]]}),
+            "enable_lora": Arg("bool", False),  # the LoRA options are checked even without it
+            "max_loras": Arg("int", 1, bad={OUT_OF_RANGE: [0, -1, 1 << 62]}),
+            "max_lora_rank": Arg("int", 16, bad={OUT_OF_RANGE: [0, 12, -1, 1 << 62]}),
+            "max_cpu_loras": Arg("opt_int", None, bad={OUT_OF_RANGE: [0, -1, 1 << 62]})},
             named={"model": ("model",)}),
         Entry("scheduler.LLM.encode", "encode", {
             "prompt": Arg("obj", "hello", bad={WRONG_TYPE: [None, 3, b"hi"], BOOL_FOR_INT: [[True]],
@@ -315,14 +336,15 @@ def _rows() -> list[Entry]:
             "sampling_params": Arg("obj", None, bad={WRONG_TYPE: ["x", {"max_tokens": 2}]}),
             "use_tqdm": Arg("bool", False),
             "priority": Arg("int", 0, bad={WRONG_TYPE: ["3", None, [1, 2]],  # one int, or one per prompt
-                                           OUT_OF_RANGE: [1 << 63, -(1 << 63) - 1, [1 << 63]]})},  # any int64
+                                           OUT_OF_RANGE: [1 << 63, -(1 << 63) - 1, [1 << 63]]}),  # any int64
+            "lora_request": Arg("obj", None, bad=LORA_REQUEST)},
               tiny_llm, named={"prompts": ("prompt", "prompts")}),
         Entry("scheduler.LLM.beam_search", "beam_search", {
             "prompts": Arg("obj", lambda: ["hello"], bad={WRONG_TYPE: [None, 3, [3.5], [None], []],
                 BOOL_FOR_INT: [[[True]]], NONINTEGRAL: [[[1.5]]], OUT_OF_RANGE: [[[-1]], [[10**6]]]}),
             "params": Arg("obj", lambda: scheduler.BeamSearchParams(width=2, max_tokens=2),
                           bad={WRONG_TYPE: ["x", 3, {"width": 2}]}),
-            "use_tqdm": Arg("bool", False)}, tiny_llm,
+            "use_tqdm": Arg("bool", False), "lora_request": Arg("obj", None, bad=LORA_REQUEST)}, tiny_llm,
               named={"prompts": ("prompt", "prompts", "prompt_token_ids")}),
         Entry("scheduler.LLM.pin_prefix", "pin_prefix", {
             "prompt": Arg("obj", "hello world, hello there", bad={WRONG_TYPE: [None, 3, b"hi", [1]],
@@ -342,7 +364,8 @@ def _rows() -> list[Entry]:
             "chat_template_kwargs": Arg("obj", None, bad={WRONG_TYPE: ["x", 3, [("a", 1)], {3: 1},
                                                                     {"messages": []}]}),
             "add_special_tokens": Arg("bool", False),
-            "tools": Arg("obj", None, bad={WRONG_TYPE: ["x", 3, [], ["f"], [3], b"[]"]})}, tiny_llm),
+            "tools": Arg("obj", None, bad={WRONG_TYPE: ["x", 3, [], ["f"], [3], b"[]"]}),
+            "lora_request": Arg("obj", None, bad=LORA_REQUEST)}, tiny_llm),
         Entry("scheduler.LLMEngine.abort", "abort",
             {"request_id": Arg("obj", "r0", bad={BAD_ID: ["zz", ["r0"], None]})}, engine),
         Entry("scheduler.LLMEngine.fail", "fail", {
@@ -353,7 +376,8 @@ def _rows() -> list[Entry]:
                                                 NONINTEGRAL: [[[1.5]]], OUT_OF_RANGE: [[[1], [-1]], [[99]]]}),
             "sampling_params": Arg("obj", lambda: scheduler.SamplingParams(max_tokens=1),
                                    bad={WRONG_TYPE: ["x", [scheduler.SamplingParams(), scheduler.SamplingParams()]]}),
-            "use_tqdm": Arg("bool", False)}, engine, named={"prompts": ("prompts", "prompt_token_ids")}),
+            "use_tqdm": Arg("bool", False), "lora_request": Arg("obj", None, bad=LORA_REQUEST)}, engine,
+              named={"prompts": ("prompts", "prompt_token_ids")}),
                  # per-prompt checks
         Entry("scheduler.LLMEngine.from_hf", scheduler.LLMEngine.from_hf, {
             "hf_model": Arg("obj", lambda: hf_model(), bad={WRONG_TYPE: [None, "x", torch.nn.Linear(2, 2)]}),
@@ -364,7 +388,8 @@ def _rows() -> list[Entry]:
             "prompts": Arg("obj", [[1, 2]], bad={WRONG_TYPE: [None, "ab", [5]], BOOL_FOR_INT: [[[True]]],
                                                 NONINTEGRAL: [[[1.5]]], OUT_OF_RANGE: [[[-1]], [[99]]]}),
             "params": Arg("obj", lambda: scheduler.BeamSearchParams(width=2, max_tokens=2), bad={WRONG_TYPE: ["x", 3]}),
-            "use_tqdm": Arg("bool", False)}, lambda: scheduler.BeamSearch(_idle_engine()),
+            "use_tqdm": Arg("bool", False), "lora_request": Arg("obj", None, bad=LORA_REQUEST)},
+              lambda: scheduler.BeamSearch(_idle_engine()),
             named={"prompts": ("prompts", "prompt_token_ids")}),  # the per-prompt checks name the prompt
         Entry("scheduler.from_state_dict", scheduler.from_state_dict, {
             "cfg": Arg("obj", lambda: tiny_model().config, bad={WRONG_TYPE: [None, {}]}),
