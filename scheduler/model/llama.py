@@ -9,9 +9,11 @@ Weights load from a transformers ``LlamaForCausalLM`` or its state dict
 
 The same layers run the checkpoints that are a Llama with one attention change: Mistral
 (no sliding window in use), Qwen2/Qwen2.5 (q/k/v biases, always on) and dense Qwen3 (a
-per-head RMSNorm on q and on k before RoPE, ``ModelConfig.qk_norm``). :meth:`ModelConfig.from_hf`
-refuses anything else by the config field that would make it compute differently: another
-``model_type`` (Qwen2-MoE, Qwen3-MoE, Gemma...), activation, MLP biases, or a sliding window some
+per-head RMSNorm on q and on k before RoPE, ``ModelConfig.qk_norm``); and their mixture-of-experts
+kin, Mixtral, Qwen2-MoE and Qwen3-MoE, whose ``ModelConfig.sparse_layers`` run the sparse block of
+:mod:`scheduler.model.moe` instead of the MLP. :meth:`ModelConfig.from_hf` refuses anything else by
+the config field that would make it compute differently: another ``model_type`` (Gemma...),
+activation, MLP biases, Qwen3-MoE's ``attention_bias`` (it biases o_proj too), or a sliding window some
 layer attends through (vLLM runs Qwen's per-layer windows; this model has no windowed attention).
 """
 
@@ -30,6 +32,7 @@ from paged_kv.errors import InvalidArgumentError, check_bool, check_int, check_r
 from paged_kv.kv_cache import KVCacheSpec, PagedKVCache
 from scheduler.distributed.parallel_state import TPShard
 from scheduler.model.attention import AttentionPlan
+from scheduler.model.moe import MOE_TYPES, SparseMoE, check_moe_fields, moe_fields
 from scheduler.model.parallel_layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -59,6 +62,13 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on every q and k head, after the projection, before RoPE
+    # mixture of experts (scheduler.model.moe): the layers in sparse_layers run the MoE block, the others the MLP
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalize each token's top-k router probabilities to sum to 1
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's gated shared expert (0: none)
+    sparse_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "head_dim"):
@@ -70,6 +80,7 @@ class ModelConfig:
         check_bool("tie_word_embeddings", self.tie_word_embeddings)
         check_bool("attention_bias", self.attention_bias)
         check_bool("qk_norm", self.qk_norm)
+        check_moe_fields(self)
         if self.rope_scaling is not None:
             check_type("rope_scaling", self.rope_scaling, Mapping, "a mapping (transformers' rope_scaling) or None")
         if self.num_heads % self.num_kv_heads:
@@ -77,7 +88,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf_config: object) -> ModelConfig:
-        """Read a transformers Llama, Mistral, Qwen2 or Qwen3 config (v4 ``rope_scaling`` or v5 ``rope_parameters``)."""
+        """Read a transformers Llama, Mistral, Qwen2, Qwen3 or MoE config (v4 ``rope_scaling`` or v5 ``rope_parameters``)."""
         c = hf_config
         if not all(hasattr(c, a) for a in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")):
             raise InvalidArgumentError(describe("hf_config", type(c).__name__, "a transformers LlamaConfig"))
@@ -93,14 +104,22 @@ class ModelConfig:
             rms_norm_eps=c.rms_norm_eps, rope_theta=float(theta), rope_scaling=rope or None,
             max_position_embeddings=context,
             tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
-            attention_bias=model_type == "qwen2" or bool(getattr(c, "attention_bias", False)),
-            qk_norm=model_type == "qwen3",
+            attention_bias=_qkv_bias(c, model_type), qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            **moe_fields(c, model_type),
         )  # fmt: skip
 
 
 # model types whose layers are this model's: Qwen2's q/k/v biases are always on (its config has no
-# attention_bias), Qwen3 adds q/k norms; Mistral and Qwen only without a sliding window in use
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+# attention_bias), Qwen3 adds q/k norms; Mistral and Qwen only without a sliding window in use; the MoE
+# types (Mixtral, Qwen2-MoE, Qwen3-MoE) are these attentions with sparse MLP layers (scheduler.model.moe)
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", *MOE_TYPES)
+
+
+def _qkv_bias(c: object, model_type: str) -> bool:
+    """Whether q/k/v have biases: Qwen2 always, Qwen2-MoE per ``qkv_bias``, the others per ``attention_bias``."""
+    if model_type == "qwen2":
+        return True
+    return bool(getattr(c, "qkv_bias" if model_type == "qwen2_moe" else "attention_bias", False))
 
 
 def _hf_rope(c: object) -> dict:
@@ -131,6 +150,8 @@ def _check_llama_family(c: object, context: int) -> str:
         raise InvalidArgumentError(describe("hf_config.hidden_act", act, '"silu" (a Llama MLP)'))
     if getattr(c, "mlp_bias", False):
         raise InvalidArgumentError(describe("hf_config.mlp_bias", True, "False (MLP biases are not supported)"))
+    if model_type == "qwen3_moe" and getattr(c, "attention_bias", False):  # transformers biases o_proj too
+        raise InvalidArgumentError(describe("hf_config.attention_bias", True, "False (no o_proj bias is computed)"))
     window = _window_in_use(c)
     if window is not None and window < context:
         expected = (f"None or at least the model context {context} (max_position_embeddings; under yarn "
@@ -237,7 +258,7 @@ class DecoderLayer(nn.Module):
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn = Attention(cfg, layer, shard)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, shard)
+        self.mlp = SparseMoE(cfg, shard) if layer in cfg.sparse_layers else MLP(cfg, shard)
 
     def forward(self, x, rotary, cache, plan) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""

@@ -2,7 +2,11 @@
 
 Fused weights are split part by part: ``qkv`` (its weight and, for Qwen2, its bias) keeps this
 rank's query heads, then its KV heads of K, then of V; ``gate_up`` keeps this rank's gate rows,
-then its up rows. Row-parallel weights (``o``, ``down``) keep their input columns. The embedding
+then its up rows. Row-parallel weights (``o``, ``down``) keep their input columns. A sparse MoE
+layer's experts are split the same way, each expert along its own intermediate dimension
+(``experts.gate_up`` [E, 2I, H] on dim 1, ``experts.down`` [E, H, I] on dim 2), and so is the
+shared expert (``shared_expert_intermediate_size``); the router and the shared-expert gate are
+replicated. The embedding
 and LM head keep this rank's vocabulary rows, the last rank's part padded with zero rows. The
 norms are replicated: the layer norms, and Qwen3's q/k norms, whose weight over ``head_dim`` is
 the same for every head.
@@ -33,7 +37,9 @@ def shard_state_dict(cfg: ModelConfig, state: Mapping[str, torch.Tensor], shard:
     inter = cfg.intermediate_size
     out = {}
     for key, t in state.items():
-        if key.endswith(("attn.qkv.weight", "attn.qkv.bias")):
+        if ".mlp." in key and key.split(".mlp.")[1] in MOE_PARTS:
+            out[key] = _moe_part(cfg, key.split(".mlp.")[1], t, shard)
+        elif key.endswith(("attn.qkv.weight", "attn.qkv.bias")):
             out[key] = _rows(t, q_rows, k_rows, v_rows)
         elif key.endswith("mlp.gate_up.weight"):
             out[key] = _rows(t, (i0, i1), (inter + i0, inter + i1))
@@ -54,6 +60,26 @@ def shard_model(model: LlamaModel, shard: TPShard) -> LlamaModel:
     part = LlamaModel(model.config, shard)
     part.load_state_dict(shard_state_dict(model.config, model.state_dict(), shard), strict=True)
     return part.to(device=weight.device, dtype=weight.dtype).eval()
+
+
+# the sparse layers' weights (keys after ``mlp.``) and the dimension their rows are split along
+MOE_PARTS = ("experts.gate_up", "experts.down", "shared.gate_up.weight", "shared.down.weight",
+             "router.weight", "shared_gate.weight")  # fmt: skip
+
+
+def _moe_part(cfg: ModelConfig, part: str, t: torch.Tensor, shard: TPShard) -> torch.Tensor:
+    """This rank's slice of one sparse-layer weight: experts and shared expert by intermediate rows; the rest whole."""
+    if part.startswith("experts."):
+        a, b = shard.split(cfg.moe_intermediate_size, "moe_intermediate_size")
+        size = cfg.moe_intermediate_size
+    elif part.startswith("shared."):
+        a, b = shard.split(cfg.shared_expert_intermediate_size, "shared_expert_intermediate_size")
+        size = cfg.shared_expert_intermediate_size
+    else:  # the router and the shared-expert gate: every rank routes every token
+        return t.clone()
+    if part.endswith("gate_up") or part.endswith("gate_up.weight"):  # [..., 2I, H]: gate rows, then up rows
+        return torch.cat([t[..., a:b, :], t[..., size + a : size + b, :]], dim=-2).clone()
+    return t[..., a:b].clone()  # down: [..., H, I], this rank's input columns
 
 
 def _rows(t: torch.Tensor, *ranges: tuple[int, int]) -> torch.Tensor:

@@ -3,7 +3,9 @@
 The checkpoint's separate q/k/v and gate/up projections are concatenated into
 the fused ``qkv`` and ``gate_up`` weights (one matmul each per layer). Llama, Mistral,
 Qwen2 and Qwen3 share these key names; Qwen2 adds the q/k/v biases (fused the same way)
-and Qwen3 the per-head ``self_attn.q_norm`` / ``self_attn.k_norm`` weights.
+and Qwen3 the per-head ``self_attn.q_norm`` / ``self_attn.k_norm`` weights. The sparse layers
+of Mixtral, Qwen2-MoE and Qwen3-MoE load from transformers v5's fused expert tensors or from a
+checkpoint folder's per-expert ones (:func:`_sparse_mlp`).
 """
 
 from __future__ import annotations
@@ -67,11 +69,46 @@ def convert_state_dict(cfg: ModelConfig, state: Mapping[str, torch.Tensor]) -> d
         if cfg.qk_norm:
             out[dst + "attn.q_norm.weight"] = get(attn + "q_norm.weight")
             out[dst + "attn.k_norm.weight"] = get(attn + "k_norm.weight")
-        mlp = src + "mlp."
-        out[dst + "mlp.gate_up.weight"] = torch.cat([get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight")])
-        out[dst + "mlp.down.weight"] = get(src + "mlp.down_proj.weight")
+        if i in cfg.sparse_layers:
+            out.update(_sparse_mlp(cfg, state, src, dst + "mlp."))
+        else:
+            out.update(_swiglu(get, src + "mlp.", dst + "mlp."))
         out[dst + "input_norm.weight"] = get(src + "input_layernorm.weight")
         out[dst + "post_attn_norm.weight"] = get(src + "post_attention_layernorm.weight")
+    return out
+
+
+def _swiglu(get, src: str, dst: str) -> dict[str, torch.Tensor]:
+    """A SwiGLU MLP's ``gate_proj``/``up_proj``/``down_proj`` under ``src`` as the fused ``gate_up`` and ``down``."""
+    gate_up = torch.cat([get(src + "gate_proj.weight"), get(src + "up_proj.weight")])
+    return {dst + "gate_up.weight": gate_up, dst + "down.weight": get(src + "down_proj.weight")}
+
+
+def _sparse_mlp(cfg: ModelConfig, state: Mapping[str, torch.Tensor], src: str, dst: str) -> dict[str, torch.Tensor]:
+    """One sparse layer's router, experts and shared expert, from either layout transformers uses.
+
+    transformers v5 models hold the experts fused under ``mlp.``: ``experts.gate_up_proj`` [E, 2I, H] (gate
+    rows, then up) and ``experts.down_proj`` [E, H, I]. Checkpoint folders hold them one by one and are
+    stacked here: ``mlp.experts.{e}.gate_proj.weight`` (Qwen), ``block_sparse_moe.experts.{e}.w1.weight``
+    (Mixtral: w1 gate, w3 up, w2 down; its router ``block_sparse_moe.gate``).
+    """
+    get = _getter(state)
+    mixtral_folder = src + "block_sparse_moe.gate.weight" in state
+    moe = src + ("block_sparse_moe." if mixtral_folder else "mlp.")
+    out = {dst + "router.weight": get(moe + "gate.weight")}
+    if moe + "experts.gate_up_proj" in state:
+        out[dst + "experts.gate_up"] = get(moe + "experts.gate_up_proj")
+        out[dst + "experts.down"] = get(moe + "experts.down_proj")
+    else:
+        gate, up, down = ("w1", "w3", "w2") if mixtral_folder else ("gate_proj", "up_proj", "down_proj")
+        expert = [f"{moe}experts.{e}." for e in range(cfg.num_experts)]
+        out[dst + "experts.gate_up"] = torch.stack([
+            torch.cat([get(f"{e}{gate}.weight"), get(f"{e}{up}.weight")]) for e in expert
+        ])  # fmt: skip
+        out[dst + "experts.down"] = torch.stack([get(f"{e}{down}.weight") for e in expert])
+    if cfg.shared_expert_intermediate_size:
+        out.update(_swiglu(get, moe + "shared_expert.", dst + "shared."))
+        out[dst + "shared_gate.weight"] = get(moe + "shared_expert_gate.weight")
     return out
 
 
