@@ -88,7 +88,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf_config: object) -> ModelConfig:
-        """Read a transformers Llama, Mistral, Qwen2, Qwen3 or MoE config (v4 ``rope_scaling`` or v5 ``rope_parameters``)."""
+        """Read a transformers config of ``LLAMA_FAMILY`` (v4 ``rope_scaling`` or v5 ``rope_parameters``)."""
         c = hf_config
         if not all(hasattr(c, a) for a in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")):
             raise InvalidArgumentError(describe("hf_config", type(c).__name__, "a transformers LlamaConfig"))

@@ -60,7 +60,7 @@ def moe_fields(c: object, model_type: str) -> dict:
             moe_intermediate_size=c.intermediate_size, norm_topk_prob=True,
             sparse_layers=tuple(range(c.num_hidden_layers)),
         )  # fmt: skip
-    if model_type not in ("qwen2_moe", "qwen3_moe"):
+    if model_type not in ("qwen2_moe", "qwen3_moe") or c.num_experts == 0:  # no experts: every layer dense
         return {}
     dense = set(getattr(c, "mlp_only_layers", None) or ())
     step = check_int("hf_config.decoder_sparse_step", getattr(c, "decoder_sparse_step", 1), low=1)
@@ -69,7 +69,7 @@ def moe_fields(c: object, model_type: str) -> dict:
         num_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok,
         moe_intermediate_size=c.moe_intermediate_size, norm_topk_prob=bool(c.norm_topk_prob),
         shared_expert_intermediate_size=getattr(c, "shared_expert_intermediate_size", 0) or 0,
-        sparse_layers=sparse if c.num_experts > 0 else (),
+        sparse_layers=sparse,
     )  # fmt: skip
 
 
@@ -92,7 +92,9 @@ class Experts(nn.Module):
     expert's weights are read in place once per step (no gathered copy per token, unlike a batched
     gather + bmm), and the compute is exactly the routed rows (no padding to a capacity, no dense
     all-experts pass). The slot outputs are put back in token order and summed over the k slots without
-    atomics (deterministic, unlike an ``index_add_``).
+    atomics (deterministic, unlike an ``index_add_``). ``F.grouped_mm`` needs rows of a multiple of 16
+    bytes; a model whose hidden or expert size is not (tiny test models only) gathers each slot's expert
+    weights instead and multiplies them batched (``T * k`` weight copies: exact, slower).
     """
 
     def __init__(self, num_experts: int, hidden: int, inter: int) -> None:
@@ -108,6 +110,8 @@ class Experts(nn.Module):
         if num_tokens == 0:
             return torch.zeros_like(x)
         flat = ids.flatten()  # [T*k], slot s of token t at t*k + s
+        if not self.aligned(x):
+            return (self.per_slot(x, flat).view(num_tokens, top_k, -1) * weights.unsqueeze(-1)).sum(dim=1)
         order = flat.argsort(stable=True)  # slots grouped by expert, token order within each expert
         ends = torch.bincount(flat, minlength=self.num_experts).cumsum(0).to(torch.int32)  # [E] run ends
         rows = x[order // top_k]  # [T*k, hidden], each slot's token
@@ -115,6 +119,16 @@ class Experts(nn.Module):
         out = F.grouped_mm(F.silu(gate) * up, self.down.transpose(1, 2), offs=ends)  # [T*k, hidden]
         slots = torch.empty_like(out).index_copy_(0, order, out).view(num_tokens, top_k, -1)  # token order
         return (slots * weights.unsqueeze(-1)).sum(dim=1)
+
+    def aligned(self, x: torch.Tensor) -> bool:
+        """Whether ``F.grouped_mm`` takes these shapes: hidden and expert rows of a multiple of 16 bytes."""
+        return all(n * x.element_size() % 16 == 0 for n in (self.down.shape[1], self.down.shape[2]))
+
+    def per_slot(self, x: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+        """The fallback: x [T, hidden], flat [T*k] expert ids -> each slot's expert output [T*k, hidden]."""
+        rows = x.repeat_interleave(flat.shape[0] // x.shape[0], dim=0).unsqueeze(-1)  # [T*k, hidden, 1]
+        gate, up = torch.bmm(self.gate_up[flat], rows).squeeze(-1).chunk(2, dim=-1)
+        return torch.bmm(self.down[flat], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
 
 
 class SharedExpert(nn.Module):
