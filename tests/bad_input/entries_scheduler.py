@@ -15,6 +15,7 @@ from bad_input_machinery import (
     NAN,
     NAN_INF,
     NONINTEGRAL,
+    NOT_NEGATIVE,
     OUT_OF_RANGE,
     WRONG_TYPE,
     Arg,
@@ -237,7 +238,11 @@ def _rows() -> list[Entry]:
             "rope_scaling": Arg("obj", None, bad={WRONG_TYPE: ["linear", 3, ["linear"]]}),
             "max_position_embeddings": Arg("int", 128, bad={OUT_OF_RANGE: [0]}),
             "tie_word_embeddings": Arg("bool", False), "attention_bias": Arg("bool", False),
-            "qk_norm": Arg("bool", False)}),
+            "qk_norm": Arg("bool", False), "num_experts": Arg("int", 0, bad=NOT_NEGATIVE),
+            "num_experts_per_tok": Arg("int", 0, bad={OUT_OF_RANGE: [-1, 1]}),  # 1: more than the 0 experts
+            "moe_intermediate_size": Arg("int", 0, bad=NOT_NEGATIVE), "norm_topk_prob": Arg("bool", False),
+            "shared_expert_intermediate_size": Arg("int", 0, bad=NOT_NEGATIVE),
+            "sparse_layers": Arg("obj", (), bad={WRONG_TYPE: [[0], "0", None], OUT_OF_RANGE: [(1,), (-1,)]})}),
         Entry("scheduler.ModelConfig.from_hf", scheduler.ModelConfig.from_hf, {
             "hf_config": Arg("obj", lambda: hf_config(), bad={WRONG_TYPE: [None, "x", 3]})}),
         Entry("scheduler.BeamSearchParams", scheduler.BeamSearchParams, {

@@ -58,6 +58,39 @@ def tiny_qwen(kind: str, seed: int = 0, **overrides):
     return model
 
 
+# tiny MoE shapes on TINY_LLAMA: kind -> (transformers class prefix, config fields)
+TINY_MOE = {
+    "mixtral": ("Mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
+    # a dense layer (mlp_only_layers) between sparse ones, and the gated shared expert
+    "qwen2_moe": ("Qwen2Moe", dict(num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                   shared_expert_intermediate_size=48, mlp_only_layers=[1])),
+    # top-k not renormalized (Qwen3-MoE's default), every other layer sparse (decoder_sparse_step=2)
+    "qwen3_moe": ("Qwen3Moe", dict(num_hidden_layers=4, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+                                   head_dim=32, norm_topk_prob=False, decoder_sparse_step=2)),
+    "qwen3_moe_norm": ("Qwen3Moe", dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+                                        norm_topk_prob=True)),
+}  # fmt: skip
+
+
+def tiny_moe(kind: str, seed: int = 0, **overrides):
+    """A seeded random float32 Mixtral, Qwen2-MoE or Qwen3-MoE causal LM (``TINY_MOE[kind]`` on ``TINY_LLAMA``).
+
+    transformers starts the routers and the q/k/v biases at 0 and the q/k norms at 1; they are drawn here too,
+    so a model that routed, biased or normed otherwise would compute other logits.
+    """
+    import transformers
+
+    name, fields = TINY_MOE[kind]
+    config_cls, model_cls = getattr(transformers, f"{name}Config"), getattr(transformers, f"{name}ForCausalLM")
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**(TINY_LLAMA | fields | overrides))).eval()
+    with torch.no_grad():
+        for key, p in model.named_parameters():
+            if key.endswith(("_proj.bias", "q_norm.weight", "k_norm.weight", "gate.weight")):
+                p.add_(torch.randn_like(p) * 0.5)
+    return model
+
+
 def greedy_reference(hf_model, prompts: list[list[int]], num_new: int = NUM_NEW) -> list[list[int]]:
     """transformers' greedy continuation of every prompt (``num_new`` tokens each).
 
