@@ -85,16 +85,20 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtyp
 class Experts(nn.Module):
     """Every expert's SwiGLU weights stacked (this rank's intermediate rows), run grouped by expert.
 
-    Grouping: the ``T * k`` (token, slot) pairs are sorted by expert (a stable argsort, on the device), so
-    each expert's rows are one contiguous run; ``F.grouped_mm`` multiplies each run by its expert's
-    weights, the run ends given as a device tensor (the cumulative per-expert counts). Nothing is read
-    on the host, so the shapes depend on ``T`` only (a decode step stays capturable in a CUDA graph), each
-    expert's weights are read in place once per step (no gathered copy per token, unlike a batched
-    gather + bmm), and the compute is exactly the routed rows (no padding to a capacity, no dense
+    Grouping: the ``T * k`` (token, slot) pairs are sorted by expert (a stable argsort), so each expert's
+    rows are one contiguous run of the gathered rows, its run end the cumulative per-expert count. Each
+    expert's weights are read in place once per step (no gathered copy per token, as a batched gather +
+    bmm would make), and the compute is exactly the routed rows (no padding to a capacity, no dense
     all-experts pass). The slot outputs are put back in token order and summed over the k slots without
-    atomics (deterministic, unlike an ``index_add_``). ``F.grouped_mm`` needs rows of a multiple of 16
-    bytes; a model whose hidden or expert size is not (tiny test models only) gathers each slot's expert
-    weights instead and multiplies them batched (``T * k`` weight copies: exact, slower).
+    atomics (deterministic, unlike an ``index_add_``).
+
+    The runs are multiplied by ``F.grouped_mm``, which takes the run ends as a tensor on the rows' device:
+    no device value is read on the host here, and the shapes depend on ``T`` only (a decode step stays
+    capturable in a CUDA graph where torch's fused kernel runs: bf16 on sm90/sm100; other dtypes and
+    GPUs go through torch's own per-group loop, which copies the ends to the host; on the CPU that loop
+    is about as fast as one of our own). ``F.grouped_mm`` needs rows of a multiple of 16 bytes; experts
+    whose sizes are not (tiny test models) run :meth:`looped`, one matmul pair per picked expert, which
+    reads the run ends on the host.
     """
 
     def __init__(self, num_experts: int, hidden: int, inter: int) -> None:
@@ -107,28 +111,34 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden]; weights, ids: [T, k] -> sum over slots of weight * expert(x): [T, hidden]."""
         num_tokens, top_k = ids.shape
-        if num_tokens == 0:
-            return torch.zeros_like(x)
         flat = ids.flatten()  # [T*k], slot s of token t at t*k + s
-        if not self.aligned(x):
-            return (self.per_slot(x, flat).view(num_tokens, top_k, -1) * weights.unsqueeze(-1)).sum(dim=1)
         order = flat.argsort(stable=True)  # slots grouped by expert, token order within each expert
-        ends = torch.bincount(flat, minlength=self.num_experts).cumsum(0).to(torch.int32)  # [E] run ends
+        ends = torch.bincount(flat, minlength=self.num_experts).cumsum(0)  # [E] run ends
         rows = x[order // top_k]  # [T*k, hidden], each slot's token
-        gate, up = F.grouped_mm(rows, self.gate_up.transpose(1, 2), offs=ends).chunk(2, dim=-1)
-        out = F.grouped_mm(F.silu(gate) * up, self.down.transpose(1, 2), offs=ends)  # [T*k, hidden]
-        slots = torch.empty_like(out).index_copy_(0, order, out).view(num_tokens, top_k, -1)  # token order
+        out = self.grouped(rows, ends) if self.aligned(x) else self.looped(rows, ends)  # [T*k, hidden]
+        slots = torch.empty_like(out).index_copy_(0, order, out).view(num_tokens, top_k, x.shape[1])  # token order
         return (slots * weights.unsqueeze(-1)).sum(dim=1)
 
     def aligned(self, x: torch.Tensor) -> bool:
         """Whether ``F.grouped_mm`` takes these shapes: hidden and expert rows of a multiple of 16 bytes."""
         return all(n * x.element_size() % 16 == 0 for n in (self.down.shape[1], self.down.shape[2]))
 
-    def per_slot(self, x: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
-        """The fallback: x [T, hidden], flat [T*k] expert ids -> each slot's expert output [T*k, hidden]."""
-        rows = x.repeat_interleave(flat.shape[0] // x.shape[0], dim=0).unsqueeze(-1)  # [T*k, hidden, 1]
-        gate, up = torch.bmm(self.gate_up[flat], rows).squeeze(-1).chunk(2, dim=-1)
-        return torch.bmm(self.down[flat], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+    def grouped(self, rows: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """rows [N, hidden] sorted by expert, ends [E] -> the experts' outputs [N, hidden] by grouped GEMMs."""
+        ends = ends.to(torch.int32)
+        gate, up = F.grouped_mm(rows, self.gate_up.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+        return F.grouped_mm(F.silu(gate) * up, self.down.transpose(1, 2), offs=ends)
+
+    def looped(self, rows: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """The same by one matmul pair per picked expert (reads ``ends`` on the host)."""
+        out = torch.empty_like(rows)
+        start = 0
+        for e, end in enumerate(ends.tolist()):
+            if end > start:  # experts no slot picked are skipped
+                gate, up = F.linear(rows[start:end], self.gate_up[e]).chunk(2, dim=-1)
+                out[start:end] = F.linear(F.silu(gate) * up, self.down[e])
+            start = end
+        return out
 
 
 class SharedExpert(nn.Module):

@@ -135,12 +135,12 @@ def test_the_router_picks_and_weighs_as_transformers_ties_included():
         assert ((ids == 1) ^ (ids == 3)).any(-1).any()  # some token's last pick is one of the tied pair
 
 
-@pytest.mark.parametrize("inter", [8, 6], ids=["grouped_mm", "per_slot"])  # 6 floats: rows not 16-byte multiples
+@pytest.mark.parametrize("inter", [8, 6], ids=["aligned", "unaligned"])  # 6 floats: rows of no 16-byte multiple
 def test_grouped_experts_equal_a_per_token_loop_with_unpicked_experts_and_no_tokens(inter):
     torch.manual_seed(0)
     experts = Experts(num_experts=5, hidden=8, inter=inter)
     x = torch.randn(7, 8)
-    assert experts.aligned(x) == (inter == 8)
+    assert experts.aligned(x) == (inter == 8)  # F.grouped_mm, else one matmul pair per picked expert
     ids = torch.tensor([[0, 2], [2, 0], [4, 2], [0, 4], [2, 4], [4, 0], [2, 0]])  # experts 1 and 3 unpicked
     weights = torch.rand(7, 2)
     want = torch.zeros_like(x)
@@ -151,6 +151,9 @@ def test_grouped_experts_equal_a_per_token_loop_with_unpicked_experts_and_no_tok
     with torch.no_grad():
         torch.testing.assert_close(experts(x, weights, ids), want, atol=1e-6, rtol=1e-5)
         assert experts(x[:0], weights[:0], ids[:0]).shape == (0, 8)
+        if inter == 8:  # both ways of multiplying the sorted runs agree
+            rows, ends = torch.randn(10, 8), torch.tensor([3, 3, 7, 7, 10])
+            torch.testing.assert_close(experts.grouped(rows, ends), experts.looped(rows, ends), atol=1e-6, rtol=0)
 
 
 def test_tensor_parallel_experts_split_their_rows_and_the_router_is_replicated():
