@@ -9,6 +9,10 @@ Llama-family ones (Llama, Mistral, Qwen2, Qwen3:
 :meth:`scheduler.model.llama.ModelConfig.from_hf` refuses the others by field).
 transformers' GGUF reader takes a Qwen3 file's head_dim from Qwen3Config's default
 (128, every released dense Qwen3's): it reads no ``qwen3.attention.key_length``.
+A mixture-of-experts GGUF file (``<arch>.expert_count`` above 0) is refused: transformers' reader
+drops what its experts compute with (``expert_feed_forward_length`` and the shared expert's size,
+taken from the config class defaults; Qwen3-MoE's top-k renormalization, which llama.cpp always
+applies, left off), and it reads Mixtral's (architecture ``llama``) as a dense Llama without its experts.
 """
 
 from __future__ import annotations
@@ -43,10 +47,24 @@ def load_model(model: str | os.PathLike | None = None) -> LoadedModel:
     if path.is_dir() and (path / "config.json").is_file():
         return LoadedModel(*_from_pretrained(str(path)), path.name)
     if path.is_file() and path.suffix == ".gguf":
+        _check_dense_gguf(path)
         return LoadedModel(*_from_pretrained(str(path.parent), gguf_file=path.name), path.stem)
     raise InvalidArgumentError(describe(
         "model", str(model), "a local folder with config.json, or a .gguf file (nothing is fetched from a hub)"
     ))  # fmt: skip
+
+
+def _check_dense_gguf(path: Path) -> None:
+    """Refuse a GGUF file of a mixture-of-experts model (see the module docstring), naming its expert count."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(path)).fields
+    arch = fields["general.architecture"].contents() if "general.architecture" in fields else None
+    experts = fields.get(f"{arch}.expert_count")
+    if experts is not None and experts.contents() > 0:
+        expected = ("a dense model's GGUF file: transformers' GGUF reader loses what the experts compute with; "
+                    "load the model's safetensors folder instead")  # fmt: skip
+        raise InvalidArgumentError(describe(f"model ({arch}.expert_count)", experts.contents(), expected))
 
 
 def _from_pretrained(folder: str, **kw) -> tuple[object, object]:

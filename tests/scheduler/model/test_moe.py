@@ -241,3 +241,17 @@ def test_an_expert_size_the_ranks_cannot_split_is_refused_naming_it():
     assert LlamaModel(cfg).layers[0].mlp.experts.down.shape == (4, 8, 3)
     with pytest.raises(InvalidArgumentError, match="moe_intermediate_size"):
         LlamaModel(cfg, TPShard(0, 2))
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "llama"])  # llama: Mixtral's GGUF architecture
+def test_a_mixture_of_experts_gguf_file_is_refused_naming_its_expert_count(tmp_path, arch):
+    import gguf
+
+    from scheduler.model.loader import load_model
+
+    path = tmp_path / f"tiny-{arch}.gguf"
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(2), writer.add_expert_count(8), writer.add_expert_used_count(2)
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    with pytest.raises(InvalidArgumentError, match=rf"model \({arch}\.expert_count\)=8"):
+        load_model(path)
