@@ -131,6 +131,29 @@ def hf_logits(hf_model, tokens: list[int]) -> torch.Tensor:
         return hf_model(torch.tensor([tokens])).logits[0].float()
 
 
+def assert_packed_logits_match(model, hf_model, prompts: list[list[int]]) -> None:
+    """``model``'s logits over packed steps (prefills, chunks, decodes and idle rows) equal transformers'."""
+    seqs = [prompts[3], prompts[2], prompts[6][:20]]
+    chunks = [[30, 1, 30, 1, 1], [10, 20, 1, 1, 1], [1, 1, 16, 1, 1]]
+    for seq, got, n in zip(seqs, packed_forward(model, seqs, chunks), map(sum, chunks)):
+        torch.testing.assert_close(got, hf_logits(hf_model, seq[:n]), atol=1e-4, rtol=1e-4)
+
+
+def assert_greedy_matches(hf_model, prompts: list[list[int]], refs: list[list[int]], sched: dict) -> None:
+    """The engine's greedy tokens equal ``refs``: chunked prefill when ``sched`` is given, else prefix hits."""
+    from scheduler import SamplingParams
+
+    engine = make_engine(hf_model, **sched)
+    steps = []
+    after_each_schedule(engine, steps.append)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=NUM_NEW, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    if sched:  # some prompt was split over steps
+        assert any(s.num_tokens < s.seq.num_tokens - s.start for out in steps for s in out.scheduled)
+    else:  # the prompts sharing a 40-token prefix read its cached blocks
+        assert engine.block_manager.stats().hit_rate > 0.1
+
+
 def make_engine(
     hf_model, *, num_blocks=256, block_size=4, num_cpu_blocks=0, prefix=True, device="cpu", tp=1, speculative=None,
     lora=None, kv_events=None, **sched,

@@ -13,23 +13,21 @@ from __future__ import annotations
 import pytest
 import torch
 from sched_helpers import (
-    NUM_NEW,
     TINY_LLAMA,
-    after_each_schedule,
+    assert_greedy_matches,
+    assert_packed_logits_match,
     greedy_reference,
     hf_logits,
-    make_engine,
     packed_forward,
     tiny_moe,
 )
 
 from paged_kv.errors import InvalidArgumentError, OutOfRangeError
-from scheduler import ModelConfig, SamplingParams, from_hf_model, from_state_dict
+from scheduler import ModelConfig, from_hf_model, from_state_dict
 from scheduler.distributed.parallel_state import TPShard
 from scheduler.model.llama import LlamaModel
 from scheduler.model.moe import Experts, SparseMoE, route
 
-GREEDY = SamplingParams(max_tokens=NUM_NEW, ignore_eos=True)
 KINDS = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_moe_norm")
 # kind: (sparse layers, renormalized top-k, shared expert rows) the config must read
 EXPECTED = {
@@ -57,27 +55,12 @@ def test_the_config_reads_which_layers_are_sparse_and_how_they_route(moe):
     assert kinds == ["SparseMoE" if i in cfg.sparse_layers else "MLP" for i in range(cfg.num_layers)]
 
 
-def test_packed_logits_match_transformers(moe, prompts):
-    _, hf, _ = moe
-    model = from_hf_model(hf)
-    seqs = [prompts[3], prompts[2], prompts[6][:20]]
-    chunks = [[30, 1, 30, 1, 1], [10, 20, 1, 1, 1], [1, 1, 16, 1, 1]]  # prefills, chunks, decodes and idle rows
-    for seq, got, n in zip(seqs, packed_forward(model, seqs, chunks), map(sum, chunks)):
-        torch.testing.assert_close(got, hf_logits(hf, seq[:n]), atol=1e-4, rtol=1e-4)
-
-
 @pytest.mark.parametrize("sched", [dict(), dict(max_num_batched_tokens=8, max_num_seqs=4)], ids=["prefix", "chunked"])
-def test_greedy_generation_is_token_identical_to_transformers(moe, prompts, sched):
+def test_packed_logits_and_greedy_engine_tokens_equal_transformers(moe, prompts, sched):
     _, hf, refs = moe
-    engine = make_engine(hf, **sched)
-    steps = []
-    after_each_schedule(engine, steps.append)
-    outs = engine.generate(prompts, GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == refs
-    if sched:  # some prompt was split over steps
-        assert any(s.num_tokens < s.seq.num_tokens - s.start for out in steps for s in out.scheduled)
-    else:  # the prompts sharing a 40-token prefix read its cached blocks
-        assert engine.block_manager.stats().hit_rate > 0.1
+    if not sched:  # once per model: packed prefill, chunk and decode steps straight through the model
+        assert_packed_logits_match(from_hf_model(hf), hf, prompts)
+    assert_greedy_matches(hf, prompts, refs, sched)
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])

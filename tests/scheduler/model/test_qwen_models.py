@@ -9,14 +9,12 @@ that would compute differently (sliding windows in use, other architectures, oth
 from __future__ import annotations
 
 import pytest
-import torch
 from sched_helpers import (
     NUM_NEW,
-    after_each_schedule,
+    assert_greedy_matches,
+    assert_packed_logits_match,
     greedy_reference,
-    hf_logits,
     make_engine,
-    packed_forward,
     tiny_qwen,
 )
 
@@ -50,25 +48,13 @@ def test_the_config_names_what_differs_from_llama(qwen):
 
 def test_packed_logits_match_transformers(qwen, prompts):
     _, hf, _ = qwen
-    model = from_hf_model(hf)
-    seqs = [prompts[3], prompts[2], prompts[6][:20]]
-    chunks = [[30, 1, 30, 1, 1], [10, 20, 1, 1, 1], [1, 1, 16, 1, 1]]  # prefills, chunks, decodes and idle rows
-    for seq, got, n in zip(seqs, packed_forward(model, seqs, chunks), map(sum, chunks)):
-        torch.testing.assert_close(got, hf_logits(hf, seq[:n]), atol=1e-4, rtol=1e-4)
+    assert_packed_logits_match(from_hf_model(hf), hf, prompts)
 
 
 @pytest.mark.parametrize("sched", [dict(), dict(max_num_batched_tokens=8, max_num_seqs=4)], ids=["prefix", "chunked"])
 def test_greedy_generation_is_token_identical_to_transformers(qwen, prompts, sched):
     _, hf, refs = qwen
-    engine = make_engine(hf, **sched)
-    steps = []
-    after_each_schedule(engine, steps.append)
-    outs = engine.generate(prompts, GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == refs
-    if sched:  # some prompt was split over steps
-        assert any(s.num_tokens < s.seq.num_tokens - s.start for out in steps for s in out.scheduled)
-    else:  # the prompts sharing a 40-token prefix read its cached blocks
-        assert engine.block_manager.stats().hit_rate > 0.1
+    assert_greedy_matches(hf, prompts, refs, sched)
 
 
 def test_a_saved_checkpoint_folder_loads_and_chats_through_llm(tmp_path):
