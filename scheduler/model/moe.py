@@ -113,7 +113,8 @@ class Experts(nn.Module):
         num_tokens, top_k = ids.shape
         flat = ids.flatten()  # [T*k], slot s of token t at t*k + s
         order = flat.argsort(stable=True)  # slots grouped by expert, token order within each expert
-        ends = torch.bincount(flat, minlength=self.num_experts).cumsum(0)  # [E] run ends
+        counts = torch.zeros(self.num_experts, dtype=flat.dtype, device=flat.device)
+        ends = counts.scatter_add_(0, flat, torch.ones_like(flat)).cumsum(0)  # [E] run ends (bincount syncs on CUDA)
         rows = x[order // top_k]  # [T*k, hidden], each slot's token
         out = self.grouped(rows, ends) if self.aligned(x) else self.looped(rows, ends)  # [T*k, hidden]
         slots = torch.empty_like(out).index_copy_(0, order, out).view(num_tokens, top_k, x.shape[1])  # token order
