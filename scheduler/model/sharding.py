@@ -6,9 +6,8 @@ then its up rows. Row-parallel weights (``o``, ``down``) keep their input column
 layer's experts are split the same way, each expert along its own intermediate dimension
 (``experts.gate_up`` [E, 2I, H] on dim 1, ``experts.down`` [E, H, I] on dim 2), and so is the
 shared expert (``shared_expert_intermediate_size``); the router and the shared-expert gate are
-replicated. The embedding
-and LM head keep this rank's vocabulary rows, the last rank's part padded with zero rows. The
-norms are replicated: the layer norms, and Qwen3's q/k norms, whose weight over ``head_dim`` is
+replicated. The embedding and LM head keep this rank's vocabulary rows, the last rank's part
+padded with zero rows. The norms are replicated: the layer norms, and Qwen3's q/k norms, whose weight over ``head_dim`` is
 the same for every head.
 """
 
@@ -62,7 +61,7 @@ def shard_model(model: LlamaModel, shard: TPShard) -> LlamaModel:
     return part.to(device=weight.device, dtype=weight.dtype).eval()
 
 
-# the sparse layers' weights (keys after ``mlp.``) and the dimension their rows are split along
+# the sparse layers' weights (their keys after ``mlp.``), sliced by _moe_part
 MOE_PARTS = ("experts.gate_up", "experts.down", "shared.gate_up.weight", "shared.down.weight",
              "router.weight", "shared_gate.weight")  # fmt: skip
 
