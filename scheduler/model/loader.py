@@ -58,7 +58,10 @@ def _check_dense_gguf(path: Path) -> None:
     """Refuse a GGUF file of a mixture-of-experts model (see the module docstring), naming its expert count."""
     from gguf import GGUFReader
 
-    fields = GGUFReader(str(path)).fields
+    try:
+        fields = GGUFReader(str(path)).fields
+    except (ValueError, IndexError, KeyError, OSError) as e:  # gguf-py's errors on a truncated or foreign file
+        raise InvalidArgumentError(describe("model", str(path), f"a readable GGUF file ({e})")) from None
     arch = fields["general.architecture"].contents() if "general.architecture" in fields else None
     experts = fields.get(f"{arch}.expert_count")
     if experts is not None and experts.contents() > 0:

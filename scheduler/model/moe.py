@@ -16,7 +16,7 @@ and one all-reduce sums the block's partial outputs. There is no expert parallel
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -26,13 +26,23 @@ from paged_kv.errors import InvalidArgumentError, check_bool, check_int, describ
 from scheduler.distributed.parallel_state import TPShard, all_reduce
 from scheduler.model.parallel_layers import ColumnParallelLinear
 
-if TYPE_CHECKING:
-    from scheduler.model.llama import ModelConfig
-
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")  # transformers model types whose sparse layers this block runs
 
 
-def check_moe_fields(cfg: ModelConfig) -> None:
+class MoEConfig(Protocol):
+    """The ``ModelConfig`` fields this module reads (a protocol: llama.py imports this module, not the reverse)."""
+
+    num_layers: int
+    hidden_size: int
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool
+    shared_expert_intermediate_size: int
+    sparse_layers: tuple[int, ...]
+
+
+def check_moe_fields(cfg: MoEConfig) -> None:
     """Validate a config's MoE fields: experts only with a router top-k and expert size, sparse layers in range."""
     check_int("num_experts", cfg.num_experts, low=0)
     check_int("num_experts_per_tok", cfg.num_experts_per_tok, low=0, high=cfg.num_experts)
@@ -159,7 +169,7 @@ class SharedExpert(nn.Module):
 class SparseMoE(nn.Module):
     """Router, routed experts and (Qwen2-MoE) the gated shared expert of one sparse layer; one all-reduce."""
 
-    def __init__(self, cfg: ModelConfig, shard: TPShard) -> None:
+    def __init__(self, cfg: MoEConfig, shard: TPShard) -> None:
         super().__init__()
         i0, i1 = shard.split(cfg.moe_intermediate_size, "moe_intermediate_size")
         self.top_k, self.renormalize, self.tp_size = cfg.num_experts_per_tok, cfg.norm_topk_prob, shard.size

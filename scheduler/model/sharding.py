@@ -7,8 +7,8 @@ layer's experts are split the same way, each expert along its own intermediate d
 (``experts.gate_up`` [E, 2I, H] on dim 1, ``experts.down`` [E, H, I] on dim 2), and so is the
 shared expert (``shared_expert_intermediate_size``); the router and the shared-expert gate are
 replicated. The embedding and LM head keep this rank's vocabulary rows, the last rank's part
-padded with zero rows. The norms are replicated: the layer norms, and Qwen3's q/k norms, whose weight over ``head_dim`` is
-the same for every head.
+padded with zero rows. The norms are replicated: the layer norms, and Qwen3's q/k norms, whose
+weight over ``head_dim`` is the same for every head.
 """
 
 from __future__ import annotations
