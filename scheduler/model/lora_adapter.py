@@ -35,6 +35,7 @@ TARGETS = {
     "q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
     "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0),
 }  # fmt: skip
+MLP_PARTS = ("gate_up", "down")  # the fused layers of a dense MLP (a sparse MoE layer has neither)
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
@@ -146,7 +147,11 @@ def _pair(tensors: dict[str, torch.Tensor], cfg: ModelConfig, rank: int, scale: 
         if m is None or m.group(2) not in TARGETS or int(m.group(1)) >= cfg.num_layers:
             expected = "a q/k/v/o/gate/up/down projection's lora_A or lora_B weight of a layer of the model"
             raise InvalidArgumentError(describe(f"{WEIGHTS_FILE} key", key, expected))
-        found.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = t
+        layer, module = int(m.group(1)), m.group(2)
+        if TARGETS[module][0] in MLP_PARTS and layer in cfg.sparse_layers:
+            expected = "no MLP projection of a mixture-of-experts layer (LoRA on experts is not supported)"
+            raise InvalidArgumentError(describe(f"{WEIGHTS_FILE} key", key, expected))
+        found.setdefault((layer, module), {})[m.group(3)] = t
     if not found:
         raise InvalidArgumentError(describe(WEIGHTS_FILE, "<no LoRA weights>", "at least one lora_A/lora_B pair"))
     return {where: _checked(where, ab, cfg, rank, scale) for where, ab in sorted(found.items())}

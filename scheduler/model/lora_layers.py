@@ -106,12 +106,11 @@ def attach_lora(model: torch.nn.Module, max_loras: int, max_rank: int) -> LoRASl
     i0, i1 = shard.split(cfg.intermediate_size, "intermediate_size")
     q, kv, inter = range(q0 * d, q1 * d), range(k0 * d, k1 * d), range(i0, i1)
     for i, layer in enumerate(model.layers):
-        for name, linear, rows, cols, module in (
-            ("qkv", layer.attn.qkv, [q, kv, kv], None, "q_proj"),
-            ("o", layer.attn.o, [None], q, "o_proj"),
-            ("gate_up", layer.mlp.gate_up, [inter, inter], None, "gate_proj"),
-            ("down", layer.mlp.down, [None], inter, "down_proj"),
-        ):  # fmt: skip
+        targets = [("qkv", layer.attn.qkv, [q, kv, kv], None, "q_proj"), ("o", layer.attn.o, [None], q, "o_proj")]
+        if i not in cfg.sparse_layers:  # a mixture-of-experts layer's experts take no adapter (refused at load)
+            targets += [("gate_up", layer.mlp.gate_up, [inter, inter], None, "gate_proj"),
+                        ("down", layer.mlp.down, [None], inter, "down_proj")]  # fmt: skip
+        for name, linear, rows, cols, module in targets:
             fan_in, fan_out = module_shape(cfg, module)
             sizes = [len(r) if r is not None else fan_out for r in rows]
             projection = LoRAProjection(slots, rows, sizes, cols, len(cols) if cols else fan_in, linear.weight)
