@@ -170,6 +170,15 @@ class Frontend:
             constraints = {"structured_outputs": reasoning.constrain(constraints["structured_outputs"], end)}
         return constraints, param, (tool_output(body, parser), reasoning)
 
+    def _after_prompt(self, reasoning: ReasoningOutput, prompt: list[int],
+                      constraints: dict[str, object]) -> dict[str, object]:  # fmt: skip
+        """The reasoning read after ``prompt`` (as vLLM checks the prompt's ids for the end of thinking) and the
+        constraints with their grammar starting where the output's thinking then ends."""
+        text = self.llm.tokenizer.decode(prompt, skip_special_tokens=False)
+        end = self.reasoning_ends[self.config.reasoning_parser]
+        spec = reasoning.after_prompt(text, constraints.get("structured_outputs"), end)
+        return {"structured_outputs": spec} if spec is not None else constraints
+
     async def prepare(self, body: SamplingFields, kind: str, encode: Callable[[], Prompts], num_prompts: int,
                       limit: tuple[str, int | None], logprobs: int | None
                       ) -> tuple[ResponseContext, Prompts, list[SamplingParams | BeamSearchParams]]:  # fmt: skip
@@ -190,6 +199,9 @@ class Frontend:
             await loop.run_in_executor(self.tokenizer_pool, self._compile, param, constraints["structured_outputs"])
         encoded = await loop.run_in_executor(self.tokenizer_pool, encode)
         prompts = [self._truncate(body, ids, text) for ids, text in encoded]
+        if reasoning is not None:  # a chat's one prompt: where its thinking stands decides how its output reads
+            constraints = await loop.run_in_executor(self.tokenizer_pool, self._after_prompt, reasoning,
+                                                     prompts[0][0], constraints)  # fmt: skip
         self.check_in_vocab("prompt", (i for ids, _ in prompts for i in ids))
         params = [self._params(body, self._max_tokens(kind, ids, limit, body), logprobs, constraints)
                   for ids, _ in prompts]  # fmt: skip

@@ -17,12 +17,20 @@ vLLM's MistralReasoningParser. Differences from vLLM there: vLLM also takes a ``
 (that text is content) and drops a ``[/THINK]`` without a ``[THINK]``; ours reads the start tag only where
 the output opens (after whitespace) and keeps any other tag in the content as written.
 
+The rendered prompt comes first, as vLLM checks the prompt's token ids (``is_reasoning_end``) before reading
+the output (``ReasoningOutput.after_prompt``, after the chat is encoded): a prompt whose last tag is the end
+tag (a template with thinking off wrote ``<think>\n\n</think>\n\n``) makes the whole output content and
+its grammar hold from the first token; one whose last tag is an open ``<think>`` (a template that prefills
+it) makes an untagged output reasoning, even for qwen3 with thinking off (vLLM's qwen3 parser then reads an
+output without ``</think>`` as content). mistral's prompt ended only where its last ``[THINK]`` was closed,
+and an open one changes nothing, as vLLM's. The tags are found in the prompt's text (vLLM: as special tokens).
+
 A request's output constraint (a named or "required" tool choice's, a ``response_format`` schema,
 ``structured_outputs``) starts after the thinking, as vLLM's grammar starts after its parser's end tag: the
 engine leaves the output free until it writes the end tag's tokens (the model's tokenizer's, tokenized once
 at start-up: ``end_tag_ids``), then holds the rest to the grammar (``StructuredOutputsParams.start_after``).
-An output that starts in its answer (qwen3 with thinking off) is held from its first token; mistral's
-grammar waits for ``[/THINK]`` even so (as vLLM's: an answer without thinking is not held). The content, read
+An output that starts in its answer (qwen3 with thinking off, a prompt that ended the thinking) is held from
+its first token; without such a prompt, mistral's grammar waits for ``[/THINK]`` (as vLLM's: an answer without thinking is not held). The content, read
 after the thinking, is then the grammar's text: a tool call's arguments, a response's JSON.
 """
 
@@ -38,7 +46,8 @@ PARSERS = {  # --reasoning-parser's (config.REASONING_PARSERS names them)
     "deepseek_r1": ParserRules(),
     "qwen3": ParserRules(thinking_switch=True),
     # Magistral: [THINK] and [/THINK] are special tokens; no start tag, no thinking (as vLLM's MistralReasoningParser)
-    "mistral": ParserRules(start="[THINK]", end="[/THINK]", implicit_start=False, keeps_special_tokens=True),
+    "mistral": ParserRules(start="[THINK]", end="[/THINK]", implicit_start=False, keeps_special_tokens=True,
+                           paired_in_prompt=True),
 }
 FIELDS = ("reasoning", "reasoning_content")  # vLLM's current name and its older one, both sent
 
@@ -62,6 +71,13 @@ class ReasoningOutput:
         the output starts in its answer (qwen3 with thinking off: the template closed the thinking in the prompt)."""
         return replace(spec, start_after=end_ids) if self.rules.grammar_after_end else spec
 
+    def after_prompt(self, prompt: str, spec: StructuredOutputsParams | None,
+                     end_ids: tuple[int, ...]) -> StructuredOutputsParams | None:
+        """Read the samples as the rendered ``prompt`` (its text) leaves them (``ParserRules.after``); ``spec``
+        (the request's constraint, if any) starting where the output's thinking then ends."""
+        self.rules = self.rules.after(prompt)
+        return None if spec is None else self.constrain(replace(spec, start_after=None), end_ids)
+
     def message(self, text: str) -> tuple[dict, str]:
         """A whole sample's reasoning fields and its content text."""
         reasoning, content = split(self.rules, text)
@@ -81,6 +97,7 @@ def reasoning_output(body: ChatCompletionRequest, parser: str | None) -> Reasoni
     if parser is None:
         return None
     rules = PARSERS[parser]
-    if rules.thinking_switch and body.chat_template_kwargs.get("enable_thinking", True) is False:
+    kwargs = body.chat_options()["chat_template_kwargs"]  # as the template saw them (reasoning_effort's included)
+    if rules.thinking_switch and kwargs.get("enable_thinking", True) is False:
         rules = replace(rules, implicit_start=False, grammar_after_end=False)
     return ReasoningOutput(rules, body.include_reasoning)

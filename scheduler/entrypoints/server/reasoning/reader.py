@@ -9,13 +9,20 @@ A reasoning model writes its thinking between a start tag and an end tag (``<thi
 - the first end tag ends the reasoning: it is dropped and everything after it, later tags included, is content;
 - no end tag: the reasoning runs to the end of the text (the sample was cut off in it).
 
+The prompt comes first (``ParserRules.after``, as vLLM's ``is_reasoning_end`` reads the prompt's tokens): a
+prompt whose thinking ended (its last tag is the end tag: a template with thinking off wrote
+``<think>\n\n</think>\n\n``) makes the whole output content, a ``</think>`` in it included; one whose last tag
+is an open start tag (a template that prefills ``<think>\n``) makes an output without the start tag reasoning.
+Mistral's rule is vLLM's: the thinking ended only where the prompt's last ``[THINK]`` was closed, and an open
+one leaves the output's opening to decide.
+
 Fed piece by piece (``feed``, then ``finish``), it returns the same reasoning and content as fed the
 whole text at once: a piece that may be the start of a tag is held back until the next piece decides.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from scheduler.entrypoints.server.tags import ready_and_held
 
@@ -33,6 +40,18 @@ class ParserRules:
     thinking_switch: bool = False  # chat_template_kwargs enable_thinking false turns implicit_start off (qwen3)
     grammar_after_end: bool = True  # a request's grammar starts after the end tag (else from the first token)
     keeps_special_tokens: bool = False  # the tags are special tokens: the text must keep them (skip_special_tokens off)
+    paired_in_prompt: bool = False  # the prompt's end tag counts only after its start tag; an open one is not read
+    in_answer: bool = False  # the prompt ended the thinking: the whole output is content
+
+    def after(self, prompt: str) -> ParserRules:
+        """These rules for an output that follows ``prompt`` (its text): read from the answer when the prompt's
+        thinking ended, as reasoning when its last tag is an open start tag, else unchanged."""
+        start, end = prompt.rfind(self.start), prompt.rfind(self.end)
+        if end > start and (start >= 0 or not self.paired_in_prompt):
+            return replace(self, in_answer=True, grammar_after_end=False)
+        if start > end and not self.paired_in_prompt:
+            return replace(self, implicit_start=True, grammar_after_end=True)
+        return self
 
 
 @dataclass
@@ -42,6 +61,10 @@ class ReasoningReader:
     rules: ParserRules
     _state: str = "open"  # open (the start tag may still come), reasoning, content
     _buffer: str = ""  # text not yet decided: the opening, or what may be the start of the end tag
+
+    def __post_init__(self) -> None:
+        if self.rules.in_answer:
+            self._state = "content"
 
     def feed(self, text: str) -> list[Piece]:
         """The reasoning and content pieces that ``text`` completes."""

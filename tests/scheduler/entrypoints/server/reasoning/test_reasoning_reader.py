@@ -138,3 +138,42 @@ def test_mistral_reads_any_split_as_the_whole_text(text, cuts):
     pieces = [p for a, b in zip(bounds, bounds[1:]) for p in reader.feed(text[a:b])] + reader.finish()
     reasoning = "".join(t for kind, t in pieces if kind == "reasoning")
     assert split(PARSERS["mistral"], text) == (reasoning or None, "".join(t for kind, t in pieces if kind == "content"))
+
+
+ENDED, OWN = (None, "plan</e>answer"), "own"  # all content; the parser's own reading of the output
+PROMPTS = [  # (prompt, the <think> parsers' reading of "plan</e>answer", mistral's); <s>, </e>: the parser's tags
+    ("user: hi\n<s>\n\n</e>\n\n", ENDED, ENDED),  # a template with thinking off closed it: all content
+    ("<s>old</e>answer\nuser: hi\n", ENDED, ENDED),  # ended long before the last turn: still ended
+    ("user: hi\n<s>\n", ("plan", "answer"), OWN),  # an open start tag: thinking (mistral: its own rule)
+    ("<s>a</e>b\n<s>\n", ("plan", "answer"), OWN),  # the last tag decides
+    ("user: hi\n", OWN, OWN),  # no tag
+    ("user: </e>\n", ENDED, OWN),  # an end tag without a start tag: mistral's needs its [THINK]
+]
+
+
+@pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3", "mistral"])
+@pytest.mark.parametrize(("prompt", "think", "mistral"), PROMPTS)
+def test_the_prompts_last_tag_decides_where_the_output_starts(parser, prompt, think, mistral):
+    """As vLLM's is_reasoning_end of the prompt: the <think> parsers read its last tag; mistral's thinking ended
+    only where its last [THINK] was closed, and an open one leaves the output's opening to decide."""
+    rules = PARSERS[parser]
+    tags = lambda s: s and s.replace("<s>", rules.start).replace("</e>", rules.end)  # noqa: E731
+    text, expected = tags("plan</e>answer"), mistral if parser == "mistral" else think
+    want = split(rules, text) if expected == OWN else tuple(tags(x) for x in expected)
+    assert split(rules.after(tags(prompt)), text) == want
+    reader = ReasoningReader(rules.after(tags(prompt)))  # piece by piece, the same
+    pieces = [p for ch in text for p in reader.feed(ch)] + reader.finish()
+    assert "".join(t for k, t in pieces if k == "content") == want[1]
+
+
+def test_a_prompt_that_ended_the_thinking_starts_the_grammar_at_the_first_token():
+    spec, end = StructuredOutputsParams(regex="a+"), (7, 8)
+    for parser in PARSERS:
+        reading = ReasoningOutput(PARSERS[parser])
+        assert reading.after_prompt("x", spec, end).start_after == end  # no tag: after the thinking
+        ended = ReasoningOutput(PARSERS[parser])
+        tags = PARSERS[parser].start + "a" + PARSERS[parser].end
+        assert ended.after_prompt(tags + "\n\n", spec, end).start_after is None
+        assert ended.message("b" + PARSERS[parser].end)[0]["reasoning"] is None
+    off = ReasoningOutput(EXPLICIT)  # thinking off, but the prompt opened it: held after the end tag
+    assert off.after_prompt("<think>\n", spec, end).start_after == end and off.message("b")[0]["reasoning"] == "b"

@@ -18,6 +18,7 @@ import pytest
 from server_helpers import CHAT, force_thinking, serving
 
 from scheduler.entrypoints.server.config import ServerConfig
+from scheduler.entrypoints.server.reasoning.output import PARSERS
 
 THOUGHT = "let me see"  # the thinking force_thinking writes
 ANSWER = r"[A-Za-z ]{2,12}"  # an answer the grammar holds
@@ -219,3 +220,45 @@ def test_mistral_splits_think_tags_keeps_special_tokens_and_starts_a_named_call_
     assert captured and all(not params.skip_special_tokens for _, [params] in captured)
     [(_, [params])] = captured[-1:]
     assert params.structured_outputs.start_after == front.reasoning_ends["mistral"]  # the grammar waits for [/THINK]
+
+
+def template_ending(tail: str) -> str:
+    """A chat template writing the messages, then ``tail`` where the answer starts."""
+    return "{% for m in messages %}{{ m.content }}\n{% endfor %}" + tail
+
+
+@pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3", "mistral"])
+def test_a_prompt_that_ended_the_thinking_makes_the_output_content_from_the_first_token(
+        served, client, monkeypatch, parser):  # fmt: skip
+    """A template that closes the thinking in the prompt (Qwen3's with thinking off writes <think>\\n\\n</think>\\n\\n)
+    leaves no thinking to the output: all content, whole and streamed, and its grammar holds from the first token
+    (it used to wait for an end tag that never comes, the answer read as reasoning)."""
+    rules = PARSERS[parser]
+    front = served.app.state.frontend
+    options = dataclasses.replace(front.config, reasoning_parser=parser, trust_request_chat_template=True)
+    monkeypatch.setattr(front, "config", options)
+    ended = {"chat_template": template_ending(f"{rules.start}\n\n{rules.end}\n\n")}
+    answer = r"[A-Za-z]{2,8}"
+    message = create(served, client, answer, extra=ended).choices[0].message
+    assert message.model_extra["reasoning"] is None and re.fullmatch(answer, message.content)
+    pieces = streamed(served, client, answer, extra=ended)
+    assert pieces and {kind for kind, _ in pieces} == {"content"} and "".join(t for _, t in pieces) == message.content
+    schema = create(served, client, None, extra={**CONSTRAINTS["json_schema"], **ended}).choices[0].message
+    assert schema.model_extra["reasoning"] is None and answer_of("json_schema", schema)
+
+
+def test_a_prompt_that_opened_the_thinking_makes_an_untagged_output_reasoning(served, client, monkeypatch):
+    """qwen3 with thinking off reads an untagged output as content, unless the prompt itself ends inside an open
+    <think> (a template that prefills it): then it is thinking, as deepseek_r1 reads it."""
+    front = served.app.state.frontend
+    options = dataclasses.replace(front.config, reasoning_parser="qwen3", trust_request_chat_template=True)
+    monkeypatch.setattr(front, "config", options)
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    answer = r"[A-Za-z]{2,8}"
+    plain = create(served, client, answer, extra={**off, "chat_template": template_ending("")}).choices[0].message
+    assert plain.model_extra["reasoning"] is None and plain.content
+    opened = {**off, "chat_template": template_ending("<think>\n")}
+    message = create(served, client, answer, max_tokens=8, extra=opened).choices[0].message
+    assert message.model_extra["reasoning"] and message.content is None
+    assert "".join(t for k, t in streamed(served, client, answer, max_tokens=8, extra=opened)
+                   if k == "reasoning") == message.model_extra["reasoning"]  # fmt: skip
