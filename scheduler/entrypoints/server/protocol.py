@@ -17,6 +17,10 @@ Tool calling (``tool_calling``): ``tools``, ``tool_choice`` and ``parallel_tool_
 the checks that need the server's options or several fields (a named function among ``tools``, "auto"
 only with ``--enable-auto-tool-choice``, no beam search, no second constraint) are ``tool_calling.choice``'s.
 
+``reasoning_effort`` (chat) is a variable of the chat template, as vLLM passes it: it wins over a
+``chat_template_kwargs`` entry of the same name, and sets ``enable_thinking`` (false for "none") unless the
+request's kwargs set it; a template that does not read them renders as without it.
+
 With ``use_beam_search`` (vLLM's), ``n`` is the beam width and ``length_penalty`` ranks the
 hypotheses; a field that would not apply to a beam search is refused unless neutral
 (``sampling.BEAM_NEUTRAL``), and ``temperature`` is accepted and ignored (the beams are ranked
@@ -41,6 +45,7 @@ from scheduler.entrypoints.server.tool_calling.protocol import MessageToolCall, 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 Json = Any  # a JSON value; its shape is checked by whoever honours the field
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]  # OpenAI's efforts
 
 
 def _only(accepted: tuple[object, ...], value: object) -> object:
@@ -252,6 +257,7 @@ class ChatCompletionRequest(SamplingFields, ChatRendering):
     prompt_cache_key: str | None = None  # a routing hint: every prompt is prefix-cached here
     safety_identifier: str | None = None  # an end-user id: logged with the request
     include_reasoning: bool = True  # vLLM's: false drops the reasoning --reasoning-parser splits out (``reasoning``)
+    reasoning_effort: ReasoningEffort | None = None  # the chat template's ``reasoning_effort`` (``chat_options``)
     # OpenAI's features this server lacks
     audio: Neutral() = None
     function_call: Neutral("none") = None
@@ -262,7 +268,6 @@ class ChatCompletionRequest(SamplingFields, ChatRendering):
     prediction: Neutral() = None
     prompt_cache_options: Neutral() = None
     prompt_cache_retention: Neutral("in_memory") = None
-    reasoning_effort: Neutral() = None
     service_tier: Neutral("auto", "default") = None
     store: Neutral(False) = None
     verbosity: Neutral() = None
@@ -272,6 +277,17 @@ class ChatCompletionRequest(SamplingFields, ChatRendering):
     max_repetition_pattern_size: Neutral(0) = None
     min_repetition_pattern_size: Neutral(0) = None
     repetition_min_count: Neutral(0) = None
+
+    def chat_options(self) -> dict[str, object]:
+        """The rendering options, ``reasoning_effort`` among the template's variables as vLLM passes it: over a
+        ``chat_template_kwargs`` entry of that name when set, with ``enable_thinking`` (effort not "none") unless
+        the request's kwargs set it."""
+        options = super().chat_options()
+        if self.reasoning_effort is not None:
+            thinking = {"enable_thinking": self.reasoning_effort != "none"}
+            options["chat_template_kwargs"] = thinking | self.chat_template_kwargs | {
+                "reasoning_effort": self.reasoning_effort}
+        return options
 
     @property
     def chosen_tool(self) -> ToolChoice:

@@ -1,7 +1,7 @@
 """The body of ``POST /v1/responses`` (OpenAI's Responses API, strict pydantic, as the chat bodies are).
 
 Every field OpenAI defines for creating a response is declared here: honoured, accepted and
-ignored (``reasoning``'s settings, ``stream_options.include_obfuscation``), or ``Neutral`` (a
+ignored (``reasoning``'s summaries, ``stream_options.include_obfuscation``), or ``Neutral`` (a
 feature this server lacks, accepted only at the value that asks for nothing; ``background`` among
 them); any other field is refused as unknown, naming it. vLLM's sampling extensions of chat
 (``SAMPLING_EXTENSIONS``) are declared with the chat's own definitions and passed on to it.
@@ -169,7 +169,7 @@ class TextConfig(OpenAIModel):
 
 
 class ReasoningConfig(OpenAIModel):
-    """``reasoning``: accepted and echoed; the model thinks as its chat template and ``--reasoning-parser`` say."""
+    """``reasoning``: echoed; ``effort`` is the chat template's ``reasoning_effort`` (as chat's); summaries ignored."""
 
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None

@@ -212,7 +212,8 @@ CHAT_FIELDS = SHARED | {
     "prediction": ({"type": "content", "content": "x"}, REFUSED, {}),
     "prompt_cache_options": ({"retention": "24h"}, REFUSED, {}),
     "prompt_cache_retention": ("24h", REFUSED, {}),
-    "reasoning_effort": ("low", REFUSED, {}),
+    "reasoning_effort": ("low", _rendered(add_generation_prompt=True, reasoning_effort="low", enable_thinking=True),
+                         {}),  # a template variable (the tiny model's template reads neither)
     "service_tier": ("flex", REFUSED, {}),
     "store": (True, REFUSED, {}),
     "tool_choice": ({"type": "function", "function": {"name": "f"}}, _ok(lambda s: s.params[0].structured_outputs

@@ -131,3 +131,29 @@ def test_a_template_that_fails_is_a_400_naming_chat_template(trusted, template, 
     refused(tokenize(trusted, body), param)
     assert trusted.engine.num_in_flight == 0
     assert trusted.post("chat/completions", {"messages": CHAT, "max_tokens": 1}).status_code == 200
+
+
+EFFORT = "{% for m in messages %}{{ m.content }}\n{% endfor %}effort={{ reasoning_effort }} " \
+         "thinking={{ enable_thinking }}"
+
+
+@pytest.mark.parametrize(("effort", "kwargs", "seen"), [
+    (None, {}, "effort= thinking="),  # unset: the template sees neither
+    ("low", {}, "effort=low thinking=True"),
+    ("none", {}, "effort=none thinking=False"),
+    (None, {"reasoning_effort": "medium"}, "effort=medium thinking="),  # the kwargs' own entry
+    ("high", {"reasoning_effort": "medium", "enable_thinking": False}, "effort=high thinking=False"),
+])  # fmt: skip
+def test_reasoning_effort_is_a_template_variable_over_the_kwargs_entry(trusted, monkeypatch, effort, kwargs, seen):
+    """As vLLM: the field wins over a chat_template_kwargs entry of its name and sets enable_thinking unless the
+    kwargs do (sent through the official client, which types reasoning_effort)."""
+    import openai
+
+    prompts, generate = [], trusted.engine.generate
+    spy = lambda p, params, **kw: prompts.append(p) or generate(p, params, **kw)  # noqa: E731
+    monkeypatch.setattr(trusted.engine, "generate", spy)
+    extra = {"chat_template": EFFORT, "chat_template_kwargs": kwargs}
+    effort_kw = {} if effort is None else {"reasoning_effort": effort}
+    with openai.OpenAI(base_url=trusted.url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
+        client.chat.completions.create(model=trusted.model, messages=CHAT, max_tokens=1, extra_body=extra, **effort_kw)
+    assert trusted.llm.tokenizer.decode(prompts[-1][0][0]).endswith(seen)
