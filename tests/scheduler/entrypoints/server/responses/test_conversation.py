@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from fastapi.exceptions import RequestValidationError
 
 from scheduler.entrypoints.server.responses.conversation import (
     chat_request,
@@ -52,10 +51,42 @@ def test_the_chat_request_takes_the_response_fields_under_chat_names():
 
 
 def test_a_chat_field_refusal_is_named_as_the_response_field():
-    with pytest.raises(RequestValidationError) as info:
-        chat_request(request(input=[CALL | {"arguments": "{"}]), [])
-    assert info.value.errors()[0]["loc"][:2] == ("body", "input")
     error = renamed(FieldError("response_format", "response_format={}: expected a schema"))
     assert (error.param, str(error)) == ("text", "text={}: expected a schema")
     other = FieldError("seed", "seed=1: expected 2")
     assert renamed(other) is other
+
+
+@pytest.mark.parametrize(("items", "where"), [
+    ([CALL | {"arguments": "{"}], "input[0].arguments"),
+    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}, CALL, CALL | {"arguments": "[1"}],
+     "input[3].arguments"),  # the second call of the assistant message input[1] opened
+    ([CALL, {"type": "function_call_output", "call_id": "c1", "output": "1"}, CALL | {"arguments": "x"}],
+     "input[2].arguments"),
+])  # fmt: skip
+def test_a_refused_message_is_named_as_the_input_item_it_came_from(items, where):
+    """Chat's refusal of a message names the item (after the instructions and the history, which chat counts)."""
+    history = [{"role": "user", "content": "before"}, {"role": "assistant", "content": "ok"}]
+    with pytest.raises(FieldError) as info:
+        chat_request(request(input=items, instructions="be brief"), history)
+    assert info.value.param == "input" and str(info.value).startswith(where + ": "), str(info.value)
+    assert "messages" not in str(info.value)
+
+
+def test_a_refused_history_message_names_previous_response_id():
+    history = [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{"}}]}]  # fmt: skip
+    with pytest.raises(FieldError) as info:
+        chat_request(request(), history)
+    assert info.value.param == "previous_response_id" and str(info.value).startswith("previous_response_id: ")
+
+
+def test_a_call_cut_off_by_the_response_end_is_left_out_of_the_continuation():
+    cut = {"type": "function_call", "call_id": "c2", "name": "f", "arguments": '{"unit": "c', "status": "incomplete"}
+    output = [{"type": "message", "content": [{"type": "output_text", "text": "ok"}], "status": "completed"},
+              CALL | {"status": "completed"}, cut]  # fmt: skip
+    (message,) = output_messages(output)
+    assert message["content"] == "ok" and [c["id"] for c in message["tool_calls"]] == ["c1"]
+    assert output_messages([cut]) == []
+    messages = input_messages(request(input=[{"role": "user", "content": "q"}, cut]))  # sent back as input
+    assert messages == [{"role": "user", "content": "q"}]

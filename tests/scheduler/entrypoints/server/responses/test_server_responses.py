@@ -336,3 +336,51 @@ def test_a_bad_field_is_a_400_naming_it_and_stores_nothing(served, case):
     status = 404 if param == "model" else 400
     refused(served.post("responses", {"model": served.model, **GOOD, **change}), param, status)
     assert len(served.app.state.responses) == kept
+
+
+def test_a_response_cut_off_inside_a_call_continues_without_it(served, client, captured):
+    """max_output_tokens reached mid-arguments: the call item is "incomplete", its arguments unfinished JSON; a
+    continuation leaves the call out (it was never made) and answers the new input (it was a 400)."""
+    cut = create(served, client, tools=[TOOL], tool_choice=NAMED, max_output_tokens=3)
+    (call,) = cut.output
+    assert cut.status == "incomplete" and call.type == "function_call" and call.status == "incomplete"
+    with pytest.raises(ValueError):
+        json.loads(call.arguments)
+    r = create(served, client, previous_response_id=cut.id, input="go on", tools=[TOOL], tool_choice="none")
+    messages = [USER, {"role": "user", "content": "go on"}]
+    assert captured[-1][0][0][0] == rendered(served, messages, [CHAT_TOOL]) and r.output_text
+    sent_back = [USER | {"type": "message"}, call.model_dump(exclude_none=True), {"role": "user", "content": "go on"}]
+    again = create(served, client, input=sent_back, tools=[TOOL], tool_choice="none")  # the item sent back as input
+    assert captured[-1][0][0][0] == rendered(served, messages, [CHAT_TOOL]) and again.output_text == r.output_text
+
+
+def test_a_refused_input_item_is_named_by_its_place_in_input(served, client):
+    """Chat's refusal of the message an item became names the item (input[2]), not the chat message (which counts
+    the instructions as messages[0])."""
+    items = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+             {"type": "function_call", "call_id": "c", "name": "weather", "arguments": "{"}]  # fmt: skip
+    with pytest.raises(openai.BadRequestError) as info:
+        create(served, client, instructions="be brief", input=items)
+    error = info.value.body
+    assert error["param"] == "input" and error["message"].startswith("input[2].arguments: "), error
+    assert "messages" not in error["message"]
+
+
+def test_reasoning_effort_reaches_the_chat_template(served, client, captured, monkeypatch):
+    template = "{% for m in messages %}{{ m.content }}\n{% endfor %}effort={{ reasoning_effort }}"
+    monkeypatch.setattr(served.llm.tokenizer, "chat_template", template)
+    for reasoning, seen in ((None, "effort="), ({"effort": "low"}, "effort=low"), ({"summary": "auto"}, "effort=")):
+        create(served, client, **({"reasoning": reasoning} if reasoning else {}))
+        assert served.llm.tokenizer.decode(captured[-1][0][0][0]).endswith(seen)
+    create(served, client, reasoning={"effort": "high"}, extra_body={"chat_template_kwargs": {"reasoning_effort": "x"}})
+    assert served.llm.tokenizer.decode(captured[-1][0][0][0]).endswith("effort=high")  # over the kwargs' entry
+
+
+def test_a_prompt_that_ended_the_thinking_makes_no_reasoning_item(served, client, options, monkeypatch):
+    options(reasoning_parser="deepseek_r1")
+    ended = "{% for m in messages %}{{ m.content }}\n{% endfor %}<think>\n\n</think>\n\n"
+    monkeypatch.setattr(served.llm.tokenizer, "chat_template", ended)
+    r = create(served, client)
+    assert [item.type for item in r.output] == ["message"] and r.output_text
+    assert r.usage.output_tokens_details.reasoning_tokens == 0
+    assert same(events_of(served, client)[-1].response, r)
