@@ -24,7 +24,12 @@ Each step it fills a token budget and a sequence budget in this order:
    after it was queued hold its room): it is aborted alone, its reason in ``refused``.
    A group through a LoRA adapter (``SequenceGroup.lora``) is admitted or swapped in only while its adapter
    is among the running groups' or fewer than ``max_loras`` adapters run (a step never holds more adapters
-   than the model has slots); otherwise it waits like a group that does not fit.
+   than the model has slots). A waiting group whose adapter does not fit keeps its place and is passed over
+   (as vLLM's ``skipped_waiting_requests``): later groups through the base model are admitted in the same step,
+   and later groups through a running adapter too while that adapter runs a group ahead of the first one passed
+   over (in the policy's order), so each adapter's running groups drain and the passed group starts, no
+   starvation; the passed group is tried first again every step. A swapped group whose adapter does not fit
+   blocks the queues as one that does not fit.
 
 With ``scheduling_policy="priority"`` (vLLM's) every queue is kept in (priority, arrival) order
 instead of arrival order (lower priority first: more important), running included: running groups are
@@ -33,8 +38,9 @@ largest (priority, arrival) not yet scheduled this step, or the group itself whe
 swapped and waiting groups are resumed and admitted in that order, as one merged order over the two queues'
 heads: a waiting group more important (smaller (priority, arrival)) than the swapped head is admitted before it
 (no priority inversion behind less important swapped-out groups); on a tie the swapped group resumes first, so no
-swapped group is passed by an equal or less important one. Head-of-line blocking holds in the merged order: when
-its first group cannot start, nothing after it starts this step; when that first group is a waiting one that
+swapped group is passed by an equal or less important one. Head-of-line blocking holds in the merged order (but for
+the groups passed over for their adapter or a pending read, above): when its first group cannot start, nothing
+after it starts this step; when that first group is a waiting one that
 cannot start while nothing runs, it is refused as above. A waiting group never preempts a running one (as in
 vLLM v1).
 
@@ -119,7 +125,7 @@ class Scheduler:
     ) -> None:  # fmt: skip
         """``max_model_len``: a sample that holds that many tokens stops with "length" (None: only at max_tokens).
         ``proposer``: drafts for the decode sequences of groups with ``speculative`` set (None: no drafts).
-        ``max_loras``: LoRA adapters the running groups may use at once (a group through another one waits)."""
+        ``max_loras``: LoRA adapters the running groups may use at once (a group through another one is passed over)."""
         self.config = config
         self.max_loras = max_loras
         self.bm = block_manager
@@ -616,7 +622,7 @@ class Scheduler:
         """Swap the first swapped group back in and schedule what fits of it; False if it does not fit."""
         group = self.swapped[0]
         ids = [seq.seq_id for seq in group.active()]
-        if not (self.bm.can_swap_in(ids) and self._fits_seqs(group)):  # shared blocks counted once
+        if not (self.bm.can_swap_in(ids) and self._fits_seqs(group) and self._fits_lora(group)):  # shared blocks once
             return False
         self.swapped.popleft()
         step.swap_in += self.bm.swap_in(ids)
@@ -629,7 +635,8 @@ class Scheduler:
 
     def _schedule_waiting(self, step: SchedulerOutput) -> bool:
         """Admit the waiting groups ahead of the swapped ones in order; one whose blocks are still being read keeps
-        its place and is passed. Returns False if one of them could not start (head-of-line blocking).
+        its place and is passed, as one whose adapter has no slot (``_fits_lora``). Returns False if one of them could
+        not start (head-of-line blocking).
 
         When nothing else would run this step, the first such group's read is waited for.
         """
@@ -644,15 +651,21 @@ class Scheduler:
 
         Returns whether a group was passed because its read has not landed, and whether one could not start.
         """
-        reading: list[SequenceGroup] = []
-        blocked = False
+        passed: list[SequenceGroup] = []  # kept in place: read pending, or no slot for the adapter
+        reading, blocked = False, False
+        first_passed: SequenceGroup | None = None  # the first group passed over for its adapter
         while self.waiting and self._ahead_of_swapped(self.waiting[0]):
             group = self.waiting[0]
+            if not self._fits_lora(group, first_passed):
+                first_passed = first_passed or group
+                passed.append(self.waiting.popleft())
+                continue
             if not self._fits_seqs(group):
                 blocked = True
                 break
             if not self._blocks_read(group, wait=wait):
-                reading.append(self.waiting.popleft())
+                reading = True
+                passed.append(self.waiting.popleft())
                 continue
             wait = False
             plan = self._plan_prefill(group, step)
@@ -661,8 +674,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self._start(group, plan, step)
-        self.waiting.extendleft(reversed(reading))
-        return bool(reading), blocked
+        self.waiting.extendleft(reversed(passed))
+        return reading, blocked
 
     def _start(self, group: SequenceGroup, plan: list[tuple[Sequence, int, int]], step: SchedulerOutput) -> None:
         """Allocate a waiting group's planned tokens (prefix-cache hits skipped), schedule them, and run it."""
@@ -724,16 +737,26 @@ class Scheduler:
             self.running.append(group)
 
     def _fits_seqs(self, group: SequenceGroup) -> bool:
-        """Whether the running groups' reserved sequences leave room for ``group``'s, and their adapters for its."""
+        """Whether the running groups' reserved sequences leave room for ``group``'s."""
         running = sum(g.num_seqs_reserved() for g in self.running)
-        return running + group.num_seqs_reserved() <= self.config.max_num_seqs and self._fits_lora(group)
+        return running + group.num_seqs_reserved() <= self.config.max_num_seqs
 
-    def _fits_lora(self, group: SequenceGroup) -> bool:
-        """Whether ``group``'s adapter (if any) runs beside the running groups' within ``max_loras``."""
+    def _fits_lora(self, group: SequenceGroup, first_passed: SequenceGroup | None = None) -> bool:
+        """Whether ``group``'s adapter (if any) runs beside the running groups' within ``max_loras``; past
+        ``first_passed`` (a group waiting for a slot) only beside a running group ahead of it, so adapters drain."""
         if group.lora is None:
             return True
         adapters = {g.lora for g in self.running if g.lora is not None}
-        return group.lora in adapters or len(adapters) < self.max_loras
+        if group.lora not in adapters:
+            return len(adapters) < self.max_loras
+        if first_passed is None:
+            return True
+        ahead = self._order_key(first_passed)
+        return any(g.lora == group.lora and self._order_key(g) < ahead for g in self.running)
+
+    def _order_key(self, group: SequenceGroup) -> tuple[int, float]:
+        """The policy's queue order: (priority, arrival), or arrival alone under fcfs."""
+        return _priority_key(group) if self._by_priority else (0, group.arrival_time)
 
 
 def _insert_by_arrival(queue: deque[SequenceGroup], group: SequenceGroup) -> None:
