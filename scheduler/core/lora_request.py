@@ -49,9 +49,15 @@ class LoRAKey:
 
     def cache_salt(self, cache_salt: str | None) -> bytes:
         """The prefix-cache salt of a request through this adapter: bytes, so no user's str salt equals it."""
-        parts = [_SALT_DOMAIN, self.name.encode(), self.fingerprint.encode(), (cache_salt or "").encode()]
-        flag = b"S" if cache_salt is not None else b"N"  # salt "" and no salt stay apart
-        return flag + b"".join(len(p).to_bytes(8, "little") + p for p in parts)
+        return adapter_salt(self.name, self.fingerprint, cache_salt)
+
+
+def adapter_salt(name: str, fingerprint: str, cache_salt: str | None) -> bytes:
+    """The prefix-cache salt of a request through adapter ``name`` with files ``fingerprint`` (the id plays no part,
+    so it is known before the engine numbers the adapter)."""
+    parts = [_SALT_DOMAIN, name.encode(), fingerprint.encode(), (cache_salt or "").encode()]
+    flag = b"S" if cache_salt is not None else b"N"  # salt "" and no salt stay apart
+    return flag + b"".join(len(p).to_bytes(8, "little") + p for p in parts)
 
 
 def lora_per_prompt(lora_request: object, n: int) -> list[LoRARequest | None]:

@@ -104,12 +104,12 @@ class BeamSearch:
         engine = self.engine
         each = per_prompt(params, len(prompts), BeamSearchParams, "params")
         ids = [engine.new_request_id("beam-search") for _ in prompts]
-        keys = [engine.load_lora(r) for r in loras]
-        checked = [engine.check_beam_search(rid, prompt, p, lora=k)[0]
-                   for rid, prompt, p, k in zip(ids, prompts, each, keys)]  # fmt: skip
+        staged = engine.stage_loras(loras)  # nothing loaded until queued
+        checked = [engine.check_beam_search(rid, prompt, p, lora=key)[0]
+                   for rid, prompt, p, (key, _) in zip(ids, prompts, each, staged)]  # fmt: skip
         requests = []
-        for rid, prompt, p, r in zip(ids, checked, each, loras):
-            req = engine.add_beam_search(rid, prompt, p, measure=True, lora_request=r)
+        for rid, prompt, p, (_, read) in zip(ids, checked, each, staged):
+            req = engine.add_beam_search(rid, prompt, p, measure=True, lora_request=read)
             req.total = total
             requests.append(req)
         return requests

@@ -93,6 +93,8 @@ from scheduler.engine.request_checks import (
 from scheduler.engine.spec_decode import SpecDecode
 from scheduler.engine.step_sampling import Selector, StepSampling
 from scheduler.model.llama import LlamaModel
+from scheduler.model.lora_adapter import LoRAAdapter
+from scheduler.runner.lora_manager import ReadLoRA
 from scheduler.runner.sampler import Sampler
 
 if TYPE_CHECKING:
@@ -178,38 +180,44 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------
     def add_request(
         self, request_id: str, prompt_token_ids: Seq[int], sampling_params: SamplingParams | None = None,
-        *, fork_samples: bool = True, priority: int = 0, lora_request: LoRARequest | None = None,
+        *, fork_samples: bool = True, priority: int = 0, lora_request: LoRARequest | ReadLoRA | None = None,
     ) -> SequenceGroup:  # fmt: skip
-        """Queue a request; raises (engine unchanged) on a bad id, prompt, parameters or adapter.
+        """Queue a request; raises (engine unchanged: no adapter loaded nor moved) on a bad id, prompt, parameters or
+        adapter.
 
         ``fork_samples=False``: the caller forks the request's sequences itself (see :meth:`step`).
         ``priority`` (vLLM's: lower is more important) orders the eviction of its cached blocks, and its scheduling
-        under ``scheduling_policy="priority"``. ``lora_request``: the LoRA adapter it runs through (loaded now).
+        under ``scheduling_policy="priority"``. ``lora_request``: the LoRA adapter it runs through (read now unless
+        loaded, or already read by ``LoRAManager.read``; kept once the request is queued).
         """
         check_bool("fork_samples", fork_samples)
-        lora = self.load_lora(lora_request)
+        staged = self._stage_lora(lora_request)
+        lora = staged[0] if staged is not None else None
         prompt, params = self.check_request(request_id, prompt_token_ids, sampling_params, lora=lora)
         if not fork_samples and params.structured_outputs is not None:  # a caller's selection would skip the mask
             raise InvalidArgumentError(describe("fork_samples", False, "True with structured_outputs (no beam search)"))
-        group = self._name_lora(self.scheduler.add_request(request_id, prompt, params, fork_samples=fork_samples,
-                                                           priority=priority, lora=lora))  # fmt: skip
+        group = self.scheduler.add_request(request_id, prompt, params, fork_samples=fork_samples, priority=priority,
+                                           lora=lora)  # fmt: skip
+        self._keep_lora(staged, group)
         if self.spec is not None:  # drafts only where verification gives exactly the request's tokens
             group.speculative = self.spec.serves(params, fork_samples=fork_samples)
         return group
 
     def add_beam_search(
         self, request_id: str, prompt_token_ids: Seq[int], params: BeamSearchParams, *, priority: int = 0,
-        measure: bool = False, lora_request: LoRARequest | None = None,
+        measure: bool = False, lora_request: LoRARequest | ReadLoRA | None = None,
     ) -> BeamRequest:  # fmt: skip
         """Queue a beam search (transformers' semantics: :mod:`scheduler.engine.beam_selection`); raises, engine
         unchanged, on a bad one. It runs in the same steps as the sampled requests; :meth:`step` returns it once
         done, its outputs the hypotheses best first. The returned state holds its scores and, with ``measure``,
         its memory figures (its beams' block tables read each step). Every beam runs through ``lora_request``."""
         check_bool("measure", measure)
-        lora = self.load_lora(lora_request)
+        staged = self._stage_lora(lora_request)
+        lora = staged[0] if staged is not None else None
         prompt, sampling = self.check_beam_search(request_id, prompt_token_ids, params, lora=lora)
-        group = self._name_lora(self.scheduler.add_request(request_id, prompt, sampling, fork_samples=False,
-                                                           priority=priority, lora=lora))  # fmt: skip
+        group = self.scheduler.add_request(request_id, prompt, sampling, fork_samples=False, priority=priority,
+                                           lora=lora)  # fmt: skip
+        self._keep_lora(staged, group)
         return self.beams.add(group, params, measure=measure)
 
     def check_beam_search(
@@ -260,21 +268,38 @@ class LLMEngine:
             pass  # a caller chose this id for a request of its own
         return request_id
 
-    def load_lora(self, lora_request: LoRARequest | None) -> LoRAKey | None:
+    def load_lora(self, lora_request: LoRARequest | ReadLoRA | None) -> LoRAKey | None:
         """The adapter of a request, loaded (None: the base model); typed errors when LoRA is off or it is bad."""
+        staged = self._stage_lora(lora_request)
+        if staged is None:
+            return None
+        self.runner.loras.keep(*staged)
+        return staged[0]
+
+    def stage_loras(self, requests: Seq[LoRARequest | None]) -> list[tuple[LoRAKey | None, ReadLoRA | None]]:
+        """Each request's adapter staged, nothing loaded: its key (for :meth:`check_request`) and its weights read
+        (for :meth:`add_request`), each adapter read once; (None, None) for the base model. Typed errors."""
+        staged = {r: self._stage_lora(r) for r in dict.fromkeys(requests)}
+        return [(None, None) if r is None else (staged[r][0], ReadLoRA(request=r, adapter=staged[r][1]))
+                for r in requests]  # fmt: skip
+
+    def _stage_lora(self, lora_request: LoRARequest | ReadLoRA | None) -> tuple[LoRAKey, LoRAAdapter] | None:
+        """A request's adapter key and weights, nothing loaded yet (:meth:`LoRAManager.stage`); None: the base model."""
         if lora_request is None:
             return None
         loras = self.runner.loras
         if loras is None:
             raise InvalidArgumentError(describe("lora_request", lora_request,
                                                 "None: LoRA is off (EngineConfig.lora_config, --enable-lora)"))
-        return loras.load(lora_request)
+        return loras.stage(lora_request)
 
-    def _name_lora(self, group: SequenceGroup) -> SequenceGroup:
-        """Let the KV events name the adapter of ``group``'s blocks (the root of its hash chains)."""
-        if group.lora is not None and self.cache_events is not None:
+    def _keep_lora(self, staged: tuple[LoRAKey, LoRAAdapter] | None, group: SequenceGroup) -> None:
+        """A queued request's adapter kept loaded (most recently requested), and named to the KV events."""
+        if staged is None:
+            return
+        self.runner.loras.keep(*staged)
+        if self.cache_events is not None:  # the root of its blocks' hash chains names the adapter
             self.cache_events.name_root(salt_root(group.cache_salt), group.lora.name, group.lora.lora_id)
-        return group
 
     def check_request(
         self, request_id: str, prompt_token_ids: Seq[int], sampling_params: SamplingParams | None,
@@ -483,13 +508,12 @@ class LLMEngine:
             raise InvalidArgumentError(describe("prompts", type(prompts).__name__, "a list of token id lists"))
         check_bool("use_tqdm", use_tqdm)
         params = per_prompt(sampling_params, len(prompts), SamplingParams, "sampling_params")
-        requests = lora_per_prompt(lora_request, len(prompts))
-        loras = [self.load_lora(r) for r in requests]
+        loras = self.stage_loras(lora_per_prompt(lora_request, len(prompts)))
         ids = [self.new_request_id("generate") for _ in prompts]
-        checked = [self.check_request(i, prompt, p, lora=k)
-                   for i, prompt, p, k in zip(ids, prompts, params, loras)]  # all or none  # fmt: skip
-        for request_id, (prompt, p), r in zip(ids, checked, requests):
-            self.add_request(request_id, prompt, p, lora_request=r)
+        checked = [self.check_request(i, prompt, p, lora=key)
+                   for i, prompt, p, (key, _) in zip(ids, prompts, params, loras)]  # all or none  # fmt: skip
+        for request_id, (prompt, p), (_, read) in zip(ids, checked, loras):
+            self.add_request(request_id, prompt, p, lora_request=read)
         done: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
             while self.has_unfinished_requests():

@@ -195,12 +195,12 @@ class LLM:
         params = per_prompt(sampling_params, len(prompts), SamplingParams, "sampling_params")
         params = [with_bad_word_ids(p, self.tokenizer) for p in params]
         priorities = priorities or [0] * len(prompts)
-        loras = lora_per_prompt(lora_request, len(prompts))
+        loras = self.engine.stage_loras(lora_per_prompt(lora_request, len(prompts)))  # nothing loaded yet
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
-        for rid, prompt, p, r in zip(ids, prompts, params, loras):
-            self.engine.check_request(rid, prompt, p, lora=self.engine.load_lora(r))  # all or none
-        for rid, prompt, p, text, priority, r in zip(ids, prompts, params, texts, priorities, loras):
-            self.processor.add(rid, prompt, p, text, priority=priority, lora_request=r)
+        for rid, prompt, p, (key, _) in zip(ids, prompts, params, loras):
+            self.engine.check_request(rid, prompt, p, lora=key)  # all or none
+        for rid, prompt, p, text, priority, (_, read) in zip(ids, prompts, params, texts, priorities, loras):
+            self.processor.add(rid, prompt, p, text, priority=priority, lora_request=read)
         done: dict[str, TextRequestOutput] = {}
         with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
             while len(done) < len(ids):

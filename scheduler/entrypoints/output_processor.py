@@ -32,6 +32,7 @@ from scheduler.core.params import SamplingParams
 from scheduler.engine.beam_selection import BeamSearchParams
 from scheduler.engine.llm_engine import LLMEngine
 from scheduler.entrypoints.detokenizer import IncrementalDetokenizer, find_stop, holdback
+from scheduler.runner.lora_manager import ReadLoRA
 
 logger = logging.getLogger(__name__)
 
@@ -257,7 +258,8 @@ class OutputProcessor:
         self.requests: dict[str, TextRequest] = {}
 
     def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-            prompt: str | None = None, *, priority: int = 0, lora_request: LoRARequest | None = None) -> TextRequest:
+            prompt: str | None = None, *, priority: int = 0,
+            lora_request: LoRARequest | ReadLoRA | None = None) -> TextRequest:  # fmt: skip
         """Queue a request in the engine (raises, nothing queued, on a bad one) and track its text."""
         params = with_bad_word_ids(params, self.tokenizer)
         self.engine.add_request(request_id, prompt_token_ids, params, priority=priority, lora_request=lora_request)
@@ -265,7 +267,7 @@ class OutputProcessor:
 
     def add_beam_search(self, request_id: str, prompt_token_ids: Sequence[int], params: BeamSearchParams,
                         prompt: str | None = None, *, priority: int = 0,
-                        lora_request: LoRARequest | None = None) -> TextRequest:  # fmt: skip
+                        lora_request: LoRARequest | ReadLoRA | None = None) -> TextRequest:  # fmt: skip
         """Queue a beam search in the engine (raises, nothing queued, on a bad one); its hypotheses' text comes
         when it is done."""
         self.engine.add_beam_search(request_id, prompt_token_ids, params, priority=priority,

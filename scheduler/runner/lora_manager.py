@@ -1,10 +1,15 @@
 """The adapters an engine serves: loaded on request, kept in host memory (LRU), placed in device slots per step.
 
-:meth:`LoRAManager.load` reads and checks a request's adapter (:mod:`scheduler.model.lora_adapter`)
-before the request is queued, so a bad one is refused with nothing scheduled, and returns its
-:class:`~scheduler.core.lora_request.LoRAKey`. Up to ``max_cpu_loras`` adapters stay loaded, the
-least recently requested dropped first (read again from their folder, checked to be the same
-files, if a request still needs one). :meth:`LoRAManager.step_slots` puts the adapters of a step
+A request's adapter is taken in two steps, so a refused request leaves no trace: :meth:`LoRAManager.stage`
+reads and checks it (:mod:`scheduler.model.lora_adapter`; nothing read if it is loaded from the same
+folder) and returns its :class:`~scheduler.core.lora_request.LoRAKey` and weights without changing
+anything; once the request is queued, :meth:`LoRAManager.keep` records them (its id for good, most
+recently requested). :meth:`LoRAManager.load` does both. :meth:`LoRAManager.read` reads the files on
+any thread (the server's handlers, so the engine thread never waits on a disk): its
+:class:`ReadLoRA` is staged without reading again. Up to ``max_cpu_loras`` adapters stay loaded, the
+least recently requested dropped first (read again from their folder, on the engine thread, checked to
+be the same files, if a queued request still needs one). Host memory holds those, plus the adapters
+read for requests not yet handed to the engine (one per such request at most; shared when loaded). :meth:`LoRAManager.step_slots` puts the adapters of a step
 into the model's ``max_loras`` device slots (an adapter already in a slot stays there; the slot
 used longest ago is reused) and returns each scheduled sequence's slot; the scheduler never puts
 more than ``max_loras`` adapters in one step. With tensor parallelism the driver's manager decides alone:
@@ -15,16 +20,29 @@ adapters into the same slots of its shard (:func:`scheduler.runner.tp_worker.loa
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import numpy as np
 
 from paged_kv.errors import InvalidArgumentError, check_type, describe
 from scheduler.core.config import LoRAConfig
-from scheduler.core.lora_request import LoRAKey, LoRARequest
+from scheduler.core.lora_request import LoRAKey, LoRARequest, adapter_salt
 from scheduler.core.scheduler_output import SchedulerOutput
 from scheduler.model.llama import LlamaModel
 from scheduler.model.lora_adapter import LoRAAdapter, load_adapter
 from scheduler.model.lora_layers import LoRASlots, attach_lora
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReadLoRA:
+    """A request's adapter with its files read and checked (:meth:`LoRAManager.read`), ready to be staged."""
+
+    request: LoRARequest
+    adapter: LoRAAdapter
+
+    def cache_salt(self, cache_salt: str | None) -> bytes:
+        """The prefix-cache salt the engine gives a request through this adapter (as its ``LoRAKey``'s)."""
+        return adapter_salt(self.request.name, self.adapter.fingerprint, cache_salt)
 
 
 class LoRAManager:
@@ -49,18 +67,40 @@ class LoRAManager:
         entry = self._loaded.get(name)
         return entry[0] if entry is not None else None
 
-    def load(self, request: LoRARequest) -> LoRAKey:
-        """The adapter of ``request`` loaded (read now unless loaded from the same path); typed errors, state kept."""
+    def read(self, request: LoRARequest) -> ReadLoRA:
+        """The adapter of ``request`` read and checked, on any thread: the loaded one if loaded from the same folder
+        (one dict read), else its files; changes nothing (typed errors)."""
         check_type("lora_request", request, LoRARequest, "a LoRARequest")
+        entry = self._loaded.get(request.name)  # atomic: the engine thread may move or drop entries meanwhile
+        if entry is not None and entry[0].path == request.path:
+            return ReadLoRA(request=request, adapter=entry[1])
+        return ReadLoRA(request=request, adapter=load_adapter(request.path, self.model.config,
+                                                              self.config.max_lora_rank))
+
+    def stage(self, request: LoRARequest | ReadLoRA) -> tuple[LoRAKey, LoRAAdapter]:
+        """The key and weights of a request's adapter, read now unless loaded from the same folder or already read;
+        nothing changes until :meth:`keep` (typed errors)."""
+        read = request if isinstance(request, ReadLoRA) else None
+        request = read.request if read is not None else request
+        check_type("lora_request", request, LoRARequest, "a LoRARequest (or a ReadLoRA)")
         entry = self._loaded.get(request.name)
         if entry is not None and entry[0].path == request.path:
-            self._loaded.move_to_end(request.name)
-            return entry[0]
-        adapter = load_adapter(request.path, self.model.config, self.config.max_lora_rank)
-        lora_id = self._ids.get(request.name, len(self._ids) + 1)
-        key = LoRAKey(name=request.name, lora_id=lora_id, fingerprint=adapter.fingerprint, path=request.path)
-        self._ids[request.name] = lora_id
+            if read is None or read.adapter.fingerprint == entry[0].fingerprint:
+                return entry
+        adapter = read.adapter if read is not None else load_adapter(request.path, self.model.config,
+                                                                     self.config.max_lora_rank)  # fmt: skip
+        lora_id = self._ids.get(request.name, len(self._ids) + 1)  # the id keep gives a new name
+        return LoRAKey(name=request.name, lora_id=lora_id, fingerprint=adapter.fingerprint, path=request.path), adapter
+
+    def keep(self, key: LoRAKey, adapter: LoRAAdapter) -> None:
+        """Record an accepted request's staged adapter: its name's id for good, and the most recently requested."""
+        self._ids.setdefault(key.name, key.lora_id)
         self._keep(key, adapter)
+
+    def load(self, request: LoRARequest | ReadLoRA) -> LoRAKey:
+        """The adapter of ``request`` staged and kept (read now unless loaded from the same folder or already read)."""
+        key, adapter = self.stage(request)
+        self.keep(key, adapter)
         return key
 
     def unload(self, name: str) -> None:

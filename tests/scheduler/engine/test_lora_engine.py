@@ -9,6 +9,7 @@ from beam_helpers import hf_beams
 from lora_helpers import merged, write_adapter
 from sched_helpers import NUM_NEW, assert_all_freed, greedy_reference, make_engine
 
+from paged_kv.errors import PagedKVError
 from scheduler import LoRAConfig, LoRARequest, SamplingParams
 from scheduler.engine.beam_selection import BeamSearchParams
 
@@ -134,3 +135,64 @@ def test_speculative_drafts_run_through_the_adapter(looping_hf, tmp_path):
     assert outs[1].outputs[0].token_ids == greedy_reference(looping_hf, [prompt], 24)[0]
     assert outs[0].outputs[0].token_ids != outs[1].outputs[0].token_ids
     assert engine.spec.stats.num_accepted_tokens > 0
+
+
+@pytest.fixture
+def full_cache(tiny_hf, adapters, tmp_path):
+    """An engine keeping two adapters loaded (one, then two: one least recent), a base request "taken" queued,
+    and a third adapter not loaded yet."""
+    engine = make_engine(tiny_hf, lora=LoRAConfig(max_loras=1, max_lora_rank=8, max_cpu_loras=2))
+    engine.load_lora(adapters["one"])
+    engine.load_lora(adapters["two"])
+    engine.add_request("taken", [1, 2, 3], GREEDY)
+    three = LoRARequest(name="three", path=write_adapter(tmp_path / "three", tiny_hf, seed=3))
+    return engine, three
+
+
+def _lru(engine):
+    """The loaded adapters, least recently requested first, with their keys (ids and fingerprints)."""
+    loras = engine.runner.loras
+    return [(name, loras.key(name)) for name in loras.names]
+
+
+@pytest.mark.parametrize("bad", ["duplicate_id", "bad_prompt", "bad_priority", "beam_duplicate_id"])
+@pytest.mark.parametrize("adapter", ["three", "one"])
+def test_a_refused_request_leaves_the_loaded_adapters_as_they_were(full_cache, adapters, bad, adapter):
+    """A request refused for its id, prompt or priority neither loads its adapter (evicting another) nor moves
+    a loaded one in the LRU order; the next adapter still gets the next id."""
+    engine, three = full_cache
+    lora = three if adapter == "three" else adapters["one"]
+    before = _lru(engine)
+    call = {
+        "duplicate_id": lambda: engine.add_request("taken", [4, 5], GREEDY, lora_request=lora),
+        "bad_prompt": lambda: engine.add_request("x", [10**9], GREEDY, lora_request=lora),
+        "bad_priority": lambda: engine.add_request("x", [4, 5], GREEDY, priority=1 << 70, lora_request=lora),
+        "beam_duplicate_id": lambda: engine.add_beam_search("taken", [4, 5], BeamSearchParams(width=2, max_tokens=2),
+                                                            lora_request=lora),
+    }[bad]  # fmt: skip
+    with pytest.raises(PagedKVError):
+        call()
+    assert _lru(engine) == before
+    assert engine.add_request("ok", [4, 5], GREEDY, lora_request=three).lora.lora_id == 3
+
+
+def test_generate_refused_for_one_prompt_loads_no_adapter(full_cache, adapters):
+    """engine.generate with one bad prompt among several queues nothing and loads none of their adapters."""
+    engine, three = full_cache
+    before = _lru(engine)
+    with pytest.raises(PagedKVError):
+        engine.generate([[4, 5], [10**9]], GREEDY, lora_request=[three, adapters["one"]], use_tqdm=False)
+    assert _lru(engine) == before and list(engine.scheduler.requests) == ["taken"]
+
+
+def test_an_adapter_read_ahead_is_placed_without_reading_again(full_cache, monkeypatch):
+    """A ReadLoRA (read on another thread) is staged from its weights: the engine thread opens no file."""
+    import scheduler.runner.lora_manager as manager
+
+    engine, three = full_cache
+    read = engine.runner.loras.read(three)
+    assert [name for name, _ in _lru(engine)] == ["one", "two"]  # reading changes nothing
+    monkeypatch.setattr(manager, "load_adapter", lambda *a, **k: pytest.fail("read on the engine thread"))
+    group = engine.add_request("r", [4, 5], GREEDY, lora_request=read)
+    assert group.lora == engine.runner.loras.key("three") and group.lora.fingerprint == read.adapter.fingerprint
+    assert [name for name, _ in _lru(engine)] == ["two", "three"]
