@@ -9,7 +9,8 @@ any thread (the server's handlers, so the engine thread never waits on a disk): 
 :class:`ReadLoRA` is staged without reading again. Up to ``max_cpu_loras`` adapters stay loaded, the
 least recently requested dropped first (read again from their folder, on the engine thread, checked to
 be the same files, if a queued request still needs one). Host memory holds those, plus the adapters
-read for requests not yet handed to the engine (one per such request at most; shared when loaded). :meth:`LoRAManager.step_slots` puts the adapters of a step
+read for requests not yet handed to the engine (one per such request at most; shared when loaded).
+:meth:`LoRAManager.step_slots` puts the adapters of a step
 into the model's ``max_loras`` device slots (an adapter already in a slot stays there; the slot
 used longest ago is reused) and returns each scheduled sequence's slot; the scheduler never puts
 more than ``max_loras`` adapters in one step. With tensor parallelism the driver's manager decides alone:

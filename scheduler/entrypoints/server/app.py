@@ -110,8 +110,7 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
     async def responses(body: ResponsesRequest, request: Request):
         """OpenAI responses, whole or streamed, served as the chat completion of the same conversation."""
         builder, prompts, params, conversation = await prepare_response(front, store, body)
-        lora = front.lora_request(builder.ctx.model)
-        events = engine.generate(prompts, params, priority=builder.chat.priority, lora_request=lora)
+        events = engine.generate(prompts, params, priority=builder.chat.priority, lora_request=builder.ctx.lora)
         first = await _next(events)
         if body.stream:
             stream = response_stream(builder, first, events, store, conversation)
@@ -147,8 +146,7 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
 
 async def _respond(request: Request, engine: AsyncEngine, body: SamplingFields, ctx: ResponseContext,
                    prompts: list[tuple[list[int], str | None]], params: list[SamplingParams]):  # fmt: skip
-    lora = request.app.state.frontend.lora_request(ctx.model)
-    events = engine.generate(prompts, params, priority=body.priority, lora_request=lora)
+    events = engine.generate(prompts, params, priority=body.priority, lora_request=ctx.lora)
     first = await _next(events)  # admission errors (400, 503) surface here, before any byte is sent
     if body.stream:  # starlette cancels the stream when the client goes away
         return StreamingResponse(_stream(ctx, body, first, events, prompts), media_type="text/event-stream")

@@ -1,7 +1,9 @@
 """One engine loop for every connection: the engine steps in a worker thread, streams get asyncio queues.
 
 The event loop never runs the engine: handlers put commands (add, abort, reset the
-prefix cache) on a thread-safe queue; the worker thread applies them between steps, runs
+prefix cache) on a thread-safe queue (a request's LoRA adapter files already read and checked in a
+worker thread, :meth:`AsyncEngine.read_lora`: the engine thread never waits on a disk to queue one);
+the worker thread applies them between steps, runs
 ``engine.step``, detokenizes through an :class:`OutputProcessor` and hands
 each request's deltas back to its handler's asyncio queue with
 ``call_soon_threadsafe``. Only the worker thread touches the engine.
@@ -47,6 +49,7 @@ from scheduler.entrypoints.output_processor import (
     TextRequestOutput,
 )
 from scheduler.entrypoints.server.metrics import EngineSnapshot, FinishedRequest, ServerMetrics
+from scheduler.runner.lora_manager import ReadLoRA
 
 T = TypeVar("T")
 
@@ -128,30 +131,44 @@ class AsyncEngine:
         fits = longest_sample((usable // n) * pool.block_size)  # each sample's share of the KV slots
         return min(self.engine.model.config.max_position_embeddings, fits) - prompt_len
 
-    def pinned_apart(self, prompt_token_ids: list[int], cache_salt: str | None) -> int:
-        """Blocks the start-up pins hold that a prompt would not share (their blocks and index never change while
-        the server runs, so this reads them off the engine thread); 0 without pins."""
+    def pinned_apart(self, prompt_token_ids: list[int], cache_salt: str | None, lora: ReadLoRA | None = None) -> int:
+        """Blocks the start-up pins hold that a prompt (through ``lora``'s adapter: its salt, as the engine's) would
+        not share (their blocks and index never change while the server runs, so this reads them off the engine
+        thread); 0 without pins."""
         if not self.pinned:
             return 0
-        return self.engine.block_manager.num_pinned_blocks_apart(prompt_token_ids, cache_salt=cache_salt)
+        salt = cache_salt if lora is None else lora.cache_salt(cache_salt)
+        return self.engine.block_manager.num_pinned_blocks_apart(prompt_token_ids, cache_salt=salt)
 
-    def check(self, prompt_token_ids: list[int], params: SamplingParams | BeamSearchParams) -> None:
-        """Raise (a PagedKVError) if the engine could never serve the request; reads only what never changes
-        while serving (the config, the EOS ids, the start-up pins)."""
+    async def read_lora(self, lora_request: LoRARequest | ReadLoRA | None) -> ReadLoRA | None:
+        """A request's adapter read and checked in a worker thread (off the event loop and the engine thread; the
+        loaded one if loaded from the same folder); typed errors. None: the base model."""
+        if lora_request is None or isinstance(lora_request, ReadLoRA):
+            return lora_request
+        loras = self.engine.runner.loras
+        if loras is None:  # the engine's own refusal: raises at once, touching nothing
+            self.engine.load_lora(lora_request)
+        return await asyncio.to_thread(loras.read, lora_request)
+
+    def check(self, prompt_token_ids: list[int], params: SamplingParams | BeamSearchParams,
+              lora: ReadLoRA | None = None) -> None:  # fmt: skip
+        """Raise (a PagedKVError) if the engine could never serve the request (through ``lora``); reads only what
+        never changes while serving (the config, the EOS ids, the start-up pins)."""
         prompt = check_prompt(prompt_token_ids, self.engine.model.config.vocab_size)
         e = self.engine
         beam = isinstance(params, BeamSearchParams)
         sampling = params.engine_params() if beam else params
         check_request_fits(len(prompt), sampling, e.model.config, e.config.scheduler, e.block_manager.config,
-                           pinned_blocks=self.pinned_apart(prompt, params.cache_salt))  # fmt: skip
+                           pinned_blocks=self.pinned_apart(prompt, params.cache_salt, lora))  # fmt: skip
         if beam:
             check_beam_fits(len(prompt), params, e.scheduler.eos_token_ids, e.model.config)
 
     async def generate(self, prompts: list[tuple[list[int], str | None]],
                        params: list[SamplingParams | BeamSearchParams], *, priority: int = 0,
-                       lora_request: LoRARequest | None = None) -> AsyncIterator[Event]:  # fmt: skip
-        """Run every prompt (a beam search for BeamSearchParams), through ``lora_request``'s adapter if given; yield
-        events until each is done. Closing the iterator early aborts what is left.
+                       lora_request: LoRARequest | ReadLoRA | None = None) -> AsyncIterator[Event]:  # fmt: skip
+        """Run every prompt (a beam search for BeamSearchParams), through ``lora_request``'s adapter if given (its
+        files read here, in a worker thread, unless already read); yield events until each is done. Closing the
+        iterator early aborts what is left.
 
         ``priority`` (vLLM's: lower is more important) orders the eviction of the requests' cached blocks,
         and their scheduling under ``scheduling_policy="priority"``.
@@ -161,8 +178,9 @@ class AsyncEngine:
         """
         if self.num_in_flight + len(prompts) > self.max_in_flight:
             raise Overloaded(f"{self.num_in_flight} requests in flight, at most {self.max_in_flight}")
+        lora = await self.read_lora(lora_request)
         for (ids, _), p in zip(prompts, params):
-            self.check(ids, p)
+            self.check(ids, p, lora)
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         sink = lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev)  # noqa: E731
         rids = [f"req-{next(self._ids)}" for _ in prompts]
@@ -170,7 +188,7 @@ class AsyncEngine:
         self.num_in_flight += len(prompts)
         try:
             for key, (rid, (ids, text), p) in enumerate(zip(rids, prompts, params)):
-                self._commands.put(("add", rid, ids, text, p, priority, lora_request, _Live(sink, key, now)))
+                self._commands.put(("add", rid, ids, text, p, priority, lora, _Live(sink, key, now)))
             while left:
                 ev = await events.get()
                 if ev.result is not None or ev.error is not None:
@@ -229,8 +247,9 @@ class AsyncEngine:
             self._abort(command[1])
 
     def _add(self, rid: str, ids: list[int], text: str | None, params: SamplingParams | BeamSearchParams,
-             priority: int, lora_request: LoRARequest | None, live: _Live) -> None:  # fmt: skip
-        """Queue a request (a beam search for BeamSearchParams); a refused one gets its error event."""
+             priority: int, lora_request: ReadLoRA | None, live: _Live) -> None:  # fmt: skip
+        """Queue a request (a beam search for BeamSearchParams; its adapter already read, only placed in the host
+        LRU here); a refused one gets its error event."""
         beam = isinstance(params, BeamSearchParams)
         add = self.processor.add_beam_search if beam else self.processor.add
         try:

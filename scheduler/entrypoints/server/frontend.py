@@ -1,9 +1,10 @@
 """What the handlers share: the served names, model cards, API keys, and a request's preparation for the engine.
 
 Preparing a request refuses what cannot be honoured (``sampling``), tokenizes or renders the
-chat template in a one-thread pool off the event loop, cuts the prompt if asked, checks the
-lengths against ``max_model_len`` and builds each prompt's SamplingParams (BeamSearchParams with
-``use_beam_search``).
+chat template in a one-thread pool off the event loop, reads the files of the LoRA adapter its
+model names in a worker thread (so the engine thread only places the weights), cuts the prompt if
+asked, checks the lengths against ``max_model_len`` and builds each prompt's SamplingParams
+(BeamSearchParams with ``use_beam_search``).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from scheduler.entrypoints.server.tool_calling.choice import (
     tool_constraint,
     tool_output,
 )
+from scheduler.runner.lora_manager import ReadLoRA
 
 log = logging.getLogger("paged_kv.server")
 Prompts = list[tuple[list[int], str | None]]  # each prompt's token ids and its text (None: given as ids)
@@ -198,12 +200,13 @@ class Frontend:
         if constraints:  # compile off the event loop (cached: the engine thread finds it); a bad one is a 400 here
             await loop.run_in_executor(self.tokenizer_pool, self._compile, param, constraints["structured_outputs"])
         encoded = await loop.run_in_executor(self.tokenizer_pool, encode)
+        lora = await self.engine.read_lora(self.lora_request(model))  # a bad adapter: a 400 naming it
         prompts = [self._truncate(body, ids, text) for ids, text in encoded]
         if reasoning is not None:  # a chat's one prompt: where its thinking stands decides how its output reads
             constraints = await loop.run_in_executor(self.tokenizer_pool, self._after_prompt, reasoning,
                                                      prompts[0][0], constraints)  # fmt: skip
         self.check_in_vocab("prompt", (i for ids, _ in prompts for i in ids))
-        params = [self._params(body, self._max_tokens(kind, ids, limit, body), logprobs, constraints)
+        params = [self._params(body, self._max_tokens(kind, ids, limit, body, lora), logprobs, constraints)
                   for ids, _ in prompts]  # fmt: skip
         ctx = ResponseContext(kind, model, body.n, self.llm.tokenizer, logprobs, request_id=body.request_id,
                               tokens_as_ids=body.return_tokens_as_token_ids, echo=getattr(body, "echo", False),
@@ -211,7 +214,7 @@ class Frontend:
                               echo_only=getattr(body, "echo", False) and body.max_tokens == 0,
                               continuous_usage=body.continuous_usage,
                               prompt_tokens=[len(ids) for ids, _ in prompts], tools=tools,
-                              reasoning=reasoning)  # fmt: skip
+                              reasoning=reasoning, lora=lora)  # fmt: skip
         if self.config.log_requests:
             user = body.user or getattr(body, "safety_identifier", None)
             log.info("request %s: model %s, user %r, prompt tokens %s, %s", ctx.id, model, user,
@@ -238,12 +241,13 @@ class Frontend:
             return ids, text
         return (ids[-keep:] if body.truncation_side == "left" else ids[:keep]), None
 
-    def _max_tokens(self, kind: str, ids: list[int], limit: tuple[str, int | None], body: SamplingFields) -> int:
+    def _max_tokens(self, kind: str, ids: list[int], limit: tuple[str, int | None], body: SamplingFields,
+                    lora: ReadLoRA | None) -> int:  # fmt: skip
         """The request's output limit within max_model_len and the KV pool for its samples; unset: all that fits."""
         name, requested = limit
         prompt_len, n = len(ids), body.num_samples
         prompt_field, longest = ("prompt" if kind == "completion" else "messages"), self.max_model_len
-        pinned = self.engine.pinned_apart(ids, body.cache_salt)
+        pinned = self.engine.pinned_apart(ids, body.cache_salt, lora)
         room, pooled = longest - prompt_len, self.engine.max_new_tokens(prompt_len, n, pinned)
         if room < 1 or (requested is None and pooled < 1):
             expected = f"a prompt that leaves room to answer within max_model_len={longest} and the KV pool"

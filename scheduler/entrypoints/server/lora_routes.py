@@ -4,8 +4,9 @@
 starts (a bad one is a typed error naming it; the engine must have LoRA on). With
 ``allow_runtime_lora_updating`` (vLLM gates the same endpoints behind its
 ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` environment variable) :func:`add_lora_routes` serves
-``POST /v1/load_lora_adapter`` ``{"lora_name", "lora_path"}`` (the adapter is read and checked on
-the engine thread, between two steps; 400 for a bad one or a name already served) and
+``POST /v1/load_lora_adapter`` ``{"lora_name", "lora_path"}`` (the adapter is read and checked in a
+worker thread, then kept loaded on the engine thread between two steps; 400 for a bad one or a name
+already served) and
 ``POST /v1/unload_lora_adapter`` ``{"lora_name"}`` (404 for a name not served). Requests already
 queued through an unloaded adapter finish through it.
 """
@@ -63,7 +64,8 @@ def add_lora_routes(v1: APIRouter, front: Frontend, engine: AsyncEngine) -> None
         if body.lora_name in front.loras or body.lora_name in front.names:
             raise InvalidArgumentError(describe("lora_name", body.lora_name, "a name not served yet"))
         module = LoRAModule(name=body.lora_name, path=body.lora_path)
-        await engine.call(lambda: front.llm.engine.load_lora(module.request))
+        read = await engine.read_lora(module.request)  # the files off the engine thread: no step waits on them
+        await engine.call(lambda: front.llm.engine.load_lora(read))
         front.loras[module.name] = module
         log.info("LoRA adapter %r loaded from %s", module.name, module.path)
         return f"Success: LoRA adapter '{module.name}' added successfully."

@@ -35,6 +35,7 @@ from scheduler.entrypoints.detokenizer import REPLACEMENT
 from scheduler.entrypoints.output_processor import SampleDelta, TextCompletion, TextRequestOutput
 from scheduler.entrypoints.server.reasoning.output import ReasoningOutput
 from scheduler.entrypoints.server.tool_calling.choice import ToolOutput
+from scheduler.runner.lora_manager import ReadLoRA
 
 Shown = TypeVar("Shown", TextCompletion, SampleDelta)  # a whole sample, or one step's delta of it
 LOGPROB_FLOOR = -9999.0  # what JSON shows of a log-probability of -inf (or NaN), as vLLM's
@@ -60,6 +61,7 @@ class ResponseContext:
     prompt_tokens: list[int] = field(default_factory=list)
     tools: ToolOutput | None = None  # a chat's tool choice other than "none": its messages hold tool calls
     reasoning: ReasoningOutput | None = None  # a chat under --reasoning-parser: its thinking split out first
+    lora: ReadLoRA | None = None  # the adapter the model names, its files read off the engine thread (None: base)
     id: str = field(init=False)
     created: int = field(default_factory=lambda: int(time.time()))
     # per choice: characters of the token texts already sent (a streamed text_offset continues from there)

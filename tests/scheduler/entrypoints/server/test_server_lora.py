@@ -9,7 +9,7 @@ import openai
 import pytest
 from lora_helpers import merged, write_adapter
 from sched_helpers import greedy_reference
-from server_helpers import ENGINE, serving
+from server_helpers import ENGINE, serving, wait_idle
 
 from scheduler import LoRAConfig
 from scheduler.entrypoints.cli import serve_args, server_config
@@ -143,3 +143,86 @@ def test_lora_info_names_the_adapters_of_waiting_and_running_requests(tiny_hf, t
     engine.step()  # max_loras=1: b waits while a runs
     assert (LoRAInfo.of(engine).waiting, LoRAInfo.of(engine).running, LoRAInfo.of(engine).max_lora) == ("b", "a", 1)
     assert LoRAInfo.of(make_engine(tiny_hf)) is None
+
+
+def test_the_early_fit_check_counts_pins_apart_with_the_adapter_salt(tiny_hf, tmp_path):
+    """AsyncEngine.check refuses as the engine does: a prompt through an adapter shares no base-model pin, so all
+    the pinned blocks count against it (the plain salt counted them shared and let it through)."""
+    from sched_helpers import make_engine
+
+    from paged_kv.errors import InvalidArgumentError
+    from scheduler import LoRARequest, SamplingParams
+    from scheduler.entrypoints.server.async_engine import AsyncEngine
+
+    engine = make_engine(tiny_hf, num_blocks=48, lora=LoRAConfig(max_loras=1, max_lora_rank=8))
+    system = list(range(10, 30))  # 5 blocks of 4, pinned
+    engine.pin_prefix(system)
+    while engine.has_unfinished_requests():
+        engine.step()
+    served = AsyncEngine(engine, tokenizer=None)
+    read = engine.runner.loras.read(LoRARequest(name="a", path=write_adapter(tmp_path / "a", tiny_hf, seed=5)))
+    pool = engine.block_manager.config
+    prompt = system + [7, 8]
+    room = (pool.num_blocks - pool.watermark_blocks - 2) * pool.block_size  # 2 blocks short of the pool
+    params = SamplingParams(max_tokens=room - len(prompt), ignore_eos=True)
+    assert served.pinned_apart(prompt, None) == 0 and served.pinned_apart(prompt, None, read) == 5
+    served.check(prompt, params)  # base: the pins are shared
+    key = engine.stage_loras([read.request])[0][0]
+    with pytest.raises(InvalidArgumentError, match="5 held by pinned prefixes"):
+        engine.check_request("x", prompt, params, lora=key)  # the engine refuses it through the adapter ...
+    with pytest.raises(InvalidArgumentError, match="5 held by pinned prefixes"):
+        served.check(prompt, params, read)  # ... and so does the early check
+
+
+def test_a_slow_adapter_read_does_not_stall_the_running_requests(served_lora, lora_client, hf, paths, monkeypatch):
+    """While a request's adapter files are being read (patched to block until released), the engine keeps stepping
+    a running request; then the request through the adapter is served through it."""
+    import threading
+
+    import scheduler.runner.lora_manager as manager
+
+    engine = served_lora.llm.engine
+    wait_idle(served_lora)
+    engine.runner.loras.unload("sql")  # dropped from host memory (engine idle): its next request reads it again
+    reading, release, released = threading.Event(), threading.Event(), []
+    real = manager.load_adapter
+
+    def slow_read(*args, **kw):
+        reading.set()
+        released.append(release.wait(20))  # False: nobody released it (the engine thread itself was blocked)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(manager, "load_adapter", slow_read)
+    stepped = threading.Event()
+    monkeypatch.setattr(served_lora.engine.processor, "step", _counting(served_lora.engine.processor.step, reading,
+                                                                         stepped))  # fmt: skip
+    stream = lora_client.completions.create(model=served_lora.model, prompt="hello", max_tokens=480, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+    next(iter(stream))  # the running request has started
+    sql = []
+    client = threading.Thread(target=lambda: sql.append(_complete(lora_client, "sql")))
+    client.start()
+    try:
+        assert reading.wait(20), "the adapter was not read again"
+        assert stepped.wait(15), "the engine did not step while the adapter was read"
+    finally:
+        release.set()
+        client.join(60)
+        stream.close()
+    assert released == [True]
+    assert sql == [_oracle(served_lora, hf, paths["sql"])]
+
+
+def _counting(step, reading, stepped, steps: int = 3):
+    """``step`` that sets ``stepped`` once ``steps`` steps have run since ``reading`` was set."""
+    count = []
+
+    def counted():
+        out = step()
+        if reading.is_set():
+            count.append(1)
+            if len(count) >= steps:
+                stepped.set()
+        return out
+
+    return counted
