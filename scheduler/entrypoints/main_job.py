@@ -4,6 +4,10 @@ Requests arrive a few per step while others decode, half of them behind a long
 shared system prompt (prefix caching); answers are streamed through the loop
 with a progress bar, then a few are printed with the run's metrics and a beam
 search example with the KV memory its shared blocks saved.
+
+With ``--enable-lora --lora-modules name=path ...`` (vLLM's flags) the adapters are loaded before
+the workload runs and its requests are dealt round-robin over the base model and the adapters
+(request 0 the base model, request 1 the first adapter, ...), so they batch together.
 """
 
 from __future__ import annotations
@@ -23,10 +27,12 @@ from scheduler.core.config import (
     LoRAConfig,
     SchedulerConfig,
 )
+from scheduler.core.lora_request import LoRARequest
 from scheduler.core.outputs import RequestOutput
 from scheduler.core.speculative_config import SpeculativeConfig
 from scheduler.engine.llm_engine import LLMEngine
 from scheduler.engine.spec_decode import SpecDecodeStats
+from scheduler.entrypoints.server.config import LoRAModule
 from scheduler.entrypoints.tier_options import add_tier_options, kv_events, tier_fields, tier_summary
 from scheduler.entrypoints.workload import ChatRequest, chat_workload
 from scheduler.model.loader import load_smollm2
@@ -42,7 +48,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = main_job_parser()
     args = p.parse_args(argv)
     checked_engine_config(p, args)
+    args.lora_requests = checked_lora_modules(p, args)
     return args
+
+
+def checked_lora_modules(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[LoRARequest]:
+    """The ``--lora-modules`` adapters as requests, or the parser's usage error (a bad entry, no --enable-lora)."""
+    try:
+        modules = [LoRAModule.parse(m) for m in args.lora_modules or ()]
+        if modules and not args.enable_lora:
+            raise InvalidArgumentError(describe("--lora-modules", True, "used with --enable-lora"))
+        names = [m.name for m in modules]
+        if len(set(names)) != len(names):
+            raise InvalidArgumentError(describe("--lora-modules", names, "distinct adapter names"))
+    except PagedKVError as e:
+        parser.error(str(e))
+    return [m.request for m in modules]
+
+
+def workload_loras(num_requests: int, adapters: list[LoRARequest]) -> list[LoRARequest | None]:
+    """Each request's adapter: round-robin over the base model (None) and ``adapters``, the base model first."""
+    cycle = [None, *adapters]
+    return [cycle[i % len(cycle)] for i in range(num_requests)]
 
 
 def main_job_parser() -> argparse.ArgumentParser:
@@ -56,6 +83,9 @@ def main_job_parser() -> argparse.ArgumentParser:
     p.add_argument("--show", type=int, default=3, help="answers to print (default 3)")
     p.add_argument("--beam-width", type=int, default=4,
                    help="beam width of the beam-search example (default 4; 0: skip it)")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters (vLLM's flag; needs --enable-lora): name=path or JSON {\"name\", \"path\"}; "
+                        "the workload's requests go round-robin over the base model and these; default none")
     add_engine_options(p)
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     return p
@@ -163,14 +193,16 @@ def build_engine(hf_model, args: argparse.Namespace) -> LLMEngine:
     return LLMEngine.from_hf(hf_model, engine_config(args))
 
 
-def serve(engine: LLMEngine, requests: list[ChatRequest], arrivals_per_step: int) -> dict[str, RequestOutput]:
-    """Stream the requests into the running loop; return every finished output by request id."""
-    pending, done = list(requests), {}
+def serve(engine: LLMEngine, requests: list[ChatRequest], arrivals_per_step: int,
+          loras: list[LoRARequest | None] | None = None) -> dict[str, RequestOutput]:  # fmt: skip
+    """Stream the requests into the running loop (each through its adapter in ``loras``, if given); return every
+    finished output by request id."""
+    pending, done = list(zip(requests, loras or [None] * len(requests))), {}
     stats = engine.block_manager.stats
     with tqdm(total=len(requests), desc="serving", unit="req") as bar:
         while pending or engine.has_unfinished_requests():
-            for r in pending[: arrivals_per_step or len(pending)]:
-                engine.add_request(r.request_id, r.prompt_token_ids, r.params)
+            for r, lora in pending[: arrivals_per_step or len(pending)]:
+                engine.add_request(r.request_id, r.prompt_token_ids, r.params, lora_request=lora)
             del pending[: arrivals_per_step or len(pending)]
             for out in engine.step():
                 done[out.request_id] = out
@@ -181,13 +213,15 @@ def serve(engine: LLMEngine, requests: list[ChatRequest], arrivals_per_step: int
     return done
 
 
-def print_answers(tokenizer, requests: list[ChatRequest], done: dict[str, RequestOutput], count: int) -> None:
-    """A few questions with their decoded answers."""
-    for r in requests[:count]:
+def print_answers(tokenizer, requests: list[ChatRequest], done: dict[str, RequestOutput], count: int,
+                  loras: list[LoRARequest | None]) -> None:  # fmt: skip
+    """A few questions with their decoded answers (and the adapter each ran through)."""
+    for r, lora in list(zip(requests, loras))[:count]:
         out = done[r.request_id].outputs[0]
         answer = tokenizer.decode(out.token_ids, skip_special_tokens=True).strip()
         system = "long shared system prompt" if r.messages[0]["role"] == "system" else "default system prompt"
-        print(f"\n[{r.request_id}, {system}, {len(r.prompt_token_ids)} prompt tokens, {out.finish_reason}]")
+        through = f", adapter {lora.name}" if lora is not None else ""
+        print(f"\n[{r.request_id}, {system}{through}, {len(r.prompt_token_ids)} prompt tokens, {out.finish_reason}]")
         print(f"Q: {r.messages[-1]['content']}\nA: {answer}")
 
 
@@ -232,9 +266,16 @@ def main(argv: list[str] | None = None) -> None:
     pool = engine.runner.gpu_cache
     print(f"SmolLM2-135M-Instruct on {engine.device} (loaded in {time.perf_counter() - start:.1f} s); KV pool "
           f"{pool.num_blocks} blocks x {pool.block_size} tokens = {pool.nbytes / 2**20:.0f} MiB")  # fmt: skip
+    for adapter in args.lora_requests:  # a bad one stops the job before the workload, naming it
+        try:
+            engine.load_lora(adapter)
+        except PagedKVError as e:
+            engine.shutdown()
+            raise SystemExit(f"--lora-modules {adapter.name}={adapter.path}: {e}") from e
     requests = chat_workload(tokenizer, args.num_requests, args.max_tokens, seed=args.seed)
-    done = serve(engine, requests, args.arrivals_per_step)
-    print_answers(tokenizer, requests, done, args.show)
+    loras = workload_loras(len(requests), args.lora_requests)
+    done = serve(engine, requests, args.arrivals_per_step, loras)
+    print_answers(tokenizer, requests, done, args.show, loras)
     print("\n" + engine.metrics_summary().format())
     tiers = tier_summary(engine)
     if tiers is not None:

@@ -147,3 +147,42 @@ def test_a_bad_speculative_config_is_a_usage_error_naming_the_flag_and_field(mak
         make_args(["--speculative-config", flag])
     err = capsys.readouterr().err
     assert info.value.code == 2 and f"--speculative-config: {field}=" in err
+
+
+def test_main_job_lora_modules_need_enable_lora_and_distinct_names(capsys):
+    """--lora-modules without --enable-lora, a bad entry or a repeated name is a usage error naming the flag."""
+    for argv, words in ((["--lora-modules", "a=/p"], "--enable-lora"),
+                        (["--enable-lora", "--lora-modules", "nopath"], "lora_modules"),
+                        (["--enable-lora", "--lora-modules", "a=/p", "a=/q"], "distinct")):  # fmt: skip
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        err = capsys.readouterr().err
+        assert "lora-modules" in err.replace("_", "-") and words in err
+    from scheduler import LoRARequest
+
+    args = parse_args(["--enable-lora", "--lora-modules", "a=/p", '{"name": "b", "path": "/q"}'])
+    assert args.lora_requests == [LoRARequest(name="a", path="/p"), LoRARequest(name="b", path="/q")]
+    assert parse_args([]).lora_requests == []
+
+
+def test_main_job_deals_the_workload_round_robin_over_the_base_model_and_the_adapters(tiny_hf, tmp_path):
+    """workload_loras: base, a, b, base, ...; serve runs each request through its adapter, all to the end."""
+    from lora_helpers import write_adapter
+    from sched_helpers import make_engine
+
+    from scheduler import LoRAConfig, LoRARequest
+    from scheduler.entrypoints.main_job import serve, workload_loras
+    from scheduler.entrypoints.workload import ChatRequest
+
+    a, b = (LoRARequest(name=n, path=write_adapter(tmp_path / n, tiny_hf, seed=i)) for i, n in enumerate("ab"))
+    loras = workload_loras(5, [a, b])
+    assert loras == [None, a, b, None, a] and workload_loras(2, []) == [None, None]
+    engine = make_engine(tiny_hf, lora=LoRAConfig(max_loras=1, max_lora_rank=8))
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    requests = [ChatRequest(f"r{i}", [], [1 + i, 2, 3], params) for i in range(5)]
+    seen, add = {}, engine.add_request
+    engine.add_request = lambda rid, *a, **kw: seen.setdefault(rid, add(rid, *a, **kw).lora)
+    done = serve(engine, requests, 2, loras)
+    assert sorted(done) == [r.request_id for r in requests]
+    ran = [seen[r.request_id] for r in requests]
+    assert [(k.name, k.path) if k else None for k in ran] == [(x.name, x.path) if x else None for x in loras]
