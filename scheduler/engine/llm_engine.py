@@ -276,12 +276,19 @@ class LLMEngine:
         self.runner.loras.keep(*staged)
         return staged[0]
 
-    def stage_loras(self, requests: Seq[LoRARequest | None]) -> list[tuple[LoRAKey | None, ReadLoRA | None]]:
-        """Each request's adapter staged, nothing loaded: its key (for :meth:`check_request`) and its weights read
-        (for :meth:`add_request`), each adapter read once; (None, None) for the base model. Typed errors."""
-        staged = {r: self._stage_lora(r) for r in dict.fromkeys(requests)}
+    def stage_loras(self, lora_request: Seq[LoRARequest | None]) -> list[tuple[LoRAKey | None, ReadLoRA | None]]:
+        """Each request's adapter (one per request, None: the base model) staged, nothing loaded: its key (for
+        :meth:`check_request`) and its weights read (for :meth:`add_request`), each adapter read once; (None, None)
+        for the base model. Typed errors."""
+        if isinstance(lora_request, (str, bytes)) or not isinstance(lora_request, Seq):
+            raise InvalidArgumentError(describe("lora_request", type(lora_request).__name__,
+                                                "a list of LoRARequest or None, one per request"))
+        bad = next((r for r in lora_request if r is not None and not isinstance(r, LoRARequest)), None)
+        if bad is not None:
+            raise InvalidArgumentError(describe("lora_request", bad, "a LoRARequest or None"))
+        staged = {r: self._stage_lora(r) for r in dict.fromkeys(lora_request)}
         return [(None, None) if r is None else (staged[r][0], ReadLoRA(request=r, adapter=staged[r][1]))
-                for r in requests]  # fmt: skip
+                for r in lora_request]  # fmt: skip
 
     def _stage_lora(self, lora_request: LoRARequest | ReadLoRA | None) -> tuple[LoRAKey, LoRAAdapter] | None:
         """A request's adapter key and weights, nothing loaded yet (:meth:`LoRAManager.stage`); None: the base model."""

@@ -308,6 +308,10 @@ def _rows() -> list[Entry]:
             "lora": Arg("obj", None, bad=LORA_KEY)}, engine),
         Entry("scheduler.LLMEngine.load_lora", "load_lora", {
             "lora_request": Arg("obj", None, bad=LORA_REQUEST)}, engine),
+        Entry("scheduler.LLMEngine.stage_loras", "stage_loras", {
+            "lora_request": Arg("obj", [None], bad={WRONG_TYPE: ["x", 3, None, [3], [[1]], [None, "x"]],
+                                                    BAD_ID: [[scheduler.LoRARequest(name="a", path="/no/such")]]})},
+              engine),  # fmt: skip
         Entry("scheduler.LLMEngine.new_request_id", "new_request_id", {
             "prefix": Arg("obj", "mine", bad={WRONG_TYPE: [None, 3, "", ["x"]]})}, engine),
         Entry("scheduler.LLMEngine.request_output", "request_output", {
