@@ -11,10 +11,11 @@ The same layers run the checkpoints that are a Llama with one attention change: 
 (no sliding window in use), Qwen2/Qwen2.5 (q/k/v biases, always on) and dense Qwen3 (a
 per-head RMSNorm on q and on k before RoPE, ``ModelConfig.qk_norm``); and their mixture-of-experts
 kin, Mixtral, Qwen2-MoE and Qwen3-MoE, whose ``ModelConfig.sparse_layers`` run the sparse block of
-:mod:`scheduler.model.moe` instead of the MLP. :meth:`ModelConfig.from_hf` refuses anything else by
-the config field that would make it compute differently: another ``model_type`` (Gemma...),
-activation, MLP biases, Qwen3-MoE's ``attention_bias`` (it biases o_proj too), or a sliding window some
-layer attends through (vLLM runs Qwen's per-layer windows; this model has no windowed attention).
+:mod:`scheduler.model.moe` instead of the MLP. Llama, Qwen3 and Qwen3-MoE with ``attention_bias`` bias
+o_proj as well as q/k/v (``ModelConfig.o_bias``), as transformers does. :meth:`ModelConfig.from_hf`
+refuses anything else by the config field that would make it compute differently: another
+``model_type`` (Gemma...), activation, MLP biases, or a sliding window some layer attends through
+(vLLM runs Qwen's per-layer windows; this model has no windowed attention).
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ class ModelConfig:
     rope_scaling: Mapping[str, object] | None = field(default=None, hash=False)
     max_position_embeddings: int = 2048  # the context the engine serves (from_hf: yarn's original * factor)
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False  # biases on q, k and v
+    o_bias: bool = False  # a bias on the output projection (Llama, Qwen3, Qwen3-MoE with attention_bias)
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on every q and k head, after the projection, before RoPE
     # mixture of experts (scheduler.model.moe): the layers in sparse_layers run the MoE block, the others the MLP
     num_experts: int = 0
@@ -79,6 +81,7 @@ class ModelConfig:
         check_real("rope_theta", self.rope_theta, low=0.0, open_low=True)
         check_bool("tie_word_embeddings", self.tie_word_embeddings)
         check_bool("attention_bias", self.attention_bias)
+        check_bool("o_bias", self.o_bias)
         check_bool("qk_norm", self.qk_norm)
         check_moe_fields(self)
         if self.rope_scaling is not None:
@@ -104,7 +107,8 @@ class ModelConfig:
             rms_norm_eps=c.rms_norm_eps, rope_theta=float(theta), rope_scaling=rope or None,
             max_position_embeddings=context,
             tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
-            attention_bias=_qkv_bias(c, model_type), qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            attention_bias=_qkv_bias(c, model_type), o_bias=_o_bias(c, model_type),
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             **moe_fields(c, model_type),
         )  # fmt: skip
 
@@ -120,6 +124,16 @@ def _qkv_bias(c: object, model_type: str) -> bool:
     if model_type == "qwen2":
         return True
     return bool(getattr(c, "qkv_bias" if model_type == "qwen2_moe" else "attention_bias", False))
+
+
+# model types whose o_proj has a bias when attention_bias is set (transformers); Qwen2, Qwen2-MoE, Mistral
+# and Mixtral never bias it
+O_BIAS_TYPES = ("llama", "qwen3", "qwen3_moe")
+
+
+def _o_bias(c: object, model_type: str) -> bool:
+    """Whether o_proj has a bias: ``attention_bias`` of the ``O_BIAS_TYPES``."""
+    return model_type in O_BIAS_TYPES and bool(getattr(c, "attention_bias", False))
 
 
 def _hf_rope(c: object) -> dict:
@@ -150,8 +164,6 @@ def _check_llama_family(c: object, context: int) -> str:
         raise InvalidArgumentError(describe("hf_config.hidden_act", act, '"silu" (a Llama MLP)'))
     if getattr(c, "mlp_bias", False):
         raise InvalidArgumentError(describe("hf_config.mlp_bias", True, "False (MLP biases are not supported)"))
-    if model_type == "qwen3_moe" and getattr(c, "attention_bias", False):  # transformers biases o_proj too
-        raise InvalidArgumentError(describe("hf_config.attention_bias", True, "False (no o_proj bias is computed)"))
     window = _window_in_use(c)
     if window is not None and window < context:
         expected = (f"None or at least the model context {context} (max_position_embeddings; under yarn "
@@ -210,7 +222,7 @@ class Attention(nn.Module):
         q_size, kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         self.qk_size = q_size + kv_size  # q and k lead the fused projection's columns, v follows
         self.qkv = ColumnParallelLinear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
-        self.o = RowParallelLinear(q_size, cfg.hidden_size, shard=shard)
+        self.o = RowParallelLinear(q_size, cfg.hidden_size, shard=shard, bias=cfg.o_bias)  # bias whole on every rank
         self.scale = cfg.head_dim**-0.5
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:  # weights over head_dim: every rank holds the whole of both (replicated)

@@ -2,7 +2,7 @@
 
 * :class:`ColumnParallelLinear`: this rank's rows of the weight (output features); no collective.
 * :class:`RowParallelLinear`: this rank's columns (input features); the partial outputs are
-  summed with one all-reduce.
+  summed with one all-reduce, and its bias (whole on every rank) is added once, after the sum.
 * :class:`VocabParallelEmbedding`: this rank's part of the vocabulary; ids outside it embed
   to zero and one all-reduce sums the parts.
 * :class:`ParallelLMHead`: this rank's vocabulary rows; the logits are gathered so every
@@ -33,7 +33,7 @@ class ColumnParallelLinear(nn.Linear):
 
 
 class RowParallelLinear(nn.Linear):
-    """``nn.Linear`` over this rank's input features; the outputs of every rank are summed."""
+    """``nn.Linear`` over this rank's input features; the outputs of every rank are summed, then the bias added."""
 
     def __init__(self, in_features: int, out_features: int, *, shard: TPShard, bias: bool = False) -> None:
         super().__init__(in_features, out_features, bias=bias)
@@ -41,11 +41,13 @@ class RowParallelLinear(nn.Linear):
         self.lora = None  # a LoRAProjection once LoRA is attached: its partial update joins the same all-reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, in / size] -> [T, out], summed over the ranks."""
-        out = super().forward(x)
+        """x: [T, in / size] -> [T, out], summed over the ranks, plus the bias."""
+        out = F.linear(x, self.weight)  # this rank's partial sum: no bias, which every rank holds whole
         if self.lora is not None:
-            out = self.lora.add(x, out)
-        return out if self.tp_size == 1 else all_reduce(out)
+            out = self.lora.add(x, out)  # a partial update too: it joins the same all-reduce
+        if self.tp_size > 1:
+            out = all_reduce(out)
+        return out if self.bias is None else out + self.bias  # once, after the sum
 
 
 class VocabParallelEmbedding(nn.Embedding):

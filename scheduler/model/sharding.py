@@ -2,7 +2,8 @@
 
 Fused weights are split part by part: ``qkv`` (its weight and, for Qwen2, its bias) keeps this
 rank's query heads, then its KV heads of K, then of V; ``gate_up`` keeps this rank's gate rows,
-then its up rows. Row-parallel weights (``o``, ``down``) keep their input columns. A sparse MoE
+then its up rows. Row-parallel weights (``o``, ``down``) keep their input columns; ``o``'s bias
+(Llama, Qwen3 and Qwen3-MoE with ``attention_bias``) is replicated, since the layer adds it after the sum. A sparse MoE
 layer's experts are split the same way, each expert along its own intermediate dimension
 (``experts.gate_up`` [E, 2I, H] on dim 1, ``experts.down`` [E, H, I] on dim 2), and so is the
 shared expert (``shared_expert_intermediate_size``); the router and the shared-expert gate are
@@ -48,7 +49,7 @@ def shard_state_dict(cfg: ModelConfig, state: Mapping[str, torch.Tensor], shard:
             out[key] = t[:, i0:i1].clone()
         elif key in ("embed.weight", "lm_head.weight"):
             out[key] = _vocab_rows(t, shard)
-        else:  # norms (input, post-attention, final, q/k): replicated
+        else:  # norms (input, post-attention, final, q/k) and o's bias (added once, after the all-reduce): replicated
             out[key] = t.clone()
     return out
 

@@ -2,10 +2,11 @@
 
 The checkpoint's separate q/k/v and gate/up projections are concatenated into
 the fused ``qkv`` and ``gate_up`` weights (one matmul each per layer). Llama, Mistral,
-Qwen2 and Qwen3 share these key names; Qwen2 adds the q/k/v biases (fused the same way)
-and Qwen3 the per-head ``self_attn.q_norm`` / ``self_attn.k_norm`` weights. The sparse layers
-of Mixtral, Qwen2-MoE and Qwen3-MoE load from transformers v5's fused expert tensors or from a
-checkpoint folder's per-expert ones (:func:`_sparse_mlp`).
+Qwen2 and Qwen3 share these key names; Qwen2 adds the q/k/v biases (fused the same way), a
+Llama, Qwen3 or Qwen3-MoE with ``attention_bias`` those and ``o_proj.bias``, and Qwen3 the
+per-head ``self_attn.q_norm`` / ``self_attn.k_norm`` weights. The sparse layers of Mixtral,
+Qwen2-MoE and Qwen3-MoE load from transformers v5's fused expert tensors or from a checkpoint
+folder's per-expert ones (:func:`_sparse_mlp`).
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ def convert_state_dict(cfg: ModelConfig, state: Mapping[str, torch.Tensor]) -> d
         if cfg.attention_bias:
             out[dst + "attn.qkv.bias"] = torch.cat([get(attn + f"{p}_proj.bias") for p in "qkv"])
         out[dst + "attn.o.weight"] = get(attn + "o_proj.weight")
+        if cfg.o_bias:
+            out[dst + "attn.o.bias"] = get(attn + "o_proj.bias")
         if cfg.qk_norm:
             out[dst + "attn.q_norm.weight"] = get(attn + "q_norm.weight")
             out[dst + "attn.k_norm.weight"] = get(attn + "k_norm.weight")

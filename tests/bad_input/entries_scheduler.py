@@ -238,6 +238,7 @@ def _rows() -> list[Entry]:
             "rope_scaling": Arg("obj", None, bad={WRONG_TYPE: ["linear", 3, ["linear"]]}),
             "max_position_embeddings": Arg("int", 128, bad={OUT_OF_RANGE: [0]}),
             "tie_word_embeddings": Arg("bool", False), "attention_bias": Arg("bool", False),
+            "o_bias": Arg("bool", False),
             "qk_norm": Arg("bool", False), "num_experts": Arg("int", 0, bad=NOT_NEGATIVE),
             "num_experts_per_tok": Arg("int", 0, bad={OUT_OF_RANGE: [-1, 1]}),  # 1: more than the 0 experts
             "moe_intermediate_size": Arg("int", 0, bad=NOT_NEGATIVE), "norm_topk_prob": Arg("bool", False),

@@ -32,11 +32,23 @@ TINY_LLAMA = dict(
 
 
 def tiny_llama(seed: int = 0, **overrides):
-    """A seeded random float32 LlamaForCausalLM of ``TINY_LLAMA``'s shape, with ``overrides`` of its config fields."""
+    """A seeded random float32 LlamaForCausalLM of ``TINY_LLAMA``'s shape, with ``overrides`` of its config fields.
+
+    With ``attention_bias=True`` the q/k/v/o biases (transformers starts them at 0) are drawn too.
+    """
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(**(TINY_LLAMA | overrides))).eval()
+    return draw(LlamaForCausalLM(LlamaConfig(**(TINY_LLAMA | overrides))).eval(), ("_proj.bias",))
+
+
+def draw(model, suffixes: tuple[str, ...]):
+    """``model`` with a seeded random term (std 0.5) added to every parameter whose name ends with a suffix."""
+    with torch.no_grad():
+        for key, p in model.named_parameters():
+            if key.endswith(suffixes):
+                p.add_(torch.randn_like(p) * 0.5)
+    return model
 
 
 def tiny_qwen(kind: str, seed: int = 0, **overrides):
@@ -51,11 +63,7 @@ def tiny_qwen(kind: str, seed: int = 0, **overrides):
     config_cls, model_cls = getattr(transformers, f"{name}Config"), getattr(transformers, f"{name}ForCausalLM")
     torch.manual_seed(seed)
     model = model_cls(config_cls(**(TINY_LLAMA | overrides))).eval()
-    with torch.no_grad():
-        for key, p in model.named_parameters():
-            if key.endswith(("_proj.bias", "q_norm.weight", "k_norm.weight")):
-                p.add_(torch.randn_like(p) * 0.5)
-    return model
+    return draw(model, ("_proj.bias", "q_norm.weight", "k_norm.weight"))
 
 
 # tiny MoE shapes on TINY_LLAMA: kind -> (transformers class prefix, config fields)
@@ -84,11 +92,7 @@ def tiny_moe(kind: str, seed: int = 0, **overrides):
     config_cls, model_cls = getattr(transformers, f"{name}Config"), getattr(transformers, f"{name}ForCausalLM")
     torch.manual_seed(seed)
     model = model_cls(config_cls(**(TINY_LLAMA | fields | overrides))).eval()
-    with torch.no_grad():
-        for key, p in model.named_parameters():
-            if key.endswith(("_proj.bias", "q_norm.weight", "k_norm.weight", "gate.weight")):
-                p.add_(torch.randn_like(p) * 0.5)
-    return model
+    return draw(model, ("_proj.bias", "q_norm.weight", "k_norm.weight", "gate.weight"))
 
 
 def greedy_reference(hf_model, prompts: list[list[int]], num_new: int = NUM_NEW) -> list[list[int]]:

@@ -49,3 +49,24 @@ def test_qkv_biases_are_sliced_like_their_rows_and_q_k_norms_replicated():
         for norm in ("q_norm", "k_norm"):  # over head_dim, the same for every head: each rank holds it whole
             assert torch.equal(part[f"layers.0.attn.{norm}.weight"], full[f"layers.0.attn.{norm}.weight"])
         LlamaModel(cfg, TPShard(r, 2)).load_state_dict(part, strict=True)
+
+
+
+def test_the_o_bias_is_replicated_and_added_once_after_the_all_reduce(monkeypatch):
+    from scheduler.model import parallel_layers
+
+    cfg = dataclasses.replace(CFG, attention_bias=True, o_bias=True)  # Llama / Qwen3 with attention_bias
+    torch.manual_seed(0)
+    full = {k: torch.randn_like(v) for k, v in LlamaModel(cfg).state_dict().items()}
+    parts = [shard_state_dict(cfg, full, TPShard(r, 2)) for r in range(2)]
+    o = "layers.0.attn.o."
+    assert all(torch.equal(p[o + "bias"], full[o + "bias"]) for p in parts)
+    ranks = [LlamaModel(cfg, TPShard(r, 2)) for r in range(2)]
+    for model, part in zip(ranks, parts):
+        model.load_state_dict(part, strict=True)
+    x = torch.randn(3, 16)  # the attention output [T, Hq * D]: rank r holds columns 8r..8r+8
+    sent = []  # what each rank hands the all-reduce; one process plays both ranks, rank 1 first
+    monkeypatch.setattr(parallel_layers, "all_reduce", lambda t: sent.append(t) or sum(sent))
+    ranks[1].layers[0].attn.o(x[:, 8:])
+    out = ranks[0].layers[0].attn.o(x[:, :8])  # rank 0 sees both partial sums
+    torch.testing.assert_close(out, x @ full[o + "weight"].T + full[o + "bias"])
