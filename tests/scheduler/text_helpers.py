@@ -90,6 +90,8 @@ def save_tiny_qwen_gguf(path: Path, kind: str, **overrides):
     w.add_embedding_length(c.hidden_size), w.add_feed_forward_length(c.intermediate_size)
     w.add_head_count(c.num_attention_heads), w.add_head_count_kv(c.num_key_value_heads)
     w.add_rope_freq_base(10000.0), w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    w.add_key_length(head_dim), w.add_value_length(head_dim)  # llama.cpp's keys; transformers reads no qwen3 one
     model = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
     tokens = sorted(tokenizer.get_vocab(), key=tokenizer.get_vocab().get)
     w.add_tokenizer_model("gpt2"), w.add_tokenizer_pre("qwen2"), w.add_token_list(tokens)

@@ -176,13 +176,14 @@ def test_load_model_rejects_paths_that_are_not_a_model(tmp_path, name):
 
 def test_a_gguf_file_loads_through_transformers_gguf_support(tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(loader, "_from_pretrained", lambda folder, **kw: calls.append((folder, kw)) or ("m", "t"))
+    fake = lambda folder, overrides=None, **kw: calls.append((folder, overrides, kw)) or ("m", "t")  # noqa: E731
+    monkeypatch.setattr(loader, "_from_pretrained", fake)
     import gguf
 
     writer = gguf.GGUFWriter(str(tmp_path / "tiny.Q4.gguf"), "llama")  # a header only: the loader reads its keys
     writer.add_block_count(2), writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.close()
     loaded = load_model(tmp_path / "tiny.Q4.gguf")
-    assert calls == [(str(tmp_path), {"gguf_file": "tiny.Q4.gguf"})] and loaded.name == "tiny.Q4"
+    assert calls == [(str(tmp_path), {}, {"gguf_file": "tiny.Q4.gguf"})] and loaded.name == "tiny.Q4"
     (tmp_path / "bad.gguf").write_bytes(b"GGUF")  # truncated: refused before transformers reads it
     with pytest.raises(InvalidArgumentError, match="a readable GGUF file"):
         load_model(tmp_path / "bad.gguf")

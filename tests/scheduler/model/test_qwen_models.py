@@ -76,20 +76,55 @@ def test_a_saved_checkpoint_folder_loads_and_chats_through_llm(tmp_path):
     assert out.outputs[0].token_ids == greedy_reference(loaded.hf_model, [ids])[0]
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
-def test_a_gguf_file_loads_through_transformers_gguf_reader(tmp_path, prompts, kind):
-    # transformers reads no head_dim from a qwen3 GGUF (Qwen3Config's default, 128, is every Qwen3's)
+@pytest.mark.parametrize(("kind", "overrides"), [
+    ("qwen2", {}),
+    ("qwen3", {"head_dim": 32}),  # transformers' reader alone would take Qwen3Config's 128; the loader reads key_length
+    ("qwen3", {"head_dim": 32, "attention_bias": True}),  # q/k/v/o biases (transformers' reader alone drops them)
+], ids=["qwen2", "qwen3", "qwen3_bias"])  # fmt: skip
+def test_a_gguf_file_loads_through_transformers_gguf_reader(tmp_path, prompts, kind, overrides):
     from text_helpers import save_tiny_qwen_gguf, tiny_tokenizer
 
     from scheduler.model.loader import load_model
 
-    hf = save_tiny_qwen_gguf(tmp_path / f"tiny-{kind}.gguf", kind, **({"head_dim": 128} if kind == "qwen3" else {}))
+    hf = save_tiny_qwen_gguf(tmp_path / f"tiny-{kind}.gguf", kind, **overrides)
     loaded = load_model(tmp_path / f"tiny-{kind}.gguf")
     assert type(loaded.hf_model).__name__ == type(hf).__name__ and loaded.name == f"tiny-{kind}"
+    cfg = ModelConfig.from_hf(loaded.hf_model.config)
+    assert (cfg.head_dim, cfg.o_bias) == (overrides.get("head_dim", 16), "attention_bias" in overrides)
     text = "hello world, the quick brown fox"
     assert loaded.tokenizer.encode(text, add_special_tokens=False) == tiny_tokenizer().encode(text)
-    outs = make_engine(loaded.hf_model).generate(prompts[:3], GREEDY, use_tqdm=False)
+    # min_tokens: transformers' min_new_tokens in greedy_reference masks the file's EOS id the same way
+    params = SamplingParams(max_tokens=NUM_NEW, min_tokens=NUM_NEW, ignore_eos=True)
+    outs = make_engine(loaded.hf_model).generate(prompts[:3], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == greedy_reference(hf, prompts[:3])
+
+
+def _gguf_header(path, arch: str, keys: dict[str, int], tensors: tuple[str, ...] = ()):
+    """Write a GGUF file at ``path``: ``arch``, the integer ``keys`` (names after ``<arch>.``), 1-d ``tensors``."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in keys.items():
+        writer.add_uint32(f"{arch}.{key}", value)
+    for name in tensors:
+        writer.add_tensor(name, np.zeros(4, dtype=np.float32))
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    return path
+
+
+@pytest.mark.parametrize(("arch", "keys", "tensors", "match"), [
+    ("qwen3", {"attention.key_length": 32, "attention.value_length": 16}, (), r"qwen3\.attention\.value_length\)=16"),
+    ("llama", {"attention.key_length": 32, "rope.dimension_count": 16}, (), r"llama\.rope\.dimension_count\)=16"),
+    ("llama", {}, ("blk.0.attn_output.bias",), r"llama tensors\)='blk\.0\.attn_output\.bias"),
+    ("qwen3", {}, ("blk.0.attn_q.bias", "blk.0.attn_output.bias"), r"qwen3 tensors\)='blk\.0\.attn_q\.bias"),
+])  # fmt: skip
+def test_a_gguf_file_transformers_would_read_into_other_math_is_refused_naming_the_key(tmp_path, arch, keys,
+                                                                                      tensors, match):
+    from scheduler.model.loader import load_model
+
+    with pytest.raises(InvalidArgumentError, match=match):
+        load_model(_gguf_header(tmp_path / "tiny.gguf", arch, keys, tensors))
 
 
 def test_a_state_dict_without_the_q_norm_weights_is_refused_naming_the_key():
