@@ -14,8 +14,9 @@ kin, Mixtral, Qwen2-MoE and Qwen3-MoE, whose ``ModelConfig.sparse_layers`` run t
 :mod:`scheduler.model.moe` instead of the MLP. Llama, Qwen3 and Qwen3-MoE with ``attention_bias`` bias
 o_proj as well as q/k/v (``ModelConfig.o_bias``), as transformers does. :meth:`ModelConfig.from_hf`
 refuses anything else by the config field that would make it compute differently: another
-``model_type`` (Gemma...), activation, MLP biases, or a sliding window some layer attends through
-(vLLM runs Qwen's per-layer windows; this model has no windowed attention).
+``model_type`` (Gemma...), activation, MLP biases, a ``partial_rotary_factor`` below 1 (transformers'
+Llama and Qwen3 ignore it or fail; vLLM rotates that part of each head), or a sliding window some
+layer attends through (vLLM runs Qwen's per-layer windows; this model has no windowed attention).
 """
 
 from __future__ import annotations
@@ -164,6 +165,7 @@ def _check_llama_family(c: object, context: int) -> str:
         raise InvalidArgumentError(describe("hf_config.hidden_act", act, '"silu" (a Llama MLP)'))
     if getattr(c, "mlp_bias", False):
         raise InvalidArgumentError(describe("hf_config.mlp_bias", True, "False (MLP biases are not supported)"))
+    _check_full_rotary(c)
     window = _window_in_use(c)
     if window is not None and window < context:
         expected = (f"None or at least the model context {context} (max_position_embeddings; under yarn "
@@ -171,6 +173,21 @@ def _check_llama_family(c: object, context: int) -> str:
                     "(use_sliding_window, max_window_layers, layer_types): no sliding-window attention")
         raise InvalidArgumentError(describe("hf_config.sliding_window", window, expected))
     return model_type
+
+
+def _check_full_rotary(c: object) -> None:
+    """Refuse a ``partial_rotary_factor`` other than 1 (RoPE over part of each head), naming where it is set.
+
+    transformers' Llama and Qwen3 have no partial rotary: their default RoPE rotates the whole head
+    whatever the factor says, and the scaled types (linear, llama3, yarn...) build cos/sin over
+    ``head_dim * factor`` and fail on the first forward. vLLM rotates the first ``head_dim * factor``
+    dims; with no reference to equal, this model runs neither.
+    """
+    rope = getattr(c, "rope_scaling", None) or getattr(c, "rope_parameters", None) or {}
+    for name, factor in (("rope_parameters.partial_rotary_factor", rope.get("partial_rotary_factor")),
+                         ("partial_rotary_factor", getattr(c, "partial_rotary_factor", None))):  # fmt: skip
+        if factor is not None and factor != 1:
+            raise InvalidArgumentError(describe(f"hf_config.{name}", factor, "1 (RoPE over the whole head)"))
 
 
 def _window_in_use(c: object) -> int | None:

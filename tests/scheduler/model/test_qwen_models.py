@@ -178,3 +178,24 @@ def test_a_qk_norm_that_is_not_a_bool_is_refused_naming_it(value):
     with pytest.raises(InvalidArgumentError, match="qk_norm"):
         ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=2, num_kv_heads=1,
                     head_dim=4, qk_norm=value)  # fmt: skip
+
+
+@pytest.mark.parametrize("cls_name", ["LlamaConfig", "Qwen3Config", "Qwen3MoeConfig"])
+@pytest.mark.parametrize(("fields", "field"), [
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
+     "rope_parameters.partial_rotary_factor"),  # transformers rotates the whole head anyway
+    (dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}, partial_rotary_factor=0.25),
+     "rope_parameters.partial_rotary_factor"),  # the attribute moves into rope_parameters; transformers then fails
+])  # fmt: skip
+def test_a_partial_rotary_factor_is_refused_naming_it(cls_name, fields, field):
+    full = dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 1.0})
+    assert ModelConfig.from_hf(_config(cls_name, **full)).num_layers == 2  # a factor of 1 rotates the whole head
+    with pytest.raises(InvalidArgumentError, match=rf"hf_config\.{field}=0\.(5|25)"):
+        ModelConfig.from_hf(_config(cls_name, **fields))
+
+
+def test_a_v4_partial_rotary_factor_attribute_is_refused_naming_it():
+    cfg = _config("LlamaConfig")
+    cfg.partial_rotary_factor = 0.5  # a config object that keeps the attribute (transformers v4)
+    with pytest.raises(InvalidArgumentError, match=r"hf_config\.partial_rotary_factor=0\.5"):
+        ModelConfig.from_hf(cfg)
