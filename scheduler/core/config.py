@@ -18,6 +18,7 @@ from paged_kv.errors import InvalidArgumentError, check_bool, check_int, check_r
 from paged_kv.kv_cache import KERNEL_DTYPES
 from paged_kv.tensor_checks import check_device, check_dtype
 from scheduler.core.kv_events_config import KVEventsConfig
+from scheduler.core.pooling_params import PoolerConfig
 from scheduler.core.speculative_config import SpeculativeConfig
 
 PreemptionMode = Literal["recompute", "swap"]
@@ -168,6 +169,8 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None
     # vLLM's --enable-lora and its options: requests may name PEFT LoRA adapters; None: off (no adapter served)
     lora_config: LoRAConfig | None = None
+    # how embedding requests (LLMEngine.add_pooling_request) are pooled (vLLM's --pooler-config)
+    pooler_config: PoolerConfig = PoolerConfig()
 
     def __post_init__(self) -> None:
         if not isinstance(self.enforce_eager, bool):
@@ -184,6 +187,8 @@ class EngineConfig:
             raise InvalidArgumentError(describe("speculative_config", self.speculative_config,
                                                 "a SpeculativeConfig or None"))
         self._check_lora()
+        if not isinstance(self.pooler_config, PoolerConfig):
+            raise InvalidArgumentError(describe("pooler_config", self.pooler_config, "a PoolerConfig"))
         if self.tensor_parallel_size > 1 and self.cache.kv_offloading_bytes:
             raise InvalidArgumentError(describe("cache.kv_offloading_bytes", self.cache.kv_offloading_bytes,
                                                 "0 with tensor_parallel_size > 1 (tiers run on one rank)"))

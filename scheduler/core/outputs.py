@@ -57,6 +57,43 @@ class RequestOutput:
         )  # fmt: skip
 
 
+@dataclass(frozen=True, kw_only=True)
+class EmbeddingOutput:
+    """The pooled vector of an embedding request (vLLM's ``EmbeddingOutput``)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        """Its length (after any ``dimensions`` truncation)."""
+        return len(self.embedding)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EmbeddingRequestOutput:
+    """An embedding request's result (vLLM's ``EmbeddingRequestOutput``): its prompt and ``outputs.embedding``
+    (an empty vector until it finished, or when it failed or was aborted)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool
+    arrival_time: float
+    finish_time: float | None
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at admission
+    error: str | None = None  # why it failed alone, else None
+
+    @classmethod
+    def from_group(cls, group: SequenceGroup, *, error: str | None = None) -> EmbeddingRequestOutput:
+        """Snapshot an embedding request's group."""
+        return cls(
+            request_id=group.request_id, prompt_token_ids=group.prompt_token_ids,
+            outputs=EmbeddingOutput(embedding=list(group.embedding or [])), finished=group.is_finished(),
+            arrival_time=group.arrival_time, finish_time=group.finish_time, num_cached_tokens=group.num_cached_tokens,
+            error=error,
+        )  # fmt: skip
+
+
 def _samples(group: SequenceGroup) -> list[CompletionOutput]:
     """One output per sample of a group, in index order; a sample not forked yet has no token."""
     outputs = [

@@ -86,6 +86,7 @@ from paged_kv.errors import DuplicateSequenceError, OutOfBlocksError, UnknownSeq
 from scheduler.core.config import SchedulerConfig
 from scheduler.core.lora_request import LoRAKey
 from scheduler.core.params import SamplingParams
+from scheduler.core.pooling_params import PoolingParams
 from scheduler.core.scheduler_output import SampledToken, ScheduledSeq, SchedulerOutput
 from scheduler.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -148,9 +149,12 @@ class Scheduler:
     # -- requests ---------------------------------------------------------
     def add_request(
         self, request_id: str, prompt: list[int], params: SamplingParams, *, fork_samples: bool = True,
-        priority: int = 0, lora: LoRAKey | None = None,
+        priority: int = 0, lora: LoRAKey | None = None, pooling: PoolingParams | None = None, pool_all: bool = False,
     ) -> SequenceGroup:
         """Queue a request: one sequence, and ``params.n`` sequence slots reserved for it.
+
+        ``pooling``: an embedding request (``params.n`` must be 1), ending once its prompt is computed;
+        ``pool_all``: it pools every prompt token, so it reads no prefix cache.
 
         With ``fork_samples`` the other ``n - 1`` samples are forked from the first when it first
         samples; without, the caller forks its own sequences (a beam search of width ``n``).
@@ -162,7 +166,7 @@ class Scheduler:
             raise DuplicateSequenceError(describe("request_id", request_id, "an id not already in use"))
         unforked = list(range(1, params.n)) if fork_samples else []
         group = SequenceGroup(request_id, [], params, max_seqs=params.n, unforked=unforked, priority=priority,
-                              lora=lora)  # fmt: skip
+                              lora=lora, pooling=pooling, pool_all=pool_all)  # fmt: skip
         seq = Sequence(next(self._ids), 0, prompt, self._new_hashes(group.cache_salt))
         group.seqs.append(seq)
         if params.structured_outputs is not None:  # a grammar that starts after a marker waits for it
@@ -301,7 +305,15 @@ class Scheduler:
                     failed[t.group] = e
         if out.num_draft_tokens:
             self._keep_accepted(out)
+        self._finish_pooled(out, now)
         return self._retire_finished()
+
+    def _finish_pooled(self, out: SchedulerOutput, now: float) -> None:
+        """End the embedding requests whose last prompt token the step computed (their blocks freed, full ones
+        cached); they sample nothing."""
+        for s in out.scheduled:
+            if s.group.pooling is not None and s.reaches_end and not s.seq.is_finished:
+                self.finish(s.seq, "stop", now)
 
     def _record_verified(self, t: SampledToken, now: float) -> None:
         """:meth:`_record` in a step that verified drafts: a sequence gets several tokens, and those after the one

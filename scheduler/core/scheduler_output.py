@@ -25,9 +25,25 @@ class ScheduledSeq:
     drafts: tuple[int, ...] = ()
 
     @property
-    def samples(self) -> bool:
-        """Whether the step reaches the sequence's last token, so its logits are sampled."""
+    def reaches_end(self) -> bool:
+        """Whether the step reaches the sequence's last token."""
         return self.start + self.num_tokens == self.seq.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Whether the step reaches the sequence's last token and its logits are sampled (an embedding request's
+        never are)."""
+        return self.reaches_end and self.group.pooling is None
+
+    @property
+    def pool_offsets(self) -> range:
+        """Offsets among the step's new tokens whose final hidden states are pooled: every one when the request
+        pools every token, else the last one in the step that reaches the prompt's end; none for generation."""
+        if self.group.pooling is None:
+            return range(0)
+        if self.group.pool_all:
+            return range(self.num_tokens)
+        return range(self.num_tokens - 1, self.num_tokens) if self.reaches_end else range(0)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -98,6 +114,11 @@ class SchedulerOutput:
     def prompt_rows(self) -> list[tuple[SequenceGroup, Sequence, int]]:
         """(group, sequence, position) of every prompt-logprob row, in the order they follow the sampled rows."""
         return [(s.group, s.seq, pos) for s in self.scheduled for pos in s.prompt_positions]
+
+    @property
+    def pooled(self) -> list[ScheduledSeq]:
+        """The scheduled embedding requests with rows to pool, in schedule order (their pooled rows' order)."""
+        return [s for s in self.scheduled if s.pool_offsets]
 
     @property
     def num_prompt_tokens(self) -> int:

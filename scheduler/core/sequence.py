@@ -22,6 +22,7 @@ from paged_kv.block_hash import BlockHashes
 from paged_kv.errors import SequenceStateError, describe
 from scheduler.core.lora_request import LoRAKey
 from scheduler.core.params import SamplingParams
+from scheduler.core.pooling_params import PoolingParams
 
 
 class SequenceStatus(enum.Enum):
@@ -222,6 +223,15 @@ class SequenceGroup:
     speculative: bool = False
     # the LoRA adapter every sequence of the request runs through (forks and restarts keep it); None: the base model
     lora: LoRAKey | None = None
+    # an embedding request (scheduler.core.pooling_params): its prompt runs as a prefill, never samples, and ends
+    # with the step that computes its last token; ``pool_all``: every prompt token is pooled (MEAN), so it reads no
+    # prefix cache (a cached token's hidden state is never computed)
+    pooling: PoolingParams | None = None
+    pool_all: bool = False
+    # the engine's pooling state on the device (MEAN: the sum so far of the computed prompt tokens' hidden states),
+    # then the pooled vector on the host once the last prompt token ran
+    pooled: torch.Tensor | None = None  # [hidden] float32
+    embedding: list[float] | None = None
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
@@ -250,7 +260,10 @@ class SequenceGroup:
 
     @property
     def reads_prefix_cache(self) -> bool:
-        """Whether admission may take prefix-cache hits: not while prompt log-probabilities are still owed."""
+        """Whether admission may take prefix-cache hits: not while prompt log-probabilities are still owed, nor
+        for an embedding request that pools every prompt token."""
+        if self.pool_all:
+            return False
         return self.prompt_logprobs is None or len(self.prompt_logprobs) >= self.seqs[0].prompt_len
 
     def unfinished(self) -> list[Sequence]:

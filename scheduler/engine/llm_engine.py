@@ -59,8 +59,9 @@ from paged_kv.errors import (
 )
 from scheduler.core.config import EngineConfig
 from scheduler.core.lora_request import LoRAKey, LoRARequest, lora_per_prompt
-from scheduler.core.outputs import RequestOutput
+from scheduler.core.outputs import EmbeddingRequestOutput, RequestOutput
 from scheduler.core.params import SamplingParams, per_prompt
+from scheduler.core.pooling_params import PoolingParams
 from scheduler.core.scheduler import Scheduler
 from scheduler.core.scheduler_output import SampledToken, SchedulerOutput
 from scheduler.core.sequence import SequenceGroup
@@ -82,7 +83,9 @@ from scheduler.engine.engine_setup import (
 from scheduler.engine.faults import Failure
 from scheduler.engine.metrics import EngineMetrics, MetricsSummary
 from scheduler.engine.pinned_prefixes import PinnedPrefixes
+from scheduler.engine.pooler import Pooler
 from scheduler.engine.request_checks import (
+    check_pooling_fits,
     check_prompt,
     check_request_fits,
     check_request_id,
@@ -101,6 +104,7 @@ if TYPE_CHECKING:
     from scheduler.engine.structured_outputs import StructuredOutputs
 
 logger = logging.getLogger(__name__)
+_POOLING = SamplingParams(max_tokens=1)  # an embedding request's scheduler parameters: one sequence, never sampled
 
 
 class LLMEngine:
@@ -134,6 +138,7 @@ class LLMEngine:
         self.sampling = StepSampling(Sampler(model.config.vocab_size, self.device, eos_ids), self.device)  # step 3
         self.metrics = EngineMetrics()
         self.beams = BeamRequests(self.scheduler, self.block_manager)  # the live beam searches
+        self.pooler = Pooler(config.pooler_config)  # embedding requests' vectors
         self._auto_ids = itertools.count()
 
     @property
@@ -219,6 +224,32 @@ class LLMEngine:
                                            lora=lora)  # fmt: skip
         self._keep_lora(staged, group)
         return self.beams.add(group, params, measure=measure)
+
+    def add_pooling_request(
+        self, request_id: str, prompt_token_ids: Seq[int], pooling_params: PoolingParams | None = None,
+        *, priority: int = 0,
+    ) -> SequenceGroup:  # fmt: skip
+        """Queue an embedding request; raises (engine unchanged) on a bad id, prompt or parameters.
+
+        Its prompt runs as a prefill (chunked, batched with the other requests' steps); no token is sampled and no
+        logits are computed for it. The step that computes its last prompt token returns it (an
+        :class:`EmbeddingRequestOutput`, its vector pooled as ``config.pooler_config`` says) and frees its blocks.
+        """
+        prompt, params = self.check_pooling_request(request_id, prompt_token_ids, pooling_params)
+        return self.scheduler.add_request(request_id, prompt, _POOLING, priority=priority, pooling=params,
+                                          pool_all=self.pooler.config.pools_every_token)  # fmt: skip
+
+    def check_pooling_request(
+        self, request_id: str, prompt_token_ids: Seq[int], pooling_params: PoolingParams | None
+    ) -> tuple[list[int], PoolingParams]:  # fmt: skip
+        """Validate an embedding request without queueing it; return the prompt and its resolved parameters."""
+        check_request_id(request_id, self.scheduler.requests)
+        params = self.pooler.config.resolve(pooling_params, self.model.config.hidden_size)
+        prompt = check_prompt(prompt_token_ids, self.model.config.vocab_size)
+        bm = self.block_manager
+        pinned = bm.num_pinned_blocks_apart(prompt, cache_salt=None) if bm.pinned else 0
+        check_pooling_fits(len(prompt), self.model.config, self.config.scheduler, bm.config, pinned_blocks=pinned)
+        return prompt, params
 
     def check_beam_search(
         self, request_id: str, prompt_token_ids: Seq[int], params: BeamSearchParams, *, lora: LoRAKey | None = None
@@ -352,8 +383,11 @@ class LLMEngine:
             self.scheduler.abort(group.request_id, reason="error")
         return self._output(group, error)
 
-    def _output(self, group: SequenceGroup, error: str | None = None) -> RequestOutput:
-        """A request's output: a beam search's hypotheses (forgotten once finished), else its samples."""
+    def _output(self, group: SequenceGroup, error: str | None = None) -> RequestOutput | EmbeddingRequestOutput:
+        """A request's output: a beam search's hypotheses (forgotten once finished), an embedding request's vector,
+        else its samples."""
+        if group.pooling is not None:
+            return EmbeddingRequestOutput.from_group(group, error=error)
         if group in self.beams:
             return self.beams.output(group, error)
         return RequestOutput.from_group(group, error=error)
@@ -397,6 +431,7 @@ class LLMEngine:
         try:
             out = self._schedule(select)
             logits = self.runner.run(out)  # [R + P + D, vocab]: sampled rows, prompt positions scored, draft rows
+            self.pooler.collect(out, self.runner.take_pooled())  # embedding requests: no logits, their rows pooled
             if select is None:
                 sampled = self._choose(out, logits, failures)
             else:

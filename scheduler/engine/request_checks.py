@@ -67,6 +67,23 @@ def check_within_context(prompt_len: int, max_tokens: int, model: ModelConfig) -
         raise InvalidArgumentError(describe("len(prompt_token_ids) + max_tokens", total, expected))
 
 
+def check_pooling_fits(prompt_len: int, model: ModelConfig, sched: SchedulerConfig, pool: BlockManagerConfig,
+                       *, pinned_blocks: int = 0) -> None:  # fmt: skip
+    """Reject an embedding request that could never finish: its prompt (every token computed, nothing generated)
+    longer than the model context, the step budget without chunked prefill, or the pool beside the pinned blocks."""
+    context = model.max_position_embeddings
+    if prompt_len > context:
+        raise InvalidArgumentError(describe("len(prompt_token_ids)", prompt_len, f"at most {context} (model context)"))
+    if not sched.enable_chunked_prefill and prompt_len > sched.max_num_batched_tokens:
+        raise InvalidArgumentError(describe("len(prompt_token_ids)", prompt_len,
+                                            f"at most max_num_batched_tokens={sched.max_num_batched_tokens} "
+                                            "without chunked prefill"))  # fmt: skip
+    usable = pool.num_blocks - pool.watermark_blocks - pinned_blocks
+    if -(-prompt_len // pool.block_size) > usable:
+        raise InvalidArgumentError(describe("len(prompt_token_ids)", prompt_len,
+                                            f"at most {usable * pool.block_size} tokens (the KV pool)"))
+
+
 def check_request_fits(
     prompt_len: int, params: SamplingParams, model: ModelConfig, sched: SchedulerConfig, pool: BlockManagerConfig,
     *, pinned_blocks: int = 0,

@@ -20,7 +20,9 @@ from paged_kv.errors import InvalidArgumentError, check_bool, check_int, check_t
 from paged_kv.tokens import as_id_list
 from scheduler.core.config import EngineConfig, LoRAConfig
 from scheduler.core.lora_request import LoRARequest, lora_per_prompt
+from scheduler.core.outputs import EmbeddingRequestOutput
 from scheduler.core.params import SamplingParams, per_prompt
+from scheduler.core.pooling_params import PoolingParams
 from scheduler.core.speculative_config import SpeculativeConfig
 from scheduler.engine.beam_search import BeamHypothesis, BeamSearch, BeamSearchOutput, BeamSearchParams
 from scheduler.engine.llm_engine import LLMEngine
@@ -104,14 +106,41 @@ class LLM:
         step itself raises (every request was aborted).
         """
         check_bool("use_tqdm", use_tqdm)
-        if isinstance(prompts, bytes) or not isinstance(prompts, (str, Sequence)) or not prompts:
-            raise InvalidArgumentError(describe("prompts", type(prompts).__name__, "a prompt or a non-empty list"))
-        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = _prompt_list(prompts)
         priorities = _priorities(priority, len(prompts))
         encoded = [self.encode(p) for p in prompts]
         ids, texts = [ids for ids, _ in encoded], [text for _, text in encoded]
         return self._run(ids, texts, sampling_params, use_tqdm, priorities, lora_request)
+
+    def embed(
+        self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *, use_tqdm: bool = False, priority: int | Sequence[int] = 0,
+    ) -> list[EmbeddingRequestOutput]:  # fmt: skip
+        """Embed every prompt (strings, tokenized without special tokens as ``generate`` does, or token id lists);
+        outputs in prompt order, each vector in ``.outputs.embedding`` (vLLM's ``LLM.embed``).
+
+        The engine pools as its ``EngineConfig.pooler_config`` says (default: the last token, L2-normalized);
+        ``pooling_params`` (one for all or one per prompt) may ask for ``dimensions`` (Matryoshka models) or
+        ``normalize``. Every request is checked before any is queued.
+        """
+        check_bool("use_tqdm", use_tqdm)
+        prompts = _prompt_list(prompts)
+        priorities = _priorities(priority, len(prompts))
+        params = per_prompt(pooling_params, len(prompts), PoolingParams, "pooling_params")
+        encoded = [self.encode(p)[0] for p in prompts]
+        ids = [f"llm-{next(self._ids)}" for _ in prompts]
+        for rid, prompt, p in zip(ids, encoded, params):
+            self.engine.check_pooling_request(rid, prompt, p)  # all or none
+        for rid, prompt, p, priority in zip(ids, encoded, params, priorities):
+            self.processor.add_embedding(rid, prompt, p, priority=priority)
+        done: dict[str, EmbeddingRequestOutput] = {}
+        with tqdm(total=len(ids), desc="embed", unit="req", disable=not use_tqdm) as bar:
+            while len(done) < len(ids):
+                self.processor.step()
+                for out in self.processor.take_embedded():
+                    done[out.request_id] = out
+                    bar.update(1)
+        return [done[i] for i in ids]
 
     def beam_search(
         self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams | Sequence[BeamSearchParams] | None = None,
@@ -217,6 +246,15 @@ def _speculative(config: SpeculativeConfig | dict) -> SpeculativeConfig:
         return config
     check_type("speculative_config", config, dict, "a SpeculativeConfig, a dict of its fields or None")
     return SpeculativeConfig.from_dict(config)
+
+
+def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt (a str or a token id list) or a non-empty list of them, as a list."""
+    if isinstance(prompts, bytes) or not isinstance(prompts, (str, Sequence)) or not prompts:
+        raise InvalidArgumentError(describe("prompts", type(prompts).__name__, "a prompt or a non-empty list"))
+    if isinstance(prompts, str) or isinstance(prompts[0], int):
+        return [prompts]
+    return list(prompts)
 
 
 def _priorities(priority: int | Sequence[int], n: int) -> list[int]:

@@ -14,6 +14,9 @@ A request whose own failure the engine reports (``RequestOutput.error``), or who
 detokenization or stop-string check raises here, ends alone with ``error`` set (blocks freed);
 a failed engine step propagates, and every request is dropped (the engine aborted them all).
 
+An embedding request (:meth:`OutputProcessor.add_embedding`) has no text: its finished output (an
+:class:`EmbeddingRequestOutput`) comes from :meth:`OutputProcessor.take_embedded`.
+
 A beam search (:meth:`OutputProcessor.add_beam_search`) has no delta until it is done: its
 beams are not final until then (as in vLLM). Its hypotheses then come as its samples, best
 first, each with its whole text (a stop token's text left out unless ``include_stop_str_in_output``).
@@ -27,8 +30,9 @@ from dataclasses import dataclass, field, replace
 
 from paged_kv.errors import InvalidArgumentError, UnknownSequenceError, describe
 from scheduler.core.lora_request import LoRARequest
-from scheduler.core.outputs import CompletionOutput, RequestOutput
+from scheduler.core.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
 from scheduler.core.params import SamplingParams
+from scheduler.core.pooling_params import PoolingParams
 from scheduler.engine.beam_selection import BeamSearchParams
 from scheduler.engine.llm_engine import LLMEngine
 from scheduler.entrypoints.detokenizer import IncrementalDetokenizer, find_stop, holdback
@@ -256,6 +260,20 @@ class OutputProcessor:
         self.engine = engine
         self.tokenizer = tokenizer
         self.requests: dict[str, TextRequest] = {}
+        self.embedding_ids: set[str] = set()  # live embedding requests (no text: their output is a vector)
+        self.embedded: list[EmbeddingRequestOutput] = []  # embedding requests finished since take_embedded
+
+    def add_embedding(self, request_id: str, prompt_token_ids: Sequence[int], params: PoolingParams | None = None,
+                      *, priority: int = 0) -> None:  # fmt: skip
+        """Queue an embedding request in the engine (raises, nothing queued, on a bad one); its output comes from
+        :meth:`take_embedded` after the step that finishes it."""
+        self.engine.add_pooling_request(request_id, prompt_token_ids, params, priority=priority)
+        self.embedding_ids.add(request_id)
+
+    def take_embedded(self) -> list[EmbeddingRequestOutput]:
+        """The embedding requests finished (or failed) since the last call."""
+        done, self.embedded = self.embedded, []
+        return done
 
     def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
             prompt: str | None = None, *, priority: int = 0,
@@ -284,6 +302,10 @@ class OutputProcessor:
 
     def abort(self, request_id: str) -> TextRequest | None:
         """Stop a live request and free its blocks; None if it is not live."""
+        if request_id in self.embedding_ids:
+            self.embedding_ids.discard(request_id)
+            self.engine.abort(request_id)
+            return None
         req = self.requests.pop(request_id, None)
         if req is not None:
             req.update(self.engine.abort(request_id))
@@ -291,7 +313,7 @@ class OutputProcessor:
 
     def has_unfinished(self) -> bool:
         """Whether any request is still live."""
-        return bool(self.requests)
+        return bool(self.requests or self.embedding_ids)
 
     def step(self) -> list[tuple[TextRequest, list[SampleDelta], bool]]:
         """One engine step; (request, its deltas, whether it is done) for every request that changed.
@@ -302,7 +324,11 @@ class OutputProcessor:
             finished = {o.request_id: o for o in self.engine.step()}
         except BaseException:  # the engine aborted every request
             self.requests.clear()
+            self.embedding_ids.clear()
             raise
+        for rid in self.embedding_ids & finished.keys():
+            self.embedding_ids.discard(rid)
+            self.embedded.append(finished[rid])
         changed = []
         for rid, req in list(self.requests.items()):
             if req.beam and rid not in finished:  # its beams are not final until it is done

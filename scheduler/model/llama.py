@@ -358,6 +358,11 @@ class LlamaModel(nn.Module):
         return x
 
     @torch.inference_mode()
+    def pool(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm alone (what embedding requests pool): hidden states [P, hidden] -> [P, hidden] float32."""
+        return self.norm(x).float()
+
+    @torch.inference_mode()
     def compute_logits(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: hidden states [R, hidden] -> logits [R, vocab] float32."""
         return self.lm_head(self.norm(x)).float()

@@ -69,11 +69,11 @@ class DecodeGraphs:
         self.pool_bytes = torch.cuda.memory_reserved(self.cache.device) - before
 
     def can_run(self, step: StepInput) -> bool:
-        """Whether a step is a plain decode step (no cascade plan, no prompt rows: those run eagerly) within the
-        captured sizes."""
+        """Whether a step is a plain decode step (no cascade plan, no prompt rows, no pooled rows: those run
+        eagerly) within the captured sizes."""
         meta = step.meta
         return bool(self.graphs) and meta.is_decode and meta.cascade is None and 0 < meta.num_seqs <= self.sizes[-1] \
-            and step.num_sampled == meta.num_seqs and not step.num_prompt_rows \
+            and step.num_sampled == meta.num_seqs and not step.num_prompt_rows and step.pool_indices is None \
             and meta.block_tables.shape[1] <= self.width
 
     def run(self, step: StepInput) -> torch.Tensor:

@@ -72,6 +72,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.tiers: TierTransfers | None = None  # the host tier's copies (one rank only)
         self.loras: LoRAManager | None = None  # the adapters served (one rank only); None: LoRA off
+        self.pooled: torch.Tensor | None = None  # [P, hidden] float32: the last step's pooled rows (take_pooled)
 
     def run(self, out: SchedulerOutput) -> torch.Tensor:
         """The driver's step: build ``out``'s inputs (sent to the workers first), execute; logits ``[R, vocab]``."""
@@ -103,14 +104,28 @@ class ModelRunner:
             return self._run_lora(step)
         if self.graphs is not None and self.graphs.can_run(step):
             return self.graphs.run(step)
-        return self.model(step.input_ids, step.positions, self.gpu_cache, step.meta, step.logits_indices)
+        return self._forward(step)
+
+    def _forward(self, step: StepInput) -> torch.Tensor:
+        """The eager forward: logits of the step's logits rows; its pooled rows' final-norm hidden states kept in
+        :attr:`pooled` (they go through no LM head)."""
+        if step.pool_indices is None:
+            return self.model(step.input_ids, step.positions, self.gpu_cache, step.meta, step.logits_indices)
+        x = self.model.hidden_states(step.input_ids, step.positions, self.gpu_cache, step.meta)  # [T, hidden]
+        self.pooled = self.model.pool(x[step.pool_indices])  # [P, hidden]
+        return self.model.compute_logits(x[step.logits_indices])
+
+    def take_pooled(self) -> torch.Tensor | None:
+        """The pooled rows of the last step (``[P, hidden]`` float32 on the device, in ``out.pooled`` order), once."""
+        pooled, self.pooled = self.pooled, None
+        return pooled
 
     def _run_lora(self, step: StepInput) -> torch.Tensor:
         """The forward of a step with adapters, eagerly, its token groups set for the projections meanwhile."""
         slots = self.model.lora_slots  # attached by attach_lora (the driver's LoRAManager, or a worker's setup)
         slots.batch = step.lora
         try:
-            return self.model(step.input_ids, step.positions, self.gpu_cache, step.meta, step.logits_indices)
+            return self._forward(step)
         finally:
             slots.batch = None
 

@@ -47,6 +47,8 @@ class StepInput:
     copies: list[CopyOp]
     num_prompt_rows: int = 0  # the last of the R rows: prompt positions scored for prompt log-probabilities
     lora: LoRABatch | None = None  # the tokens of each LoRA adapter slot; None: no adapter in the step
+    # [P] int64 rows whose final-norm hidden states embedding requests pool (no logits for them); None: none
+    pool_indices: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -109,6 +111,7 @@ class StepPayload:
     copies: list[CopyOp]
     cascade: CascadeArrays | None = None  # a decode step attended as cascade (shared prefixes once per group)
     num_prompt_rows: int = 0  # logits rows after the sampled ones: prompt positions scored
+    num_pool_rows: int = 0  # the last rows of the logits rows part: pooled rows of embedding requests (no logits)
     lora_slots: tuple[int, ...] = ()  # LoRA slots of the step, each with its token rows at the end of ``flat``
     lora_all: int | None = None  # the one LoRA slot every token of the step goes through (no rows uploaded)
     # tensor parallelism: the adapters the driver placed in slots this step, (slot, folder, fingerprint) each, for the
@@ -134,6 +137,9 @@ class StepMaterializer:
             : len(parts) - len(p.lora_slots)
         ]
         self.rows.apply_updates(u_rows, u_cols, u_ids)
+        pool_t = None
+        if p.num_pool_rows:  # the pooled rows follow the logits rows
+            logits_t, pool_t = logits_t[: -p.num_pool_rows], logits_t[-p.num_pool_rows :]
         width = max(1, -(-p.max_seq_len // bs))
         meta = AttentionMetadata(
             block_tables=self.rows.table[:, :width].index_select(0, rows_t), seq_lens=lens_t.to(torch.int32),
@@ -146,7 +152,7 @@ class StepMaterializer:
         return StepInput(
             input_ids=ids_t, positions=pos_t, meta=meta, logits_indices=logits_t,
             swap_out=p.swap_out, swap_in=p.swap_in, copies=p.copies, num_prompt_rows=p.num_prompt_rows,
-            lora=_lora_batch(p, lora_t),
+            lora=_lora_batch(p, lora_t), pool_indices=pool_t,
         )  # fmt: skip
 
 
@@ -201,7 +207,7 @@ class StepInputBuilder:
         computed = np.fromiter((s.start for s in items), np.int64, n)
         new = np.fromiter((s.num_tokens for s in items), np.int64, n)
         seq_lens = computed + new  # [S]
-        samples = seq_lens == np.fromiter((s.seq.num_tokens for s in items), np.int64, n)
+        samples = np.fromiter((s.samples for s in items), bool, n)  # an embedding request never samples
         rows = self.tables.rows([s.seq.seq_id for s in items])
         if out.num_draft_tokens:  # speculative decoding: drafts run after their sequence's new tokens
             return self._pack_drafts(out, rows, computed, new, samples)
@@ -243,6 +249,10 @@ class StepInputBuilder:
                        for i, s in enumerate(out.scheduled) if s.prompt_positions]  # fmt: skip
         draft_rows = [cu[i] + np.arange(d) for i, d in enumerate(drafts) if d] if drafts is not None else []
         logits_rows = np.concatenate([cu[1:][samples] - 1, *prompt_rows, *draft_rows])
+        num_prompt_rows = len(logits_rows) - int(samples.sum()) - sum(len(d) for d in draft_rows)
+        pool_rows = [cu[i] + np.asarray(s.pool_offsets, dtype=np.int64) for i, s in enumerate(out.scheduled)
+                     if s.pool_offsets]  # fmt: skip
+        logits_rows = np.concatenate([logits_rows, *pool_rows])
         parts = [np.asarray(ids, dtype=np.int64), positions, slots, seq_lens, cu, rows, logits_rows,
                  upd_rows, upd_cols, upd_ids, *(cascade.parts() if cascade else [])]  # fmt: skip
         return StepPayload(
@@ -250,5 +260,5 @@ class StepInputBuilder:
             host_query_lens=new, max_seq_len=int(seq_lens.max(initial=0)), num_blocks=self.num_blocks,
             table_rows=self.tables.host.shape[0],
             swap_out=out.swap_out, swap_in=out.swap_in, copies=out.copies, cascade=cascade,
-            num_prompt_rows=len(logits_rows) - int(samples.sum()) - sum(len(d) for d in draft_rows),
+            num_prompt_rows=num_prompt_rows, num_pool_rows=sum(len(r) for r in pool_rows),
         )  # fmt: skip
