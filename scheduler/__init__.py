@@ -2,8 +2,9 @@
 
 from scheduler.core.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
 from scheduler.core.lora_request import LoRARequest
-from scheduler.core.outputs import CompletionOutput, RequestOutput
+from scheduler.core.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from scheduler.core.params import SamplingParams
+from scheduler.core.pooling_params import PoolerConfig, PoolingParams
 from scheduler.core.speculative_config import SpeculativeConfig
 from scheduler.core.structured_params import StructuredOutputsParams
 from scheduler.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
@@ -13,7 +14,8 @@ from scheduler.model.llama import LlamaModel, ModelConfig
 from scheduler.model.weights import from_hf_model, from_state_dict
 
 __all__ = [
-    "BeamSearch", "BeamSearchOutput", "BeamSearchParams", "CacheConfig", "CompletionOutput", "EngineConfig",
-    "LLM", "LLMEngine", "LlamaModel", "LoRAConfig", "LoRARequest", "ModelConfig", "RequestOutput", "SamplingParams",
-    "SchedulerConfig", "SpeculativeConfig", "StructuredOutputsParams", "from_hf_model", "from_state_dict",
+    "BeamSearch", "BeamSearchOutput", "BeamSearchParams", "CacheConfig", "CompletionOutput", "EmbeddingOutput",
+    "EmbeddingRequestOutput", "EngineConfig", "LLM", "LLMEngine", "LlamaModel", "LoRAConfig", "LoRARequest",
+    "ModelConfig", "PoolerConfig", "PoolingParams", "RequestOutput", "SamplingParams", "SchedulerConfig",
+    "SpeculativeConfig", "StructuredOutputsParams", "from_hf_model", "from_state_dict",
 ]

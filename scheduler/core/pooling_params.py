@@ -8,7 +8,8 @@ chooses the pooling type, the normalize default and which ``dimensions`` a reque
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, fields
 from typing import Literal
 
 from paged_kv.errors import InvalidArgumentError, check_bool, check_int, describe
@@ -59,6 +60,26 @@ class PoolerConfig:
         if not self.is_matryoshka:
             raise InvalidArgumentError(describe("matryoshka_dimensions", dims, "None unless is_matryoshka"))
 
+    @classmethod
+    def from_json(cls, text: str) -> PoolerConfig:
+        """The config of a JSON object of its fields (vLLM's ``--pooler-config``); raises naming a bad field."""
+        if not isinstance(text, str):
+            raise InvalidArgumentError(describe("text", text, "a JSON object of PoolerConfig's fields, as a str"))
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise InvalidArgumentError(describe("text", text, f"a JSON object ({e})")) from None
+        if not isinstance(values, dict):
+            raise InvalidArgumentError(describe("text", text, "a JSON object of PoolerConfig's fields"))
+        known = {f.name for f in fields(cls)}
+        unknown = [key for key in values if key not in known]
+        if unknown:
+            raise InvalidArgumentError(describe(unknown[0], values[unknown[0]], f"one of the fields {sorted(known)}"))
+        dims = values.get("matryoshka_dimensions")
+        if isinstance(dims, list):
+            values["matryoshka_dimensions"] = tuple(dims)
+        return cls(**values)
+
     @property
     def pools_every_token(self) -> bool:
         """Whether every prompt token's hidden state is pooled (MEAN), not the last one alone."""
@@ -67,6 +88,7 @@ class PoolerConfig:
     def resolve(self, params: PoolingParams | None, hidden_size: int) -> PoolingParams:
         """A request's parameters with every field set (``dimensions`` checked against the model and this config);
         raises, naming the field, on dimensions it cannot serve."""
+        check_int("hidden_size", hidden_size, low=1, high=MAX_DIMENSIONS)
         if params is None:
             params = PoolingParams()
         if not isinstance(params, PoolingParams):
@@ -79,12 +101,13 @@ class PoolerConfig:
 
     def _check_dimensions(self, dims: int, hidden_size: int) -> None:
         """Refuse a truncation the model does not support (vLLM: only Matryoshka models, to a listed size)."""
+        name = "pooling_params.dimensions"
         if not self.is_matryoshka:
-            raise InvalidArgumentError(describe("dimensions", dims, f"None or {hidden_size}: the model is not "
-                                                "Matryoshka (PoolerConfig.is_matryoshka)"))  # fmt: skip
+            expected = f"None or {hidden_size}: the model is not Matryoshka (PoolerConfig.is_matryoshka)"
+            raise InvalidArgumentError(describe(name, dims, expected))
         allowed = self.matryoshka_dimensions
         if allowed is not None and dims not in allowed:
-            raise InvalidArgumentError(describe("dimensions", dims, f"one of {sorted(allowed)}"))
+            raise InvalidArgumentError(describe(name, dims, f"one of {sorted(allowed)}"))
         if dims > hidden_size:
-            raise InvalidArgumentError(describe("dimensions", dims, f"at most the hidden size {hidden_size}"))
+            raise InvalidArgumentError(describe(name, dims, f"at most the hidden size {hidden_size}"))
 

@@ -10,6 +10,7 @@ from paged_kv.errors import InvalidArgumentError, PagedKVError, describe
 from scheduler.entrypoints.main_job import add_engine_options, checked_engine_config, engine_config
 from scheduler.entrypoints.pinned_prompt import pin_system_prompt, read_prompt
 from scheduler.entrypoints.server.config import (
+    CONVERTS,
     DEFAULT_MAX_REQUEST_BYTES,
     REASONING_PARSERS,
     TOOL_CALL_PARSERS,
@@ -72,6 +73,9 @@ def serve_parser() -> argparse.ArgumentParser:
                    help="LoRA adapters served as models of their own (vLLM's flag; needs --enable-lora): name=path, "
                         'or JSON {"name": ..., "path": ..., "base_model_name": ...}; a request whose model is a name '
                         "runs through that adapter")
+    p.add_argument("--convert", choices=CONVERTS, default="none",
+                   help="embed: also serve POST /v1/embeddings (vLLM's --convert embed) from the same engine, pooled "
+                        "as --pooler-config says; generation stays served (default none: no embeddings endpoint)")
     p.add_argument("--allow-runtime-lora-updating", action="store_true",
                    help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
                         "VLLM_ALLOW_RUNTIME_LORA_UPDATING; needs --enable-lora); default off: they answer 404")
@@ -149,7 +153,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
         reasoning_parser=args.reasoning_parser,
         lora_modules=tuple(LoRAModule.parse(m) for m in args.lora_modules or ()),
-        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating, convert=args.convert,
     )  # fmt: skip
 
 

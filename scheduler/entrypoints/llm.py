@@ -22,13 +22,14 @@ from scheduler.core.config import EngineConfig, LoRAConfig
 from scheduler.core.lora_request import LoRARequest, lora_per_prompt
 from scheduler.core.outputs import EmbeddingRequestOutput
 from scheduler.core.params import SamplingParams, per_prompt
-from scheduler.core.pooling_params import PoolingParams
+from scheduler.core.pooling_params import PoolerConfig, PoolingParams
 from scheduler.core.speculative_config import SpeculativeConfig
 from scheduler.engine.beam_search import BeamHypothesis, BeamSearch, BeamSearchOutput, BeamSearchParams
 from scheduler.engine.llm_engine import LLMEngine
 from scheduler.entrypoints.chat_rendering import ChatOptions, Messages, render_chat
 from scheduler.entrypoints.detokenizer import IncrementalDetokenizer
 from scheduler.entrypoints.output_processor import OutputProcessor, TextRequestOutput, with_bad_word_ids
+from scheduler.entrypoints.pooler_checkpoint import checkpoint_pooler_config
 from scheduler.model.loader import LoadedModel, load_model
 
 Prompt = str | Sequence[int]
@@ -59,6 +60,7 @@ class LLM:
         if check_bool("enable_lora", enable_lora):
             engine_config = dataclasses.replace(engine_config or EngineConfig(), lora_config=lora)
         loaded = model if isinstance(model, LoadedModel) else load_model(model)
+        engine_config = _with_checkpoint_pooling(engine_config, loaded)
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         self.engine = LLMEngine.from_hf(loaded.hf_model, engine_config)
@@ -246,6 +248,18 @@ def _speculative(config: SpeculativeConfig | dict) -> SpeculativeConfig:
         return config
     check_type("speculative_config", config, dict, "a SpeculativeConfig, a dict of its fields or None")
     return SpeculativeConfig.from_dict(config)
+
+
+def _with_checkpoint_pooling(config: EngineConfig | None, loaded: LoadedModel) -> EngineConfig | None:
+    """``config`` with the pooling the checkpoint declares (sentence-transformers files, Matryoshka fields) when it
+    keeps the default PoolerConfig."""
+    if config is not None and config.pooler_config != PoolerConfig():
+        return config
+    hf = loaded.hf_model
+    declared = checkpoint_pooler_config(getattr(hf, "name_or_path", None) or None, getattr(hf, "config", None))
+    if declared is None:
+        return config
+    return dataclasses.replace(config or EngineConfig(), pooler_config=declared)
 
 
 def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -29,6 +29,7 @@ from scheduler.core.config import (
 )
 from scheduler.core.lora_request import LoRARequest
 from scheduler.core.outputs import RequestOutput
+from scheduler.core.pooling_params import PoolerConfig
 from scheduler.core.speculative_config import SpeculativeConfig
 from scheduler.engine.llm_engine import LLMEngine
 from scheduler.engine.spec_decode import SpecDecodeStats
@@ -134,6 +135,11 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-cpu-loras", type=int, default=None,
                    help="with --enable-lora: adapters kept loaded in host memory, least recently used dropped "
                         "(default: --max-loras)")
+    p.add_argument("--pooler-config", default=None, metavar="JSON",
+                   help='how embedding requests are pooled (vLLM\'s flag), e.g. \'{"pooling_type": "LAST", '
+                        '"normalize": true, "is_matryoshka": true, "matryoshka_dimensions": [64, 128]}\'; '
+                        "pooling_type LAST or MEAN; default: the checkpoint's sentence-transformers files if it "
+                        "has them, else LAST, normalized, no Matryoshka")
     add_tier_options(p)
 
 
@@ -155,6 +161,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         cache=cache, scheduler=sched, device=args.device, enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size, kv_events=kv_events(args),
         speculative_config=speculative_config(args.speculative_config), lora_config=lora_config(args),
+        **pooler_config(args.pooler_config),
     )  # fmt: skip
 
 
@@ -178,6 +185,17 @@ def speculative_config(text: str | None) -> SpeculativeConfig | None:
         return SpeculativeConfig.from_json(text)
     except PagedKVError as e:
         raise type(e)(f"--speculative-config: {e}") from e
+
+
+def pooler_config(text: str | None) -> dict[str, PoolerConfig]:
+    """``--pooler-config`` as EngineConfig's field (none given: {}, the default or the checkpoint's); a bad one
+    raises naming the flag and the field."""
+    if text is None:
+        return {}
+    try:
+        return {"pooler_config": PoolerConfig.from_json(text)}
+    except PagedKVError as e:
+        raise type(e)(f"--pooler-config: {e}") from e
 
 
 def checked_engine_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> EngineConfig:

@@ -204,7 +204,23 @@ def _rows() -> list[Entry]:
             "distributed_timeout_s": Arg("real", 60.0, bad={OUT_OF_RANGE: [0.0, -1.0]}),
             "kv_events": Arg("obj", None, bad={WRONG_TYPE: ["tcp://*:5557", {}, 3]}),
             "speculative_config": Arg("obj", None, bad={WRONG_TYPE: ['{"num_speculative_tokens": 2}', {}, 3]}),
-            "lora_config": Arg("obj", None, bad={WRONG_TYPE: [{"max_loras": 2}, "x", 3]})}),
+            "lora_config": Arg("obj", None, bad={WRONG_TYPE: [{"max_loras": 2}, "x", 3]}),
+            "pooler_config": Arg("obj", lambda: scheduler.PoolerConfig(),
+                                 bad={WRONG_TYPE: [None, {"pooling_type": "MEAN"}, "LAST"]})}),
+        Entry("scheduler.PoolingParams", scheduler.PoolingParams, {
+            "dimensions": Arg("opt_int", None, bad={OUT_OF_RANGE: [0, -1, 1 << 62]}),
+            "normalize": Arg("bool", True, skip=(WRONG_TYPE,), bad={WRONG_TYPE: [1, "yes"]})}),  # None: the default
+        Entry("scheduler.PoolerConfig", scheduler.PoolerConfig, {
+            "pooling_type": Arg("obj", "LAST", bad={WRONG_TYPE: [None, 3, "CLS", "last"]}),
+            "normalize": Arg("bool", True), "is_matryoshka": Arg("bool", True),
+            "matryoshka_dimensions": Arg("obj", (64, 128), bad={WRONG_TYPE: ["x", 3, [64], ()],
+                                                                  OUT_OF_RANGE: [(0,), (64, -1)]})}),
+        Entry("scheduler.PoolerConfig.from_json", scheduler.PoolerConfig.from_json, {
+            "text": Arg("obj", '{"pooling_type": "MEAN"}', bad={WRONG_TYPE: [None, 3, "x", "[1]"]})}),
+        Entry("scheduler.PoolerConfig.resolve", "resolve", {
+            "params": Arg("obj", None, bad={WRONG_TYPE: ["x", {"dimensions": 8}],
+                                            OUT_OF_RANGE: [scheduler.PoolingParams(dimensions=8)]}),  # not Matryoshka
+            "hidden_size": Arg("int", 64)}, scheduler.PoolerConfig),
         Entry("scheduler.LoRAConfig", scheduler.LoRAConfig, {
             "max_loras": Arg("int", 1, bad={OUT_OF_RANGE: [0, -1, 1 << 62]}),
             "max_lora_rank": Arg("int", 8, bad={OUT_OF_RANGE: [0, 12, -1, 1 << 62]}),  # one of vLLM's ranks
@@ -285,6 +301,14 @@ def _rows() -> list[Entry]:
                 "lora_request": Arg("obj", None, bad=LORA_REQUEST)}
                if name == "add_beam_search" else {"lora": Arg("obj", None, bad=LORA_KEY)})}, engine)
           for name in ("add_beam_search", "check_beam_search")],
+        *[Entry(f"scheduler.LLMEngine.{name}", name, {
+            "request_id": Arg("obj", "x", bad={WRONG_TYPE: [None, 7, ["x"]], BAD_ID: ["r0"]}),
+            "prompt_token_ids": Arg("ids", [1, 2], bad={**TOKENS, WRONG_TYPE: ["ab", 5, None, []]}),
+            "pooling_params": Arg("obj", None, bad={WRONG_TYPE: [{"dimensions": 3}, "x"],
+                                                    OUT_OF_RANGE: [scheduler.PoolingParams(dimensions=8)]}),
+            **({"priority": Arg("int", 0, bad={OUT_OF_RANGE: [1 << 63, -(1 << 63) - 1]})}
+               if name == "add_pooling_request" else {})}, engine)
+          for name in ("add_pooling_request", "check_pooling_request")],
         Entry("scheduler.LLMEngine.pin_prefix", "pin_prefix", {
             "token_ids": Arg("ids", [1, 2, 3, 4, 5], bad={**TOKENS, WRONG_TYPE: ["ab", 5, None, []]}),
             "cache_salt": Arg("opt_str", None)}, engine),
@@ -348,6 +372,15 @@ def _rows() -> list[Entry]:
             "priority": Arg("int", 0, bad={WRONG_TYPE: ["3", None, [1, 2]],  # one int, or one per prompt
                                            OUT_OF_RANGE: [1 << 63, -(1 << 63) - 1, [1 << 63]]}),  # any int64
             "lora_request": Arg("obj", None, bad=LORA_REQUEST)},
+              tiny_llm, named={"prompts": ("prompt", "prompts")}),
+        Entry("scheduler.LLM.embed", "embed", {
+            "prompts": Arg("obj", lambda: ["hello"], bad={WRONG_TYPE: [None, 3, [3.5], [None], []],
+                BOOL_FOR_INT: [[[True]]], NONINTEGRAL: [[[1.5]]], OUT_OF_RANGE: [[[-1]], [[10**6]]]}),
+            "pooling_params": Arg("obj", None, bad={WRONG_TYPE: ["x", {"dimensions": 2}],
+                                                    OUT_OF_RANGE: [scheduler.PoolingParams(dimensions=8)]}),
+            "use_tqdm": Arg("bool", False),
+            "priority": Arg("int", 0, bad={WRONG_TYPE: ["3", None, [1, 2]],
+                                           OUT_OF_RANGE: [1 << 63, -(1 << 63) - 1, [1 << 63]]})},
               tiny_llm, named={"prompts": ("prompt", "prompts")}),
         Entry("scheduler.LLM.beam_search", "beam_search", {
             "prompts": Arg("obj", lambda: ["hello"], bad={WRONG_TYPE: [None, 3, [3.5], [None], []],
@@ -443,6 +476,12 @@ EXEMPT: dict[str, str] = {
     "scheduler.RequestOutput": "a result record the engine builds",
     "scheduler.RequestOutput.from_group": "builds a record from an engine-made SequenceGroup (engine internals)",
     "scheduler.BeamSearchOutput": "a result record beam search builds",
+    "scheduler.EmbeddingOutput": "a result record the engine builds",
+    "scheduler.EmbeddingRequestOutput": "a result record the engine builds",
+    "scheduler.EmbeddingRequestOutput.from_group": "builds a record from an engine-made SequenceGroup (engine "
+    "internals)",
+    "scheduler.LlamaModel.pool": "the final norm of forward over the model's own hidden states (the rows embedding "
+    "requests pool)",
     "scheduler.LlamaModel.forward": "the model's forward pass over engine-made batch tensors (a torch.nn.Module "
     "call inside the runner; its kernels are rows of kernels.*)",
     "scheduler.LlamaModel.hidden_states": "the decoder layers of forward (what CUDA graphs capture), same inputs",

@@ -7,7 +7,8 @@ error is an OpenAI error body (``errors``); bad input never gives a 500, and the
 serving after every error. A response (``/v1/responses``, ``responses``) is served as the chat completion of
 its conversation; finished ones are kept in a bounded in-memory store for GET, DELETE and
 ``previous_response_id``. vLLM's utility endpoints (``/tokenize``, ``/detokenize``, ``/version``,
-``/ping``, and with ``enable_dev_endpoints`` ``/reset_prefix_cache``) are in ``utility_routes``.
+``/ping``, and with ``enable_dev_endpoints`` ``/reset_prefix_cache``) are in ``utility_routes``. With
+``convert="embed"`` (``--convert embed``) the same engine also serves ``POST /v1/embeddings`` (``embeddings``).
 
 LoRA adapters (``ServerConfig.lora_modules``, loaded at start-up: a bad one stops the server from starting) are
 models of their own: a request whose ``model`` names one runs through it, and ``/v1/models`` lists each with the
@@ -33,6 +34,7 @@ from scheduler.entrypoints.llm import LLM
 from scheduler.entrypoints.output_processor import TextRequestOutput
 from scheduler.entrypoints.server.async_engine import AsyncEngine, Event
 from scheduler.entrypoints.server.config import ServerConfig
+from scheduler.entrypoints.server.embeddings import EmbeddingRequest, embeddings_response, prepare_embeddings
 from scheduler.entrypoints.server.errors import BodyLimit, add_error_handlers
 from scheduler.entrypoints.server.frontend import Frontend, authorize
 from scheduler.entrypoints.server.lora_routes import add_lora_routes, load_lora_modules
@@ -136,6 +138,19 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
         """Forget a stored response; 404 naming ``response_id`` for any other."""
         store.delete(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
+
+    if config.convert == "embed":
+
+        @v1.post("/embeddings")
+        async def embeddings(body: EmbeddingRequest, request: Request):
+            """OpenAI embeddings of every input, in input order (``--convert embed``)."""
+            rid, model, prompts, params = await prepare_embeddings(front, body)
+            events = engine.generate(prompts, [params] * len(prompts), priority=body.priority)
+            first = await _next(events)  # admission errors (400, 503) surface here
+            results = await _unless_disconnected(request, _results(first, events, len(prompts)))
+            if results is None:
+                return Response(status_code=499)
+            return embeddings_response(rid, model, results, body.encoding_format)
 
     if config.allow_runtime_lora_updating:
         add_lora_routes(v1, front, engine)

@@ -18,6 +18,10 @@ requests. Its handler gets an empty event once it is admitted (so a client that 
 and the search aborted), then its hypotheses in one event when the search ends. Its metrics count
 it as a request whose first token (TTFT) is that final event and whose generation tokens are
 those of the hypotheses returned.
+
+An embedding request (its parameters a :class:`PoolingParams`) runs in the same steps too; its handler gets one
+event, its :class:`EmbeddingRequestOutput`, after the step that computed its prompt. Its metrics count its prompt
+tokens (prefill done at that event: its TTFT) and no generation token.
 """
 
 from __future__ import annotations
@@ -35,12 +39,14 @@ from typing import TypeVar
 
 from paged_kv.errors import PagedKVError
 from scheduler.core.lora_request import LoRARequest
+from scheduler.core.outputs import EmbeddingRequestOutput
 from scheduler.core.params import SamplingParams
+from scheduler.core.pooling_params import PoolingParams
 from scheduler.core.sequence import SequenceGroup
 from scheduler.engine.beam_selection import BeamSearchParams, check_beam_fits
 from scheduler.engine.llm_engine import LLMEngine
 from scheduler.engine.metrics import RequestTimes
-from scheduler.engine.request_checks import check_prompt, check_request_fits, longest_sample
+from scheduler.engine.request_checks import check_pooling_fits, check_prompt, check_request_fits, longest_sample
 from scheduler.entrypoints.output_processor import (
     OutputProcessor,
     SampleDelta,
@@ -73,7 +79,7 @@ class Event:
 
     key: int  # index of the prompt within the HTTP request
     deltas: list[SampleDelta]
-    result: TextRequestOutput | None = None
+    result: TextRequestOutput | EmbeddingRequestOutput | None = None
     error: Exception | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None  # when asked for, once the prompt is computed
 
@@ -150,12 +156,17 @@ class AsyncEngine:
             self.engine.load_lora(lora_request)
         return await asyncio.to_thread(loras.read, lora_request)
 
-    def check(self, prompt_token_ids: list[int], params: SamplingParams | BeamSearchParams,
+    def check(self, prompt_token_ids: list[int], params: SamplingParams | BeamSearchParams | PoolingParams,
               lora: ReadLoRA | None = None) -> None:  # fmt: skip
         """Raise (a PagedKVError) if the engine could never serve the request (through ``lora``); reads only what
         never changes while serving (the config, the EOS ids, the start-up pins)."""
         prompt = check_prompt(prompt_token_ids, self.engine.model.config.vocab_size)
         e = self.engine
+        if isinstance(params, PoolingParams):
+            e.pooler.config.resolve(params, e.model.config.hidden_size)
+            check_pooling_fits(len(prompt), e.model.config, e.config.scheduler, e.block_manager.config,
+                               pinned_blocks=self.pinned_apart(prompt, None))  # fmt: skip
+            return
         beam = isinstance(params, BeamSearchParams)
         sampling = params.engine_params() if beam else params
         check_request_fits(len(prompt), sampling, e.model.config, e.config.scheduler, e.block_manager.config,
@@ -164,11 +175,11 @@ class AsyncEngine:
             check_beam_fits(len(prompt), params, e.scheduler.eos_token_ids, e.model.config)
 
     async def generate(self, prompts: list[tuple[list[int], str | None]],
-                       params: list[SamplingParams | BeamSearchParams], *, priority: int = 0,
+                       params: list[SamplingParams | BeamSearchParams | PoolingParams], *, priority: int = 0,
                        lora_request: LoRARequest | ReadLoRA | None = None) -> AsyncIterator[Event]:  # fmt: skip
-        """Run every prompt (a beam search for BeamSearchParams), through ``lora_request``'s adapter if given (its
-        files read here, in a worker thread, unless already read); yield events until each is done. Closing the
-        iterator early aborts what is left.
+        """Run every prompt (a beam search for BeamSearchParams, an embedding request for PoolingParams), through
+        ``lora_request``'s adapter if given (its files read here, in a worker thread, unless already read); yield
+        events until each is done. Closing the iterator early aborts what is left.
 
         ``priority`` (vLLM's: lower is more important) orders the eviction of the requests' cached blocks,
         and their scheduling under ``scheduling_policy="priority"``.
@@ -246,14 +257,19 @@ class AsyncEngine:
         elif command[1] in self._live:  # abort of a request still running
             self._abort(command[1])
 
-    def _add(self, rid: str, ids: list[int], text: str | None, params: SamplingParams | BeamSearchParams,
-             priority: int, lora_request: ReadLoRA | None, live: _Live) -> None:  # fmt: skip
-        """Queue a request (a beam search for BeamSearchParams; its adapter already read, only placed in the host
-        LRU here); a refused one gets its error event."""
+    def _add(self, rid: str, ids: list[int], text: str | None,
+             params: SamplingParams | BeamSearchParams | PoolingParams, priority: int,
+             lora_request: ReadLoRA | None, live: _Live) -> None:  # fmt: skip
+        """Queue a request (a beam search for BeamSearchParams, an embedding request for PoolingParams: never
+        through an adapter; an adapter already read, only placed in the host LRU here); a refused one gets its
+        error event."""
         beam = isinstance(params, BeamSearchParams)
         add = self.processor.add_beam_search if beam else self.processor.add
         try:
-            add(rid, ids, params, text, priority=priority, lora_request=lora_request)
+            if isinstance(params, PoolingParams):
+                self.processor.add_embedding(rid, ids, params, priority=priority)
+            else:
+                add(rid, ids, params, text, priority=priority, lora_request=lora_request)
         except Exception as e:  # PagedKVError: a bad request (400); anything else: a bug, still answered
             _send(live, Event(live.key, [], error=e))
             return
@@ -295,6 +311,7 @@ class AsyncEngine:
         now = time.perf_counter()
         self.metrics.record_step(self.engine.metrics.steps[-1].num_batched_tokens)
         events = [self._update(req, deltas, done, now) for req, deltas, done in changed]
+        events += [self._embedded(out, now) for out in self.processor.take_embedded()]
         self._snapshot()  # before the events: a client's last answer is never ahead of /metrics
         for live, event in events:
             _send(live, event)
@@ -312,6 +329,17 @@ class AsyncEngine:
         if result.error is not None:  # this request alone failed
             return live, Event(live.key, [], error=RequestFailed(f"request failed: {result.error}"))
         return live, Event(live.key, deltas, result, prompt_logprobs=scored)
+
+    def _embedded(self, out: EmbeddingRequestOutput, now: float) -> tuple[_Live, Event]:
+        """Count a finished embedding request (its prompt tokens, no generation); the event for its handler."""
+        live = self._live.pop(out.request_id)
+        if out.error is not None:
+            self._record(live, [], now, "error")
+            return live, Event(live.key, [], error=RequestFailed(f"request failed: {out.error}"))
+        live.first_token = now
+        self.metrics.record_first_token(len(out.prompt_token_ids), now - live.arrival)
+        self._record(live, [], now, "stop")
+        return live, Event(live.key, [], out)
 
     def _count_tokens(self, req: TextRequest, live: _Live, deltas: list[SampleDelta], now: float) -> None:
         """Token counters: the request's first token (prefill done), each sample's new tokens and their interval."""

@@ -12,6 +12,7 @@ from scheduler.core.params import MAX_LOGPROBS
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # a request body past this gets 413 before it is parsed
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic", "mistral", "qwen3_coder", "deepseek_v3",
                      "deepseek_v31")  # readers of tool calls (``tool_calling.parsers``)
+CONVERTS = ("none", "embed")  # what --convert adds to generation: nothing, or the embeddings endpoint
 REASONING_PARSERS = ("deepseek_r1", "qwen3", "mistral")  # readers of a model's thinking (``reasoning.output.PARSERS``)
 
 
@@ -74,8 +75,12 @@ class ServerConfig:
     lora_modules: tuple[LoRAModule, ...] = ()  # adapters served as models of their own (the engine needs LoRA on)
     # serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING); off: 404
     allow_runtime_lora_updating: bool = False
+    # vLLM's --convert: "embed" also serves POST /v1/embeddings from the same engine; "none": 404 there
+    convert: str = "none"
 
     def __post_init__(self) -> None:
+        if self.convert not in CONVERTS:
+            raise InvalidArgumentError(describe("convert", self.convert, f"one of {CONVERTS}"))
         for field in ("served_model_names", "api_keys"):
             names = getattr(self, field)
             if not (isinstance(names, tuple) and all(isinstance(n, str) and n for n in names)):
