@@ -9,6 +9,7 @@ import torch
 
 from paged_kv.errors import InvalidArgumentError
 from scheduler.core.params import SamplingParams
+from scheduler.core.pooling_params import PoolerConfig
 from scheduler.entrypoints.cli import main, serve_args, serve_parser, server_config
 from scheduler.entrypoints.llm import LLM
 from scheduler.entrypoints.main_job import KV_CACHE_DTYPES, engine_config, main_job_parser, parse_args
@@ -186,3 +187,21 @@ def test_main_job_deals_the_workload_round_robin_over_the_base_model_and_the_ada
     assert sorted(done) == [r.request_id for r in requests]
     ran = [seen[r.request_id] for r in requests]
     assert [(k.name, k.path) if k else None for k in ran] == [(x.name, x.path) if x else None for x in loras]
+
+
+def test_convert_embed_and_pooler_config_reach_the_configs_and_bad_ones_are_usage_errors(capsys):
+    args = serve_args(["--convert", "embed", "--pooler-config",
+                       '{"pooling_type": "MEAN", "normalize": false, "is_matryoshka": true, '
+                       '"matryoshka_dimensions": [32, 64]}'])  # fmt: skip
+    assert server_config(args).convert == "embed" and server_config(serve_args([])).convert == "none"
+    assert engine_config(args).pooler_config == PoolerConfig(pooling_type="MEAN", normalize=False, is_matryoshka=True,
+                                                            matryoshka_dimensions=(32, 64))  # fmt: skip
+    assert engine_config(serve_args([])).pooler_config == PoolerConfig()
+    for bad, named in (('{"pooling_type": "CLS"}', "pooling_type"), ('{"dims": 3}', "dims"), ("[1]", "text")):
+        with pytest.raises(SystemExit):
+            serve_args(["--pooler-config", bad])
+        err = capsys.readouterr().err
+        assert "--pooler-config" in err and named in err
+    with pytest.raises(SystemExit):
+        serve_args(["--convert", "classify"])
+    assert "--convert" in capsys.readouterr().err
