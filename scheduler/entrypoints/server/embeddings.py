@@ -52,7 +52,7 @@ class EmbeddingRequest(OpenAIModel):
     def _non_empty(cls, value):
         if isinstance(value, str):
             value = [value]
-        if not value or any(not p for p in value):  # an empty list, string or token list
+        if not value or any(isinstance(p, (str, list)) and not p for p in value):  # empty: a list, string, id list
             raise ValueError("input must be non-empty (and so must each of its strings and token lists)")
         return value
 

@@ -80,6 +80,8 @@ def test_token_ids_and_lists_of_token_ids_equal_their_texts(served):
     for a, b in zip(many.data, texts.data):
         assert a.embedding == pytest.approx(b.embedding, abs=1e-5)
     assert one.usage.prompt_tokens == len(ids[0])
+    zero = served.post("embeddings", {"input": [0], "encoding_format": "float"})  # token id 0 is a token
+    assert zero.status_code == 200 and zero.json()["usage"]["prompt_tokens"] == 1
 
 
 def test_truncate_prompt_tokens_keeps_the_last_tokens(served, hf_hidden):
