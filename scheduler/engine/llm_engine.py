@@ -16,6 +16,10 @@ selected by :mod:`scheduler.engine.beam_requests` (fork, prune, hypotheses), the
 sampled (:mod:`scheduler.engine.step_sampling`), and a finished search is returned by :meth:`step`
 with its hypotheses as its outputs.
 
+Embedding requests (:meth:`add_pooling_request`) run their prompt in the same steps with no logits row: the runner
+returns their rows' final-norm hidden states beside the logits, :mod:`scheduler.engine.pooler` folds them into each
+request's vector, and the step that computes the last prompt token returns it (:class:`EmbeddingRequestOutput`).
+
 A request's own failure (its sampling, its token's bookkeeping) fails it alone; a failure of
 the step itself aborts every live request (:mod:`scheduler.engine.faults`).
 

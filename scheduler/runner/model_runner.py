@@ -6,9 +6,10 @@ On the driver, :meth:`ModelRunner.run` turns the scheduler's decisions into a
 payload to the workers, which rebuild the same input). :meth:`ModelRunner.execute`, on every
 rank, applies the block moves owed before the step's writes, in the order swap-out, swap-in,
 copy-on-write, then runs the model once over the whole mixed prefill + decode batch
-(replayed from a CUDA graph when it can) and returns the sampled rows' logits. With LoRA
-(:mod:`scheduler.runner.lora_manager`) the driver first places the step's adapters in their device
-slots; a step with an adapter runs eagerly (no CUDA graph holds the LoRA updates).
+(replayed from a CUDA graph when it can) and returns the sampled rows' logits; the rows embedding requests pool
+go through the final norm only and wait in :attr:`ModelRunner.pooled` for the engine
+(:meth:`ModelRunner.take_pooled`). With LoRA (:mod:`scheduler.runner.lora_manager`) the driver first places the
+step's adapters in their device slots; a step with an adapter runs eagerly (no CUDA graph holds the LoRA updates).
 """
 
 from __future__ import annotations

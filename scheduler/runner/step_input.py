@@ -93,7 +93,7 @@ class StepPayload:
     ``flat`` holds, one after the other (lengths in ``sizes``): token ids, positions, slots,
     sequence lengths, cu_seqlens_q, table rows, logits rows (the sampled sequences' last tokens, then
     the prompt positions scored for prompt log-probabilities, then each drafting sequence's positions that
-    verify its drafts), and the block-table updates
+    verify its drafts, then the ``num_pool_rows`` rows embedding requests pool: no logits), and the block-table updates
     (rows, columns, ids), then a cascade step's index arrays (``cascade.parts()``), then the token rows of each
     LoRA slot in ``lora_slots`` (none when one slot takes every token: ``lora_all``).
     Tensor-parallel workers receive it by broadcast.
