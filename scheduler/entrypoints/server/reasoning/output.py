@@ -30,8 +30,9 @@ A request's output constraint (a named or "required" tool choice's, a ``response
 engine leaves the output free until it writes the end tag's tokens (the model's tokenizer's, tokenized once
 at start-up: ``end_tag_ids``), then holds the rest to the grammar (``StructuredOutputsParams.start_after``).
 An output that starts in its answer (qwen3 with thinking off, a prompt that ended the thinking) is held from
-its first token; without such a prompt, mistral's grammar waits for ``[/THINK]`` (as vLLM's: an answer without thinking is not held). The content, read
-after the thinking, is then the grammar's text: a tool call's arguments, a response's JSON.
+its first token; without such a prompt, mistral's grammar waits for ``[/THINK]`` (as vLLM's: an answer
+without thinking is not held). The content, read after the thinking, is then the grammar's text: a tool
+call's arguments, a response's JSON.
 """
 
 from __future__ import annotations
