@@ -52,7 +52,6 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm.auto import tqdm
 
-from paged_kv.block_hash import salt_root
 from paged_kv.errors import (
     InvalidArgumentError,
     UnknownSequenceError,
@@ -85,6 +84,7 @@ from scheduler.engine.engine_setup import (
     uses_graphs,
 )
 from scheduler.engine.faults import Failure
+from scheduler.engine.lora_requests import LoRARequests
 from scheduler.engine.metrics import EngineMetrics, MetricsSummary
 from scheduler.engine.pinned_prefixes import PinnedPrefixes
 from scheduler.engine.pooler import Pooler
@@ -100,7 +100,6 @@ from scheduler.engine.request_checks import (
 from scheduler.engine.spec_decode import SpecDecode
 from scheduler.engine.step_sampling import Selector, StepSampling
 from scheduler.model.llama import LlamaModel
-from scheduler.model.lora_adapter import LoRAAdapter
 from scheduler.runner.lora_manager import ReadLoRA
 from scheduler.runner.sampler import Sampler
 
@@ -129,6 +128,7 @@ class LLMEngine:
         self.block_manager = make_block_manager(spec, cc, num_blocks, track_events=events is not None)
         self.runner = make_runner(model, spec, num_blocks, config, self.device, self.executor, graphs)
         self.runner.loras = loras
+        self.lora_requests = LoRARequests(self.runner)  # adapters staged before admission, kept once queued
         self.tiers = make_tiers(model, spec, cc, self.block_manager, self.runner)
         prefetch = self.tiers.prefetch if self.tiers is not None else None
         self.spec = SpecDecode(config.speculative_config) if config.speculative_config is not None else None
@@ -200,14 +200,14 @@ class LLMEngine:
         loaded, or already read by ``LoRAManager.read``; kept once the request is queued).
         """
         check_bool("fork_samples", fork_samples)
-        staged = self._stage_lora(lora_request)
+        staged = self.lora_requests.stage(lora_request)
         lora = staged[0] if staged is not None else None
         prompt, params = self.check_request(request_id, prompt_token_ids, sampling_params, lora=lora)
         if not fork_samples and params.structured_outputs is not None:  # a caller's selection would skip the mask
             raise InvalidArgumentError(describe("fork_samples", False, "True with structured_outputs (no beam search)"))
         group = self.scheduler.add_request(request_id, prompt, params, fork_samples=fork_samples, priority=priority,
                                            lora=lora)  # fmt: skip
-        self._keep_lora(staged, group)
+        self.lora_requests.keep(staged, group, self.cache_events)
         if self.spec is not None:  # drafts only where verification gives exactly the request's tokens
             group.speculative = self.spec.serves(params, fork_samples=fork_samples)
         return group
@@ -221,12 +221,12 @@ class LLMEngine:
         done, its outputs the hypotheses best first. The returned state holds its scores and, with ``measure``,
         its memory figures (its beams' block tables read each step). Every beam runs through ``lora_request``."""
         check_bool("measure", measure)
-        staged = self._stage_lora(lora_request)
+        staged = self.lora_requests.stage(lora_request)
         lora = staged[0] if staged is not None else None
         prompt, sampling = self.check_beam_search(request_id, prompt_token_ids, params, lora=lora)
         group = self.scheduler.add_request(request_id, prompt, sampling, fork_samples=False, priority=priority,
                                            lora=lora)  # fmt: skip
-        self._keep_lora(staged, group)
+        self.lora_requests.keep(staged, group, self.cache_events)
         return self.beams.add(group, params, measure=measure)
 
     def add_pooling_request(
@@ -305,43 +305,13 @@ class LLMEngine:
 
     def load_lora(self, lora_request: LoRARequest | ReadLoRA | None) -> LoRAKey | None:
         """The adapter of a request, loaded (None: the base model); typed errors when LoRA is off or it is bad."""
-        staged = self._stage_lora(lora_request)
-        if staged is None:
-            return None
-        self.runner.loras.keep(*staged)
-        return staged[0]
+        return self.lora_requests.load(lora_request)
 
     def stage_loras(self, lora_request: Seq[LoRARequest | None]) -> list[tuple[LoRAKey | None, ReadLoRA | None]]:
         """Each request's adapter (one per request, None: the base model) staged, nothing loaded: its key (for
         :meth:`check_request`) and its weights read (for :meth:`add_request`), each adapter read once; (None, None)
         for the base model. Typed errors."""
-        if isinstance(lora_request, (str, bytes)) or not isinstance(lora_request, Seq):
-            raise InvalidArgumentError(describe("lora_request", type(lora_request).__name__,
-                                                "a list of LoRARequest or None, one per request"))
-        bad = next((r for r in lora_request if r is not None and not isinstance(r, LoRARequest)), None)
-        if bad is not None:
-            raise InvalidArgumentError(describe("lora_request", bad, "a LoRARequest or None"))
-        staged = {r: self._stage_lora(r) for r in dict.fromkeys(lora_request)}
-        return [(None, None) if r is None else (staged[r][0], ReadLoRA(request=r, adapter=staged[r][1]))
-                for r in lora_request]  # fmt: skip
-
-    def _stage_lora(self, lora_request: LoRARequest | ReadLoRA | None) -> tuple[LoRAKey, LoRAAdapter] | None:
-        """A request's adapter key and weights, nothing loaded yet (:meth:`LoRAManager.stage`); None: the base model."""
-        if lora_request is None:
-            return None
-        loras = self.runner.loras
-        if loras is None:
-            raise InvalidArgumentError(describe("lora_request", lora_request,
-                                                "None: LoRA is off (EngineConfig.lora_config, --enable-lora)"))
-        return loras.stage(lora_request)
-
-    def _keep_lora(self, staged: tuple[LoRAKey, LoRAAdapter] | None, group: SequenceGroup) -> None:
-        """A queued request's adapter kept loaded (most recently requested), and named to the KV events."""
-        if staged is None:
-            return
-        self.runner.loras.keep(*staged)
-        if self.cache_events is not None:  # the root of its blocks' hash chains names the adapter
-            self.cache_events.name_root(salt_root(group.cache_salt), group.lora.name, group.lora.lora_id)
+        return self.lora_requests.stage_each(lora_request)
 
     def check_request(
         self, request_id: str, prompt_token_ids: Seq[int], sampling_params: SamplingParams | None,
