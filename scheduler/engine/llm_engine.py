@@ -89,12 +89,9 @@ from scheduler.engine.metrics import EngineMetrics, MetricsSummary
 from scheduler.engine.pinned_prefixes import PinnedPrefixes
 from scheduler.engine.pooler import Pooler
 from scheduler.engine.request_checks import (
-    check_pooling_fits,
+    RequestChecks,
     check_prompt,
-    check_request_fits,
-    check_request_id,
     check_sample_indices,
-    check_sampling_ids,
     check_structured_outputs,
 )
 from scheduler.engine.spec_decode import SpecDecode
@@ -143,6 +140,8 @@ class LLMEngine:
         self.metrics = EngineMetrics()
         self.beams = BeamRequests(self.scheduler, self.block_manager)  # the live beam searches
         self.pooler = Pooler(config.pooler_config)  # embedding requests' vectors
+        self.checks = RequestChecks(self.scheduler.requests, model.config, config.scheduler, self.block_manager,
+                                    self.pooler.config)  # a request's admission: refused, nothing changes
         self._auto_ids = itertools.count()
 
     @property
@@ -247,13 +246,7 @@ class LLMEngine:
         self, request_id: str, prompt_token_ids: Seq[int], pooling_params: PoolingParams | None
     ) -> tuple[list[int], PoolingParams]:  # fmt: skip
         """Validate an embedding request without queueing it; return the prompt and its resolved parameters."""
-        check_request_id(request_id, self.scheduler.requests)
-        params = self.pooler.config.resolve(pooling_params, self.model.config.hidden_size)
-        prompt = check_prompt(prompt_token_ids, self.model.config.vocab_size)
-        bm = self.block_manager
-        pinned = bm.num_pinned_blocks_apart(prompt, cache_salt=None) if bm.pinned else 0
-        check_pooling_fits(len(prompt), self.model.config, self.config.scheduler, bm.config, pinned_blocks=pinned)
-        return prompt, params
+        return self.checks.pooling(request_id, prompt_token_ids, pooling_params)
 
     def check_beam_search(
         self, request_id: str, prompt_token_ids: Seq[int], params: BeamSearchParams, *, lora: LoRAKey | None = None
@@ -319,21 +312,7 @@ class LLMEngine:
     ) -> tuple[list[int], SamplingParams]:  # fmt: skip
         """Validate a request without queueing it; return the prompt as a list and the parameters (``lora``: the
         key :meth:`load_lora` gave its adapter)."""
-        check_type("lora", lora, (LoRAKey, type(None)), "a LoRAKey (from load_lora) or None")
-        params = sampling_params if sampling_params is not None else SamplingParams()
-        check_request_id(request_id, self.scheduler.requests)
-        if not isinstance(params, SamplingParams):
-            raise InvalidArgumentError(describe("sampling_params", type(params).__name__, "a SamplingParams"))
-        prompt = check_prompt(prompt_token_ids, self.model.config.vocab_size)
-        check_sampling_ids(params, self.model.config.vocab_size)
-        bm = self.block_manager
-        salt = params.cache_salt if lora is None else lora.cache_salt(params.cache_salt)
-        pinned = bm.num_pinned_blocks_apart(prompt, cache_salt=salt) if bm.pinned else 0
-        check_request_fits(len(prompt), params, self.model.config, self.config.scheduler, bm.config,
-                           pinned_blocks=pinned)  # fmt: skip
-        if params.structured_outputs is not None:
-            self.check_structured_outputs(params.structured_outputs)
-        return prompt, params
+        return self.checks.sampled(request_id, prompt_token_ids, sampling_params, lora, self.structured)
 
     def check_structured_outputs(self, structured_outputs: StructuredOutputsParams) -> None:
         """Compile (and cache) a request's grammar now: an invalid one, or no tokenizer, raises before queueing."""

@@ -2,6 +2,7 @@
 
 Each check raises a typed error (:mod:`paged_kv.errors`) and changes nothing, so a request refused
 here leaves the engine as it was; one that passes can always run to the end (:func:`check_request_fits`).
+:class:`RequestChecks` runs them for one engine: against its live requests, model, scheduler limits and pool.
 """
 
 from __future__ import annotations
@@ -20,11 +21,14 @@ from paged_kv.errors import (
 )
 from paged_kv.tokens import as_token_list
 from scheduler.core.config import SchedulerConfig
+from scheduler.core.lora_request import LoRAKey
 from scheduler.core.params import SamplingParams
+from scheduler.core.pooling_params import PoolerConfig, PoolingParams
 from scheduler.core.structured_params import StructuredOutputsParams
 from scheduler.model.llama import ModelConfig
 
 if TYPE_CHECKING:
+    from paged_kv.block_manager import BlockManager
     from scheduler.engine.structured_outputs import StructuredOutputs
 
 
@@ -165,3 +169,49 @@ def check_sample_indices(indices: Iterable[int], num_samples: int) -> set[int]:
     if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
         raise InvalidArgumentError(describe("indices", type(indices).__name__, "a sequence of sample indices"))
     return {check_int(f"indices[{i}]", v, low=0, high=num_samples - 1) for i, v in enumerate(items)}
+
+
+class RequestChecks:
+    """One engine's admission checks: a request against its live ids, its model, its scheduler limits and its pool
+    beside the pinned prefixes."""
+
+    def __init__(self, live: Container[str], model: ModelConfig, sched: SchedulerConfig, block_manager: BlockManager,
+                 pooler: PoolerConfig) -> None:  # fmt: skip
+        self.live = live  # the scheduler's unfinished requests, by id
+        self.model, self.sched, self.block_manager, self.pooler = model, sched, block_manager, pooler
+
+    def sampled(
+        self, request_id: str, prompt_token_ids: Sequence[int], sampling_params: SamplingParams | None,
+        lora: LoRAKey | None, structured: StructuredOutputs | None,
+    ) -> tuple[list[int], SamplingParams]:  # fmt: skip
+        """A generation request's prompt as a list and its parameters (``lora``: its adapter's key, ``structured``:
+        the engine's grammars, None without a tokenizer)."""
+        check_type("lora", lora, (LoRAKey, type(None)), "a LoRAKey (from load_lora) or None")
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        check_request_id(request_id, self.live)
+        if not isinstance(params, SamplingParams):
+            raise InvalidArgumentError(describe("sampling_params", type(params).__name__, "a SamplingParams"))
+        prompt = check_prompt(prompt_token_ids, self.model.vocab_size)
+        check_sampling_ids(params, self.model.vocab_size)
+        salt = params.cache_salt if lora is None else lora.cache_salt(params.cache_salt)
+        check_request_fits(len(prompt), params, self.model, self.sched, self.block_manager.config,
+                           pinned_blocks=self._pinned_apart(prompt, salt))  # fmt: skip
+        if params.structured_outputs is not None:
+            check_structured_outputs(params.structured_outputs, structured)
+        return prompt, params
+
+    def pooling(
+        self, request_id: str, prompt_token_ids: Sequence[int], pooling_params: PoolingParams | None
+    ) -> tuple[list[int], PoolingParams]:  # fmt: skip
+        """An embedding request's prompt as a list and its parameters resolved by the engine's pooler config."""
+        check_request_id(request_id, self.live)
+        params = self.pooler.resolve(pooling_params, self.model.hidden_size)
+        prompt = check_prompt(prompt_token_ids, self.model.vocab_size)
+        check_pooling_fits(len(prompt), self.model, self.sched, self.block_manager.config,
+                           pinned_blocks=self._pinned_apart(prompt, None))  # fmt: skip
+        return prompt, params
+
+    def _pinned_apart(self, prompt: list[int], cache_salt: str | None) -> int:
+        """The pinned prefixes' blocks ``prompt`` does not share (held, never freed, beside its own)."""
+        bm = self.block_manager
+        return bm.num_pinned_blocks_apart(prompt, cache_salt=cache_salt) if bm.pinned else 0
