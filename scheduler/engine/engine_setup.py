@@ -4,7 +4,8 @@ Plain functions of the :class:`~scheduler.core.config.EngineConfig`, called once
 :class:`~scheduler.engine.llm_engine.LLMEngine` in this order: :func:`place_model` (starting the
 tensor-parallel workers first when ``tensor_parallel_size > 1``), :func:`num_gpu_blocks`,
 :func:`make_block_manager`, :func:`make_runner`, :func:`make_tiers` (with LoRA, :func:`make_loras` right after
-:func:`place_model`: its device slots are in use when the pool is sized; the runner gets it). Invariants:
+:func:`place_model`: its device slots are in use when the pool is sized; the runner gets it); later, on
+``enable_structured_outputs``, :func:`make_structured_outputs`. Invariants:
 
 - the device pool, its block manager and the step-input builder agree on ``num_blocks`` and
   ``block_size``; the workers of a tensor-parallel group get the same figures (:class:`WorkerSetup`);
@@ -18,11 +19,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
 from paged_kv.block_manager import BlockManager
 from paged_kv.config import BlockManagerConfig
+from paged_kv.errors import InvalidArgumentError, check_int, describe
 from paged_kv.kv_cache import KVCacheSpec, PagedKVCache
 from paged_kv.tokens import as_id_list
 from scheduler.core.config import CacheConfig, EngineConfig
@@ -37,6 +40,9 @@ from scheduler.runner.model_runner import ModelRunner
 from scheduler.runner.step_input import StepInputBuilder
 from scheduler.runner.tp_executor import TPExecutor
 from scheduler.runner.tp_worker import WorkerSetup
+
+if TYPE_CHECKING:
+    from scheduler.engine.structured_outputs import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -153,3 +159,19 @@ def make_tiers(model: LlamaModel, spec: KVCacheSpec, cc: CacheConfig, block_mana
                 tiers.host_cache.nbytes / 2**30, cc.host_store,
                 f"; disk tier {cc.kv_disk_dir} ({cc.kv_disk_bytes / 2**30:.3f} GiB)" if tiers.disk else "")
     return tiers
+
+
+def make_structured_outputs(tokenizer, vocab_size: int, eos_token_ids: Iterable[int], device: torch.device,
+                            cache_size: int) -> StructuredOutputs:  # fmt: skip
+    """The grammars of constrained requests over ``tokenizer`` (xgrammar, ``cache_size`` compiled grammars kept);
+    InvalidArgumentError on a bad ``cache_size`` or a tokenizer xgrammar cannot read."""
+    check_int("cache_size", cache_size, low=1, high=1 << 20)
+    if not callable(getattr(tokenizer, "get_vocab", None)):
+        raise InvalidArgumentError(describe("tokenizer", type(tokenizer).__name__, "a transformers tokenizer"))
+    from scheduler.engine.structured_outputs import StructuredOutputs  # imports xgrammar (about a second)
+
+    try:
+        return StructuredOutputs(tokenizer, vocab_size, eos_token_ids, device, cache_size=cache_size)
+    except (RuntimeError, ValueError, TypeError) as e:
+        expected = f"a tokenizer xgrammar reads ({e})"
+        raise InvalidArgumentError(describe("tokenizer", type(tokenizer).__name__, expected)) from e

@@ -56,7 +56,6 @@ from paged_kv.errors import (
     InvalidArgumentError,
     UnknownSequenceError,
     check_bool,
-    check_int,
     check_type,
     describe,
 )
@@ -78,6 +77,7 @@ from scheduler.engine.engine_setup import (
     make_block_manager,
     make_loras,
     make_runner,
+    make_structured_outputs,
     make_tiers,
     num_gpu_blocks,
     place_model,
@@ -172,18 +172,8 @@ class LLMEngine:
     def enable_structured_outputs(self, tokenizer, *, cache_size: int = 64) -> None:
         """Serve ``SamplingParams.structured_outputs`` with xgrammar over ``tokenizer`` (the model's transformers
         tokenizer; ``LLM`` and the server give theirs), keeping ``cache_size`` compiled grammars."""
-        check_int("cache_size", cache_size, low=1, high=1 << 20)
-        if not callable(getattr(tokenizer, "get_vocab", None)):
-            raise InvalidArgumentError(describe("tokenizer", type(tokenizer).__name__, "a transformers tokenizer"))
-        from scheduler.engine.structured_outputs import StructuredOutputs  # imports xgrammar (about a second)
-
-        vocab = self.model.config.vocab_size
-        try:
-            self.structured = StructuredOutputs(tokenizer, vocab, self.scheduler.eos_token_ids, self.device,
-                                                cache_size=cache_size)  # fmt: skip
-        except (RuntimeError, ValueError, TypeError) as e:
-            expected = f"a tokenizer xgrammar reads ({e})"
-            raise InvalidArgumentError(describe("tokenizer", type(tokenizer).__name__, expected)) from e
+        self.structured = make_structured_outputs(tokenizer, self.model.config.vocab_size,
+                                                  self.scheduler.eos_token_ids, self.device, cache_size)
 
     # -- requests ---------------------------------------------------------
     def add_request(
