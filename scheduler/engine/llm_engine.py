@@ -339,11 +339,14 @@ class LLMEngine:
         """End some samples of a live request now and free their blocks (a text layer matched a stop string).
 
         ``indices`` are sample indices, in ``[0, n)``; a sample already finished stays as it ended. A sample
-        not forked yet (the request has not sampled) ends with no token and is never forked.
+        not forked yet (the request has not sampled) ends with no token and is never forked. A beam search or an
+        embedding request has no samples to stop: refused (InvalidArgumentError), the request left as it was.
         """
         group = self._live(request_id)
         if group in self.beams:
             raise InvalidArgumentError(describe("request_id", request_id, "a sampled request, not a beam search"))
+        if group.pooling is not None:  # an embedding request has no samples to stop
+            raise InvalidArgumentError(describe("request_id", request_id, "a sampled request, not an embedding request"))
         chosen = check_sample_indices(indices, group.num_samples)
         if not (isinstance(reason, str) and reason):
             raise InvalidArgumentError(describe("reason", reason, "a non-empty str"))

@@ -139,6 +139,25 @@ def test_blocks_are_freed_and_an_abort_mid_prefill_frees_them(llm):
     assert engine.block_manager.seq_ids() == [] and engine.block_manager.gpu.num_free == start
 
 
+def test_stop_samples_refuses_an_embedding_request_and_leaves_it_running(llm, hidden):
+    """An embedding request has no samples: stop_samples raises naming request_id, and the request still ends
+    with its vector."""
+    engine = llm.engine
+    prompt = llm.tokenizer.encode(TEXTS[0])
+    engine.add_pooling_request("emb", prompt, RAW)
+    engine.step()  # one 8-token chunk: still running
+    group = engine.scheduler.requests["emb"]
+    before = (group.seqs[0].num_computed, group.is_finished())
+    with pytest.raises(InvalidArgumentError, match="request_id.*embedding request"):
+        engine.stop_samples("emb", [0])
+    assert (group.seqs[0].num_computed, group.is_finished()) == before
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished]
+    (out,) = outs
+    torch.testing.assert_close(_vector(out), hidden(prompt)[-1], atol=ATOL, rtol=0)
+
+
 def test_generation_in_the_same_steps_is_unchanged(smollm2):
     llm = _llm(smollm2, budget=16)
     greedy = SamplingParams(max_tokens=8, ignore_eos=True)
