@@ -7,10 +7,11 @@ import torch
 
 from kernels.metadata import prepare_attention_metadata
 from paged_kv.kv_cache import PagedKVCache
-from scheduler import CacheConfig, EngineConfig, LLMEngine, SchedulerConfig
+from scheduler import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 
 VOCAB = 256
 NUM_NEW = 12  # tokens generated per prompt in the reference runs
+GREEDY = SamplingParams(max_tokens=NUM_NEW, ignore_eos=True)  # the engine's side of greedy_reference
 SHARED = list(range(100, 140))  # a 40-token "system prompt" several prompts start with
 # engine settings the greedy-equality tests run under: name -> (engine kwargs, what must have happened)
 ENGINE_CASES = {
@@ -96,18 +97,20 @@ def tiny_moe(kind: str, seed: int = 0, **overrides):
 
 
 def greedy_reference(hf_model, prompts: list[list[int]], num_new: int = NUM_NEW) -> list[list[int]]:
-    """transformers' greedy continuation of every prompt (``num_new`` tokens each).
+    """transformers' greedy continuation of every prompt: ``num_new`` argmax tokens each, nothing suppressed.
 
-    The explicit all-ones mask keeps a prompt token equal to ``pad_token_id`` from being taken for padding.
+    It agrees with the engine's ``GREEDY`` (``ignore_eos=True``) by construction: the engine neither blocks EOS
+    nor stops on it, so neither does this loop over the model's own forward and KV cache. transformers'
+    ``generate`` cannot stand in: it stops on EOS unless ``min_new_tokens`` is set, and that masks the EOS ids.
     """
     refs = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        out = hf_model.generate(
-            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=num_new,
-            min_new_tokens=num_new, pad_token_id=0,
-        )  # fmt: skip
-        refs.append(out[0, len(p) :].tolist())
+    with torch.no_grad():
+        for p in prompts:
+            out, tokens = hf_model(torch.tensor([p]), use_cache=True), []
+            for _ in range(num_new):
+                tokens.append(int(out.logits[0, -1].argmax()))
+                out = hf_model(torch.tensor([tokens[-1:]]), past_key_values=out.past_key_values, use_cache=True)
+            refs.append(tokens)
     return refs
 
 
@@ -145,12 +148,10 @@ def assert_packed_logits_match(model, hf_model, prompts: list[list[int]]) -> Non
 
 def assert_greedy_matches(hf_model, prompts: list[list[int]], refs: list[list[int]], sched: dict) -> None:
     """The engine's greedy tokens equal ``refs``: chunked prefill when ``sched`` is given, else prefix hits."""
-    from scheduler import SamplingParams
-
     engine = make_engine(hf_model, **sched)
     steps = []
     after_each_schedule(engine, steps.append)
-    outs = engine.generate(prompts, SamplingParams(max_tokens=NUM_NEW, ignore_eos=True), use_tqdm=False)
+    outs = engine.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == refs
     if sched:  # some prompt was split over steps
         assert any(s.num_tokens < s.seq.num_tokens - s.start for out in steps for s in out.scheduled)

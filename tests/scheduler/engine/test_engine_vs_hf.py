@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from sched_helpers import ENGINE_CASES, NUM_NEW, make_engine
-
-from scheduler import SamplingParams
-
-GREEDY = SamplingParams(max_tokens=NUM_NEW, ignore_eos=True)
+from sched_helpers import ENGINE_CASES, GREEDY, greedy_reference, make_engine, tiny_llama
 
 CASES = ENGINE_CASES
 
@@ -24,6 +20,16 @@ def _run_traced(engine, prompts, params):
 
     engine.scheduler.schedule = traced
     return engine.generate(prompts, params, use_tqdm=False), trace
+
+
+def test_the_oracle_agrees_when_eos_is_a_greedy_token(prompts, hf_greedy):
+    """A model whose EOS id is one of its greedy tokens: the engine under GREEDY (ignore_eos) emits it and goes
+    on, and greedy_reference does the same (it blocks nothing, as transformers' min_new_tokens would)."""
+    eos = hf_greedy[0][3]
+    hf = tiny_llama(seed=0, eos_token_id=eos)  # tiny_hf's weights, with an EOS id it picks at step 3
+    assert hf.generation_config.eos_token_id == eos
+    (out,) = make_engine(hf).generate(prompts[:1], GREEDY, use_tqdm=False)
+    assert out.outputs[0].token_ids == hf_greedy[0] == greedy_reference(hf, prompts[:1])[0]
 
 
 @pytest.mark.parametrize("case", list(CASES))

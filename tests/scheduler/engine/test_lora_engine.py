@@ -7,13 +7,12 @@ import pytest
 import torch
 from beam_helpers import hf_beams
 from lora_helpers import merged, write_adapter
-from sched_helpers import NUM_NEW, assert_all_freed, greedy_reference, make_engine
+from sched_helpers import GREEDY, NUM_NEW, assert_all_freed, greedy_reference, make_engine
 
 from paged_kv.errors import PagedKVError
 from scheduler import LoRAConfig, LoRARequest, SamplingParams
 from scheduler.engine.beam_selection import BeamSearchParams
 
-GREEDY = SamplingParams(max_tokens=NUM_NEW, ignore_eos=True)
 LORA = LoRAConfig(max_loras=2, max_lora_rank=8)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 from sched_helpers import (
-    NUM_NEW,
+    GREEDY,
     assert_greedy_matches,
     assert_packed_logits_match,
     greedy_reference,
@@ -19,14 +19,13 @@ from sched_helpers import (
 )
 
 from paged_kv.errors import InvalidArgumentError
-from scheduler import CacheConfig, EngineConfig, ModelConfig, SamplingParams, from_hf_model, from_state_dict
+from scheduler import CacheConfig, EngineConfig, ModelConfig, from_hf_model, from_state_dict
 
 MODELS = {  # name: (kind, config overrides)
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {"head_dim": 32}),  # head_dim != hidden / heads, as in real Qwen3 checkpoints
     "qwen3_tied": ("qwen3", {"head_dim": 16, "tie_word_embeddings": True}),
 }
-GREEDY = SamplingParams(max_tokens=NUM_NEW, ignore_eos=True)
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
@@ -93,9 +92,7 @@ def test_a_gguf_file_loads_through_transformers_gguf_reader(tmp_path, prompts, k
     assert (cfg.head_dim, cfg.o_bias) == (overrides.get("head_dim", 16), "attention_bias" in overrides)
     text = "hello world, the quick brown fox"
     assert loaded.tokenizer.encode(text, add_special_tokens=False) == tiny_tokenizer().encode(text)
-    # min_tokens: transformers' min_new_tokens in greedy_reference masks the file's EOS id the same way
-    params = SamplingParams(max_tokens=NUM_NEW, min_tokens=NUM_NEW, ignore_eos=True)
-    outs = make_engine(loaded.hf_model).generate(prompts[:3], params, use_tqdm=False)
+    outs = make_engine(loaded.hf_model).generate(prompts[:3], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == greedy_reference(hf, prompts[:3])
 
 

@@ -7,10 +7,18 @@ import math
 
 import pytest
 import torch
-from sched_helpers import NUM_NEW, greedy_reference, hf_logits, make_engine, packed_forward, tiny_llama, tiny_qwen
+from sched_helpers import (
+    GREEDY,
+    greedy_reference,
+    hf_logits,
+    make_engine,
+    packed_forward,
+    tiny_llama,
+    tiny_qwen,
+)
 
 from paged_kv.errors import InvalidArgumentError
-from scheduler import LlamaModel, ModelConfig, SamplingParams, from_hf_model
+from scheduler import LlamaModel, ModelConfig, from_hf_model
 from scheduler.model.rope import RotaryEmbedding, inverse_frequencies, rope_parameters
 
 QWEN_LONG = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32768)  # Qwen's documented setting
@@ -81,7 +89,6 @@ TINY_MODELS = {
     "qwen2": lambda: tiny_qwen("qwen2", seed=6, max_position_embeddings=16,  # Qwen's docs: max_position = original
                                rope_scaling=TINY_YARN | dict(beta_slow=0.5, truncate=False)),
 }  # fmt: skip
-GREEDY = SamplingParams(max_tokens=NUM_NEW, ignore_eos=True)
 
 
 @pytest.fixture(scope="module", params=list(TINY_MODELS))

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 from lora_helpers import merged, write_adapter
-from sched_helpers import NUM_NEW, greedy_reference, make_engine
+from sched_helpers import GREEDY, greedy_reference, make_engine
 
-from scheduler import LoRAConfig, LoRARequest, SamplingParams
+from scheduler import LoRAConfig, LoRARequest
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +26,7 @@ def test_a_mixed_batch_on_two_ranks_equals_the_merged_models(tiny_hf, prompts, a
     # max_loras=1 with two adapters: the second waits, then takes the slot (a worker loads it in its turn)
     with make_engine(tiny_hf, tp=2, lora=LoRAConfig(max_loras=1, max_lora_rank=8), num_blocks=64, max_num_seqs=8,
                      max_num_batched_tokens=32) as engine:  # fmt: skip
-        outs = engine.generate(chosen, SamplingParams(max_tokens=NUM_NEW, ignore_eos=True), lora_request=loras,
+        outs = engine.generate(chosen, GREEDY, lora_request=loras,
                                use_tqdm=False)  # fmt: skip
     want = [greedy_reference(merged(tiny_hf, r.path) if r else tiny_hf, [p])[0] for p, r in zip(chosen, loras)]
     assert [o.outputs[0].token_ids for o in outs] == want

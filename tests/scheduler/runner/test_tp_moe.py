@@ -8,9 +8,7 @@ sharing and chunked prefill must equal transformers' on one process.
 from __future__ import annotations
 
 import pytest
-from sched_helpers import NUM_NEW, greedy_reference, make_engine, tiny_moe
-
-from scheduler import SamplingParams
+from sched_helpers import GREEDY, greedy_reference, make_engine, tiny_moe
 
 
 @pytest.mark.parametrize("kind", ["qwen2_moe", "qwen3_moe"])
@@ -19,6 +17,6 @@ def test_two_ranks_generate_transformers_greedy_tokens(kind, prompts):
     with make_engine(hf, tp=2, max_num_batched_tokens=16, max_num_seqs=4) as engine:
         experts = engine.runner.model.layers[-1].mlp.experts
         assert experts.down.shape[-1] == 16  # rank 0 holds half of each expert's 32 rows
-        outs = engine.generate(prompts, SamplingParams(max_tokens=NUM_NEW, ignore_eos=True), use_tqdm=False)
+        outs = engine.generate(prompts, GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == greedy_reference(hf, prompts)
         assert engine.block_manager.stats().hit_rate > 0
