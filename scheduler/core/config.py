@@ -169,8 +169,10 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None
     # vLLM's --enable-lora and its options: requests may name PEFT LoRA adapters; None: off (no adapter served)
     lora_config: LoRAConfig | None = None
-    # how embedding requests (LLMEngine.add_pooling_request) are pooled (vLLM's --pooler-config)
-    pooler_config: PoolerConfig = PoolerConfig()
+    # how embedding requests (LLMEngine.add_pooling_request) are pooled (vLLM's --pooler-config); None: not set,
+    # so LLM takes the checkpoint's declared pooling, else PoolerConfig()'s defaults. A PoolerConfig given, even
+    # PoolerConfig() itself, is an explicit choice and always wins over the checkpoint's.
+    pooler_config: PoolerConfig | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.enforce_eager, bool):
@@ -187,8 +189,8 @@ class EngineConfig:
             raise InvalidArgumentError(describe("speculative_config", self.speculative_config,
                                                 "a SpeculativeConfig or None"))
         self._check_lora()
-        if not isinstance(self.pooler_config, PoolerConfig):
-            raise InvalidArgumentError(describe("pooler_config", self.pooler_config, "a PoolerConfig"))
+        if self.pooler_config is not None and not isinstance(self.pooler_config, PoolerConfig):
+            raise InvalidArgumentError(describe("pooler_config", self.pooler_config, "a PoolerConfig or None"))
         if self.tensor_parallel_size > 1 and self.cache.kv_offloading_bytes:
             raise InvalidArgumentError(describe("cache.kv_offloading_bytes", self.cache.kv_offloading_bytes,
                                                 "0 with tensor_parallel_size > 1 (tiers run on one rank)"))

@@ -63,7 +63,7 @@ from scheduler.core.config import EngineConfig
 from scheduler.core.lora_request import LoRAKey, LoRARequest, lora_per_prompt
 from scheduler.core.outputs import EmbeddingRequestOutput, RequestOutput
 from scheduler.core.params import SamplingParams, per_prompt
-from scheduler.core.pooling_params import PoolingParams
+from scheduler.core.pooling_params import PoolerConfig, PoolingParams
 from scheduler.core.scheduler import Scheduler
 from scheduler.core.scheduler_output import SampledToken, SchedulerOutput
 from scheduler.core.sequence import SequenceGroup
@@ -139,7 +139,8 @@ class LLMEngine:
         self.sampling = StepSampling(Sampler(model.config.vocab_size, self.device, eos_ids), self.device)  # step 3
         self.metrics = EngineMetrics()
         self.beams = BeamRequests(self.scheduler, self.block_manager)  # the live beam searches
-        self.pooler = Pooler(config.pooler_config)  # embedding requests' vectors
+        pooling = config.pooler_config if config.pooler_config is not None else PoolerConfig()  # None: the defaults
+        self.pooler = Pooler(pooling)  # embedding requests' vectors
         self.checks = RequestChecks(self.scheduler.requests, model.config, config.scheduler, self.block_manager,
                                     self.pooler.config)  # a request's admission: refused, nothing changes
         self._auto_ids = itertools.count()
@@ -346,7 +347,8 @@ class LLMEngine:
         if group in self.beams:
             raise InvalidArgumentError(describe("request_id", request_id, "a sampled request, not a beam search"))
         if group.pooling is not None:  # an embedding request has no samples to stop
-            raise InvalidArgumentError(describe("request_id", request_id, "a sampled request, not an embedding request"))
+            expected = "a sampled request, not an embedding request"
+            raise InvalidArgumentError(describe("request_id", request_id, expected))
         chosen = check_sample_indices(indices, group.num_samples)
         if not (isinstance(reason, str) and reason):
             raise InvalidArgumentError(describe("reason", reason, "a non-empty str"))

@@ -22,7 +22,7 @@ from scheduler.core.config import EngineConfig, LoRAConfig
 from scheduler.core.lora_request import LoRARequest, lora_per_prompt
 from scheduler.core.outputs import EmbeddingRequestOutput
 from scheduler.core.params import SamplingParams, per_prompt
-from scheduler.core.pooling_params import PoolerConfig, PoolingParams
+from scheduler.core.pooling_params import PoolingParams
 from scheduler.core.speculative_config import SpeculativeConfig
 from scheduler.engine.beam_search import BeamHypothesis, BeamSearch, BeamSearchOutput, BeamSearchParams
 from scheduler.engine.llm_engine import LLMEngine
@@ -121,7 +121,8 @@ class LLM:
         """Embed every prompt (strings, tokenized without special tokens as ``generate`` does, or token id lists);
         outputs in prompt order, each vector in ``.outputs.embedding`` (vLLM's ``LLM.embed``).
 
-        The engine pools as its ``EngineConfig.pooler_config`` says (default: the last token, L2-normalized);
+        The engine pools as its ``EngineConfig.pooler_config`` says (not set: the checkpoint's declared pooling,
+        else the last token, L2-normalized);
         ``pooling_params`` (one for all or one per prompt) may ask for ``dimensions`` (Matryoshka models) or
         ``normalize``. Every request is checked before any is queued.
         """
@@ -252,8 +253,8 @@ def _speculative(config: SpeculativeConfig | dict) -> SpeculativeConfig:
 
 def _with_checkpoint_pooling(config: EngineConfig | None, loaded: LoadedModel) -> EngineConfig | None:
     """``config`` with the pooling the checkpoint declares (sentence-transformers files, Matryoshka fields) when it
-    keeps the default PoolerConfig."""
-    if config is not None and config.pooler_config != PoolerConfig():
+    sets none (``pooler_config`` None); an explicit PoolerConfig, the default one too, is kept."""
+    if config is not None and config.pooler_config is not None:
         return config
     hf = loaded.hf_model
     declared = checkpoint_pooler_config(getattr(hf, "name_or_path", None) or None, getattr(hf, "config", None))

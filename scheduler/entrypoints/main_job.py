@@ -139,7 +139,8 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    help='how embedding requests are pooled (vLLM\'s flag), e.g. \'{"pooling_type": "LAST", '
                         '"normalize": true, "is_matryoshka": true, "matryoshka_dimensions": [64, 128]}\'; '
                         "pooling_type LAST or MEAN; default: the checkpoint's sentence-transformers files if it "
-                        "has them, else LAST, normalized, no Matryoshka")
+                        "has them, else LAST, normalized, no Matryoshka; given (even '{}'), it wins over the "
+                        "checkpoint's")
     add_tier_options(p)
 
 
@@ -161,7 +162,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         cache=cache, scheduler=sched, device=args.device, enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size, kv_events=kv_events(args),
         speculative_config=speculative_config(args.speculative_config), lora_config=lora_config(args),
-        **pooler_config(args.pooler_config),
+        pooler_config=pooler_config(args.pooler_config),
     )  # fmt: skip
 
 
@@ -187,13 +188,13 @@ def speculative_config(text: str | None) -> SpeculativeConfig | None:
         raise type(e)(f"--speculative-config: {e}") from e
 
 
-def pooler_config(text: str | None) -> dict[str, PoolerConfig]:
-    """``--pooler-config`` as EngineConfig's field (none given: {}, the default or the checkpoint's); a bad one
-    raises naming the flag and the field."""
+def pooler_config(text: str | None) -> PoolerConfig | None:
+    """``--pooler-config`` as EngineConfig's field (absent: None, the checkpoint's pooling, else the defaults; given,
+    even ``{}``, it wins over the checkpoint's); a bad one raises naming the flag and the field."""
     if text is None:
-        return {}
+        return None
     try:
-        return {"pooler_config": PoolerConfig.from_json(text)}
+        return PoolerConfig.from_json(text)
     except PagedKVError as e:
         raise type(e)(f"--pooler-config: {e}") from e
 

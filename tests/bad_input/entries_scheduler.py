@@ -205,8 +205,7 @@ def _rows() -> list[Entry]:
             "kv_events": Arg("obj", None, bad={WRONG_TYPE: ["tcp://*:5557", {}, 3]}),
             "speculative_config": Arg("obj", None, bad={WRONG_TYPE: ['{"num_speculative_tokens": 2}', {}, 3]}),
             "lora_config": Arg("obj", None, bad={WRONG_TYPE: [{"max_loras": 2}, "x", 3]}),
-            "pooler_config": Arg("obj", lambda: scheduler.PoolerConfig(),
-                                 bad={WRONG_TYPE: [None, {"pooling_type": "MEAN"}, "LAST"]})}),
+            "pooler_config": Arg("obj", None, bad={WRONG_TYPE: [{"pooling_type": "MEAN"}, "LAST", 3]})}),
         Entry("scheduler.PoolingParams", scheduler.PoolingParams, {
             "dimensions": Arg("opt_int", None, bad={OUT_OF_RANGE: [0, -1, 1 << 62]}),
             "normalize": Arg("bool", True, skip=(WRONG_TYPE,), bad={WRONG_TYPE: [1, "yes"]})}),  # None: the default

@@ -196,7 +196,8 @@ def test_convert_embed_and_pooler_config_reach_the_configs_and_bad_ones_are_usag
     assert server_config(args).convert == "embed" and server_config(serve_args([])).convert == "none"
     assert engine_config(args).pooler_config == PoolerConfig(pooling_type="MEAN", normalize=False, is_matryoshka=True,
                                                             matryoshka_dimensions=(32, 64))  # fmt: skip
-    assert engine_config(serve_args([])).pooler_config == PoolerConfig()
+    assert engine_config(serve_args([])).pooler_config is None  # absent: the checkpoint's, else the defaults
+    assert engine_config(serve_args(["--pooler-config", "{}"])).pooler_config == PoolerConfig()  # explicit
     for bad, named in (('{"pooling_type": "CLS"}', "pooling_type"), ('{"dims": 3}', "dims"), ("[1]", "text")):
         with pytest.raises(SystemExit):
             serve_args(["--pooler-config", bad])

@@ -60,3 +60,6 @@ def test_llm_takes_the_checkpoints_pooling_unless_its_config_sets_one(tiny_model
     mine = PoolerConfig(pooling_type="LAST", normalize=False)
     chosen = LLM(folder, engine_config=EngineConfig(cache=engine.cache, device="cpu", pooler_config=mine))
     assert chosen.engine.config.pooler_config == mine
+    # the defaults chosen explicitly are a choice too: the checkpoint's MEAN does not replace them
+    defaults = LLM(folder, engine_config=EngineConfig(cache=engine.cache, device="cpu", pooler_config=PoolerConfig()))
+    assert defaults.engine.config.pooler_config == PoolerConfig() and defaults.engine.pooler.config == PoolerConfig()
