@@ -143,7 +143,7 @@ def test_stop_samples_refuses_an_embedding_request_and_leaves_it_running(llm, hi
     """An embedding request has no samples: stop_samples raises naming request_id, and the request still ends
     with its vector."""
     engine = llm.engine
-    prompt = llm.tokenizer.encode(TEXTS[0])
+    prompt = llm.tokenizer.encode("A prompt no other test sends, so none of it is cached: " + TEXTS[0])
     engine.add_pooling_request("emb", prompt, RAW)
     engine.step()  # one 8-token chunk: still running
     group = engine.scheduler.requests["emb"]
