@@ -8,8 +8,9 @@ rank, applies the block moves owed before the step's writes, in the order swap-o
 copy-on-write, then runs the model once over the whole mixed prefill + decode batch
 (replayed from a CUDA graph when it can) and returns the sampled rows' logits; the rows embedding requests pool
 go through the final norm only and wait in :attr:`ModelRunner.pooled` for the engine
-(:meth:`ModelRunner.take_pooled`). With LoRA (:mod:`scheduler.runner.lora_manager`) the driver first places the
-step's adapters in their device slots; a step with an adapter runs eagerly (no CUDA graph holds the LoRA updates).
+(:meth:`ModelRunner.take_pooled`; on rank 0 only: a tensor-parallel worker skips that norm, which runs no
+collective). With LoRA (:mod:`scheduler.runner.lora_manager`) the driver first places the step's adapters
+in their device slots; a step with an adapter runs eagerly (no CUDA graph holds the LoRA updates).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class ModelRunner:
     def __init__(
         self, model: LlamaModel, gpu_cache: PagedKVCache, cpu_cache: PagedKVCache | None = None, *,
         dense_prefill: bool = True, inputs: StepInputBuilder | None = None, group: StepGroup | None = None,
+        pools: bool = True,
     ) -> None:  # fmt: skip
         model.enable_dense_prefill(dense_prefill)  # probes once, before any step (the hot path reads nothing)
         self.model = model
@@ -74,6 +76,9 @@ class ModelRunner:
         self.tiers: TierTransfers | None = None  # the host tier's copies (one rank only)
         self.loras: LoRAManager | None = None  # the adapters served (one rank only); None: LoRA off
         self.pooled: torch.Tensor | None = None  # [P, hidden] float32: the last step's pooled rows (take_pooled)
+        # False on a tensor-parallel worker: rank 0 alone reads the pooled rows, and their final norm runs no
+        # collective (the hidden states are whole on every rank), so skipping it leaves the ranks' ops in step
+        self.pools = pools
 
     def run(self, out: SchedulerOutput) -> torch.Tensor:
         """The driver's step: build ``out``'s inputs (sent to the workers first), execute; logits ``[R, vocab]``."""
@@ -109,11 +114,12 @@ class ModelRunner:
 
     def _forward(self, step: StepInput) -> torch.Tensor:
         """The eager forward: logits of the step's logits rows; its pooled rows' final-norm hidden states kept in
-        :attr:`pooled` (they go through no LM head)."""
+        :attr:`pooled` (they go through no LM head) unless this runner does not pool (a tensor-parallel worker)."""
         if step.pool_indices is None:
             return self.model(step.input_ids, step.positions, self.gpu_cache, step.meta, step.logits_indices)
         x = self.model.hidden_states(step.input_ids, step.positions, self.gpu_cache, step.meta)  # [T, hidden]
-        self.pooled = self.model.pool(x[step.pool_indices])  # [P, hidden]
+        if self.pools:
+            self.pooled = self.model.pool(x[step.pool_indices])  # [P, hidden]
         return self.model.compute_logits(x[step.logits_indices])
 
     def take_pooled(self) -> torch.Tensor | None:

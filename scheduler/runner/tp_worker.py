@@ -95,7 +95,7 @@ def run_worker(model: LlamaModel, groups: Groups, device: torch.device) -> None:
     spec = model.kv_cache_spec(setup.block_size, setup.kv_dtype)
     gpu = PagedKVCache(spec, setup.num_gpu_blocks, device)
     cpu = PagedKVCache(spec, setup.num_cpu_blocks, "cpu") if setup.num_cpu_blocks else None
-    runner = ModelRunner(model, gpu, cpu, dense_prefill=setup.dense_prefill)
+    runner = ModelRunner(model, gpu, cpu, dense_prefill=setup.dense_prefill, pools=False)  # rank 0 pools
     steps = StepMaterializer(DeviceRows(setup.width, device), device, setup.block_size)
     slots = attach_lora(model, *setup.lora) if setup.lora is not None else None
     while True:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from sched_helpers import NUM_NEW, make_engine
 
-from scheduler import BeamSearch, BeamSearchParams, SamplingParams
+from scheduler import BeamSearch, BeamSearchParams, PoolingParams, SamplingParams
 
 ENGINE = dict(num_blocks=40, num_cpu_blocks=8, max_num_batched_tokens=32, max_num_seqs=8, preemption_mode="swap")
 
@@ -68,6 +68,29 @@ def test_the_run_exercised_prefix_caching_preemption_and_block_moves(runs):
     assert got["preemptions"]["swap"] > 0 and got["preemptions"]["recompute"] > 0
     assert got["moves"] == ref["moves"] and all(n > 0 for n in got["moves"].values())
     assert got["hit_rate"] > 0
+
+
+def _embed(engine, prompts) -> list[torch.Tensor]:
+    """Un-normalized LAST-token vectors of ``prompts``, run in the same steps as a generation request."""
+    for i, p in enumerate(prompts):
+        engine.add_pooling_request(f"emb{i}", p, PoolingParams(normalize=False))
+    engine.add_request("gen", prompts[0], SamplingParams(max_tokens=4))
+    done = {}
+    while engine.has_unfinished_requests():
+        done |= {o.request_id: o for o in engine.step() if o.finished}
+    return [torch.tensor(done[f"emb{i}"].outputs.embedding) for i in range(len(prompts))]
+
+
+def test_embeddings_equal_one_rank_and_transformers(runs, tiny_hf, prompts):
+    """Rank 0 pools (the workers skip the final norm of the pooled rows): the vectors equal one rank's and
+    transformers' last hidden state, prompts chunked over steps beside a generation request."""
+    one, _, two, _ = runs
+    chosen = prompts[:4]
+    with torch.no_grad():
+        want = [tiny_hf.model(torch.tensor([p])).last_hidden_state[0, -1] for p in chosen]
+    for got in (_embed(one, chosen), _embed(two, chosen)):
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
 
 
 def test_each_rank_holds_half_the_kv_heads(runs):
