@@ -1,8 +1,8 @@
 """The pooling a checkpoint declares: sentence-transformers' ``modules.json`` (a ``Normalize`` module: normalized)
 and its pooling module's ``config.json`` (``1_Pooling/config.json``: ``pooling_mode_lasttoken`` is LAST,
 ``pooling_mode_mean_tokens`` MEAN), and Matryoshka support from the model config (``is_matryoshka``,
-``matryoshka_dimensions``, as vLLM reads them). ``LLM`` uses it when its engine config keeps the default
-``PoolerConfig``.
+``matryoshka_dimensions``, as vLLM reads them). ``LLM`` uses it when its engine config sets no pooling
+(``EngineConfig.pooler_config`` None); an explicit ``PoolerConfig``, the default one too, wins over it.
 """
 
 from __future__ import annotations
