@@ -103,13 +103,18 @@ def greedy_reference(hf_model, prompts: list[list[int]], num_new: int = NUM_NEW)
     nor stops on it, so neither does this loop over the model's own forward and KV cache. transformers'
     ``generate`` cannot stand in: it stops on EOS unless ``min_new_tokens`` is set, and that masks the EOS ids.
     """
-    refs = []
+    from transformers import DynamicCache
+
+    from paged_kv.integrations.transformers import cache_keyword
+
+    refs, keyword = [], cache_keyword(hf_model)  # "cache" from transformers 5.24 on, "past_key_values" before
     with torch.no_grad():
         for p in prompts:
-            out, tokens = hf_model(torch.tensor([p]), use_cache=True), []
+            kv, tokens, ids = DynamicCache(config=hf_model.config), [], p  # the loop's own cache, grown in place
             for _ in range(num_new):
+                out = hf_model(torch.tensor([ids]), use_cache=True, **{keyword: kv})
                 tokens.append(int(out.logits[0, -1].argmax()))
-                out = hf_model(torch.tensor([tokens[-1:]]), past_key_values=out.past_key_values, use_cache=True)
+                ids = tokens[-1:]
             refs.append(tokens)
     return refs
 
