@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from scheduler.core.pooling_params import PoolerConfig
 from scheduler.core.scheduler_output import SchedulerOutput
 from scheduler.core.sequence import SequenceGroup
+from scheduler.runner.host_fetch import Fetch, fetch
 
 
 class Pooler:
@@ -43,8 +44,8 @@ class Pooler:
             if s.reaches_end:
                 finished.append(group)
         if finished:
-            vectors = [self._vector(g) for g in finished]
-            for group, vector in zip(finished, _to_host(vectors)):
+            vectors = fetch(*(Fetch([self._vector(g)], list) for g in finished))  # one device->host transfer
+            for group, vector in zip(finished, vectors):
                 group.embedding, group.pooled = vector, None
 
     @staticmethod
@@ -55,12 +56,3 @@ class Pooler:
         vector = vector[: params.dimensions]
         return F.normalize(vector, dim=-1) if params.normalize else vector
 
-
-def _to_host(vectors: list[torch.Tensor]) -> list[list[float]]:
-    """Vectors of possibly different lengths as host lists, in one device->host transfer."""
-    flat = torch.cat(vectors).cpu().tolist()
-    out, at = [], 0
-    for v in vectors:
-        out.append(flat[at : at + v.shape[0]])
-        at += v.shape[0]
-    return out
