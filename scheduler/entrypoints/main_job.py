@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 from tqdm.auto import tqdm
@@ -38,6 +40,8 @@ from scheduler.entrypoints.tier_options import add_tier_options, kv_events, tier
 from scheduler.entrypoints.workload import ChatRequest, chat_workload
 from scheduler.model.loader import load_smollm2
 from scheduler.runner.tp_worker import is_torchrun_worker, serve_rank
+
+T = TypeVar("T")
 
 # vLLM's --kv-cache-dtype names -> CacheConfig.dtype (None: the model's dtype); fp8 is e4m3, as in vLLM
 KV_CACHE_DTYPES = {"auto": None, "int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
@@ -180,23 +184,23 @@ def lora_config(args: argparse.Namespace) -> LoRAConfig | None:
 
 def speculative_config(text: str | None) -> SpeculativeConfig | None:
     """The ``--speculative-config`` JSON as a config (None: off); a bad one raises naming the flag and the field."""
-    if text is None:
-        return None
-    try:
-        return SpeculativeConfig.from_json(text)
-    except PagedKVError as e:
-        raise type(e)(f"--speculative-config: {e}") from e
+    return _json_flag("--speculative-config", SpeculativeConfig.from_json, text)
 
 
 def pooler_config(text: str | None) -> PoolerConfig | None:
     """``--pooler-config`` as EngineConfig's field (absent: None, the checkpoint's pooling, else the defaults; given,
     even ``{}``, it wins over the checkpoint's); a bad one raises naming the flag and the field."""
+    return _json_flag("--pooler-config", PoolerConfig.from_json, text)
+
+
+def _json_flag(flag: str, from_json: Callable[[str], T], text: str | None) -> T | None:
+    """A JSON flag's config (None when absent); a bad one raises its typed error prefixed with the flag."""
     if text is None:
         return None
     try:
-        return PoolerConfig.from_json(text)
+        return from_json(text)
     except PagedKVError as e:
-        raise type(e)(f"--pooler-config: {e}") from e
+        raise type(e)(f"{flag}: {e}") from e
 
 
 def checked_engine_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> EngineConfig:
