@@ -15,6 +15,7 @@ reloaded with other weights (vLLM keys by name alone).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from paged_kv.errors import InvalidArgumentError, check_int, describe
 
@@ -58,6 +59,19 @@ def adapter_salt(name: str, fingerprint: str, cache_salt: str | None) -> bytes:
     parts = [_SALT_DOMAIN, name.encode(), fingerprint.encode(), (cache_salt or "").encode()]
     flag = b"S" if cache_salt is not None else b"N"  # salt "" and no salt stay apart
     return flag + b"".join(len(p).to_bytes(8, "little") + p for p in parts)
+
+
+class SaltsCache(Protocol):
+    """An adapter as a request holds it (a LoRAKey, or its files read ahead): it roots the request's block hashes."""
+
+    def cache_salt(self, cache_salt: str | None) -> bytes:
+        """The prefix-cache salt of a request through this adapter."""
+        ...
+
+
+def request_salt(cache_salt: str | None, lora: SaltsCache | None) -> str | bytes | None:
+    """The root of a request's block hashes: its own ``cache_salt``, under its adapter's key when it has one."""
+    return cache_salt if lora is None else lora.cache_salt(cache_salt)
 
 
 def lora_per_prompt(lora_request: object, n: int) -> list[LoRARequest | None]:

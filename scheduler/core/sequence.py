@@ -20,7 +20,7 @@ import torch
 
 from paged_kv.block_hash import BlockHashes
 from paged_kv.errors import SequenceStateError, describe
-from scheduler.core.lora_request import LoRAKey
+from scheduler.core.lora_request import LoRAKey, request_salt
 from scheduler.core.params import SamplingParams
 from scheduler.core.pooling_params import PoolingParams
 
@@ -240,7 +240,7 @@ class SequenceGroup:
     @property
     def cache_salt(self) -> str | bytes | None:
         """The root of its block hashes: the request's cache salt, under its adapter's key when it has one."""
-        return self.params.cache_salt if self.lora is None else self.lora.cache_salt(self.params.cache_salt)
+        return request_salt(self.params.cache_salt, self.lora)
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -21,7 +21,7 @@ from paged_kv.errors import (
 )
 from paged_kv.tokens import as_token_list
 from scheduler.core.config import SchedulerConfig
-from scheduler.core.lora_request import LoRAKey
+from scheduler.core.lora_request import LoRAKey, request_salt
 from scheduler.core.params import SamplingParams
 from scheduler.core.pooling_params import PoolerConfig, PoolingParams
 from scheduler.core.structured_params import StructuredOutputsParams
@@ -193,7 +193,7 @@ class RequestChecks:
             raise InvalidArgumentError(describe("sampling_params", type(params).__name__, "a SamplingParams"))
         prompt = check_prompt(prompt_token_ids, self.model.vocab_size)
         check_sampling_ids(params, self.model.vocab_size)
-        salt = params.cache_salt if lora is None else lora.cache_salt(params.cache_salt)
+        salt = request_salt(params.cache_salt, lora)
         check_request_fits(len(prompt), params, self.model, self.sched, self.block_manager.config,
                            pinned_blocks=self._pinned_apart(prompt, salt))  # fmt: skip
         if params.structured_outputs is not None:

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from paged_kv.errors import PagedKVError
-from scheduler.core.lora_request import LoRARequest
+from scheduler.core.lora_request import LoRARequest, request_salt
 from scheduler.core.outputs import EmbeddingRequestOutput
 from scheduler.core.params import SamplingParams
 from scheduler.core.pooling_params import PoolingParams
@@ -143,7 +143,7 @@ class AsyncEngine:
         thread); 0 without pins."""
         if not self.pinned:
             return 0
-        salt = cache_salt if lora is None else lora.cache_salt(cache_salt)
+        salt = request_salt(cache_salt, lora)
         return self.engine.block_manager.num_pinned_blocks_apart(prompt_token_ids, cache_salt=salt)
 
     async def read_lora(self, lora_request: LoRARequest | ReadLoRA | None) -> ReadLoRA | None:
